@@ -1,0 +1,168 @@
+"""The embedded task: seeded integer arithmetic problems with verifiable answers.
+
+Difficulty comes from the number of operands and their digits. The default mix is chosen
+so that the embedded tiny policy, after its short supervised warm start, solves a useful
+share of test problems but far from all of them: RL has room to improve.
+
+Splits are disjoint by expression and fully determined by the seed, so every run, every
+machine and every Ray worker sees the same train and test questions.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from rayrep.types import Prompt
+
+DATA_SOURCE = "rayrep/arithmetic"
+INSTRUCTION = "Answer in \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Level:
+    """One difficulty level: `operands` integers of `min_digits`..`max_digits` digits."""
+
+    name: str
+    operands: int
+    min_digits: int
+    max_digits: int
+    ops: str = "+"
+
+    def __post_init__(self):
+        if self.operands < 2:
+            raise ValueError(f"Level {self.name!r}: operands must be >= 2, got {self.operands}")
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(
+                f"Level {self.name!r}: need 1 <= min_digits <= max_digits, "
+                f"got {self.min_digits}..{self.max_digits}"
+            )
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ValueError(f"Level {self.name!r}: ops must be made of '+', '-', '*', got {self.ops!r}")
+
+
+LEVELS: dict[str, Level] = {
+    level.name: level
+    for level in (
+        Level("add1", operands=2, min_digits=1, max_digits=1, ops="+"),
+        Level("add2", operands=2, min_digits=1, max_digits=2, ops="+"),
+        Level("sub2", operands=2, min_digits=1, max_digits=2, ops="-"),
+        Level("mix3", operands=3, min_digits=1, max_digits=1, ops="+-"),
+        Level("add3", operands=2, min_digits=2, max_digits=3, ops="+"),
+        Level("mul1", operands=2, min_digits=1, max_digits=1, ops="*"),
+        Level("mix4", operands=4, min_digits=1, max_digits=2, ops="+-"),
+    )
+}
+DEFAULT_LEVELS = ("add1", "add2", "sub2", "mix3")
+
+
+@dataclass(frozen=True)
+class Problem:
+    expression: str
+    answer: int
+    level: str
+
+    @property
+    def question(self) -> str:
+        return f"{self.expression}=? {INSTRUCTION}"
+
+    def solution(self) -> str:
+        """A worked answer, left to right, ending in the boxed result (the warm-start target)."""
+        tokens = _split_expression(self.expression)
+        steps, value = [], int(tokens[0])
+        for op, operand in zip(tokens[1::2], tokens[2::2]):
+            new_value = _apply(value, op, int(operand))
+            steps.append(f"{value}{op}{operand}={new_value}")
+            value = new_value
+        return f"{', '.join(steps)}. \\boxed{{{value}}}"
+
+    def to_prompt(self, split: str, index: int) -> Prompt:
+        return Prompt(
+            uid=f"arith-{split}-{index}",
+            messages=({"role": "user", "content": self.question},),
+            ground_truth=str(self.answer),
+            data_source=DATA_SOURCE,
+            extra={"level": self.level},
+        )
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _random_operand(rng: random.Random, level: Level) -> int:
+    digits = rng.randint(level.min_digits, level.max_digits)
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def _random_problem(rng: random.Random, level: Level) -> Problem:
+    # Evaluated left to right, as written in the worked solution (no operator precedence),
+    # so multiplication levels use a single operator.
+    operands = [_random_operand(rng, level) for _ in range(level.operands)]
+    ops = [rng.choice(level.ops) for _ in range(level.operands - 1)]
+    value, expression = operands[0], str(operands[0])
+    for op, operand in zip(ops, operands[1:]):
+        value = _apply(value, op, operand)
+        expression += f"{op}{operand}"
+    return Problem(expression, value, level.name)
+
+
+def _split_expression(expression: str) -> list[str]:
+    """'12+3-4' -> ['12', '+', '3', '-', '4'] (operands are non-negative)."""
+    return re.findall(r"\d+|[-+*]", expression)
+
+
+def resolve_levels(names) -> list[Level]:
+    unknown = [n for n in names if n not in LEVELS]
+    if unknown:
+        raise ValueError(f"unknown arithmetic level(s) {unknown}; known: {sorted(LEVELS)}")
+    if not names:
+        raise ValueError("at least one arithmetic level is needed")
+    return [LEVELS[n] for n in names]
+
+
+def make_splits(
+    num_train: int, num_test: int, seed: int = 0, levels=DEFAULT_LEVELS
+) -> tuple[list[Problem], list[Problem]]:
+    """Deterministic, disjoint train and test problems, levels mixed uniformly.
+
+    The test split is drawn first so that growing the train split never changes it.
+    """
+    chosen = resolve_levels(levels)
+    rng = random.Random(f"rayrep-arithmetic-{seed}")
+    seen: set[str] = set()
+
+    def draw(count: int) -> list[Problem]:
+        # Levels take turns; a level whose distinct problems run out (1-digit addition has
+        # only 100) drops out of the rotation instead of repeating questions.
+        problems, active = [], list(chosen)
+        while len(problems) < count:
+            if not active:
+                raise ValueError(
+                    f"arithmetic levels {list(levels)} have too few distinct problems "
+                    f"for {num_train} train + {num_test} test questions"
+                )
+            level = active[len(problems) % len(active)]
+            for _ in range(200):
+                problem = _random_problem(rng, level)
+                if problem.expression not in seen:
+                    seen.add(problem.expression)
+                    problems.append(problem)
+                    break
+            else:
+                active.remove(level)
+        rng.shuffle(problems)
+        return problems
+
+    test = draw(num_test)
+    train = draw(num_train)
+    return train, test
+
+
+def arithmetic_prompts(
+    split: str, num_train: int, num_test: int, seed: int = 0, levels=DEFAULT_LEVELS
+) -> list[Prompt]:
+    train, test = make_splits(num_train, num_test, seed, levels)
+    problems = {"train": train, "test": test}[split]
+    return [p.to_prompt(split, i) for i, p in enumerate(problems)]

@@ -1,0 +1,157 @@
+"""Evaluation metrics: avg@k, unbiased pass@k, maj@k, and a summary for eval jobs.
+
+Cheap to import (no torch, no ray): `maj_at_k` loads the math verifier only when called.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from rayrep.verifier.math import MathSandbox
+
+__all__ = ["avg_at_k", "maj_at_k", "pass_at_k", "summarize"]
+
+
+def _as_count(name: str, value: object) -> int:
+    """`value` as a non-negative int (numpy integers welcome), or an error naming `name`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if count < 0:
+        raise ValueError(f"{name} must be >= 0, got {count}")
+    return count
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from n samples of which c are correct.
+
+    The chance that at least one of k samples drawn without replacement from the n is
+    correct: ``1 - C(n-c, k) / C(n, k)`` (Chen et al., 2021).
+    """
+    n, c, k = _as_count("n", n), _as_count("c", c), _as_count("k", k)
+    if k == 0:
+        raise ValueError("k must be >= 1, got 0")
+    if k > n:
+        raise ValueError(f"k must be <= n, got k={k} > n={n}")
+    if c > n:
+        raise ValueError(f"c must be <= n, got c={c} > n={n}")
+    if n - c < k:
+        return 1.0  # every draw of k includes a correct sample
+    # C(n-c, k) / C(n, k) == prod_{i=n-c+1..n} (1 - k/i): no huge binomials, no overflow.
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _correctness_rows(correct: Iterable[Iterable[object]]) -> list[list[float]]:
+    """Validate a problems x samples matrix of 0/1 (or bools) into lists of floats."""
+    rows = []
+    for index, row in enumerate(correct):
+        try:
+            values = [float(v) for v in row]
+        except TypeError:
+            raise ValueError(
+                f"correct[{index}] is not a row of samples: pass one row of 0/1 per problem (2-D)"
+            ) from None
+        if not values:
+            raise ValueError(f"correct[{index}] is empty: every problem needs at least one sample")
+        bad = next((v for v in values if v not in (0.0, 1.0)), None)
+        if bad is not None:
+            raise ValueError(
+                f"correct[{index}] holds {bad!r}: expected 0/1 or bools (for rewards, use r > 0)"
+            )
+        rows.append(values)
+    if not rows:
+        raise ValueError("correct is empty: need at least one problem")
+    return rows
+
+
+def avg_at_k(correct: Iterable[Iterable[object]]) -> float:
+    """Mean correctness over each problem's samples, averaged over problems.
+
+    `correct` holds one row of 0/1 (or bools) per problem: a list of lists or a 2-D array.
+    Rows may differ in length; each problem weighs the same.
+    """
+    rows = _correctness_rows(correct)
+    return sum(sum(row) / len(row) for row in rows) / len(rows)
+
+
+def summarize(correct: Iterable[Iterable[object]], ks: Sequence[int] | None = None) -> dict[str, float]:
+    """Metrics of a problems x n-samples correctness matrix, for logs and reports.
+
+    Returns ``{"avg@n": ..., "pass@k": ... for each k in ks, "num_problems": ...,
+    "samples_per_problem": n}``, pass@k being the mean over problems of `pass_at_k`.
+    `ks` defaults to (1, n). Every problem must have the same number of samples n.
+    """
+    rows = _correctness_rows(correct)
+    n = len(rows[0])
+    for index, row in enumerate(rows):
+        if len(row) != n:
+            raise ValueError(
+                f"correct[{index}] has {len(row)} samples but correct[0] has {n}: summarize needs equal rows"
+            )
+    wanted = sorted({1, n} if ks is None else {_as_count("ks", k) for k in ks})
+    for k in wanted:
+        if not 1 <= k <= n:
+            raise ValueError(f"ks must lie between 1 and the {n} samples per problem, got {k}")
+    summary: dict[str, float] = {f"avg@{n}": avg_at_k(rows)}
+    for k in wanted:
+        summary[f"pass@{k}"] = sum(pass_at_k(n, int(sum(row)), k) for row in rows) / len(rows)
+    summary["num_problems"] = len(rows)
+    summary["samples_per_problem"] = n
+    return summary
+
+
+def maj_at_k(
+    answers: Sequence[str],
+    ground_truth: str,
+    k: int | None = None,
+    *,
+    timeout_s: float = 1.0,
+    sandbox: MathSandbox | None = None,
+) -> float:
+    """1.0 if the majority final answer of the first k completions equals the ground truth.
+
+    Final answers are extracted as the verifier does (the last ``\\boxed{}``, else what
+    math-verify finds at the end of the text); completions without one do not vote.
+    Answers join the first group whose first answer they are math-verify-equivalent to
+    (equivalence is checked against that representative only, so it need not be
+    transitive). The largest group wins; a tie goes to the group whose first answer came
+    earliest. 0.0 when no completion has an answer. `k` defaults to all completions;
+    `sandbox` defaults to the process-wide one of `rayrep.verifier.math`.
+    """
+    if isinstance(answers, str):
+        raise TypeError("answers must be a sequence of completions, not one string")
+    answers = list(answers)
+    k = len(answers) if k is None else _as_count("k", k)
+    if not 1 <= k <= len(answers):
+        raise ValueError(f"k must lie between 1 and len(answers)={len(answers)}, got {k}")
+
+    from rayrep.verifier import math as math_verifier
+
+    checker = sandbox if sandbox is not None else math_verifier.default_sandbox()
+    representatives: list[str] = []
+    votes: list[int] = []
+    group_of: dict[str, int] = {}  # identical strings skip the sandbox
+    for answer in checker.extract_answers(answers[:k], timeout_s):
+        if answer is None:
+            continue
+        group = group_of.get(answer)
+        if group is None:
+            same = checker.equivalent_batch([(rep, answer) for rep in representatives], timeout_s)
+            group = next((i for i, match in enumerate(same) if match), None)
+            if group is None:
+                representatives.append(answer)
+                votes.append(0)
+                group = len(representatives) - 1
+            group_of[answer] = group
+        votes[group] += 1
+    if not votes:
+        return 0.0
+    # Groups were created in order of first occurrence, so the lowest index wins a tie.
+    winner = max(range(len(votes)), key=lambda i: (votes[i], -i))
+    return 1.0 if checker.equivalent(ground_truth, representatives[winner], timeout_s) else 0.0

@@ -1,0 +1,188 @@
+"""The embedded tiny policy: a small Qwen2 with a character tokenizer, warm-started on the task.
+
+Built entirely by this code (no hub access): a random Qwen2, then a short supervised warm
+start on worked solutions of the embedded arithmetic task's train split. The warm start is
+deliberately short: the saved policy solves a useful share of test problems at T=1.0, far
+from all of them, so RL has room to improve. The result is an ordinary Hugging Face
+checkpoint directory that `transformers` and vLLM both load, cached by a hash of
+everything that determines it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from rayrep.data.arithmetic import make_splits
+from rayrep.models.tokenizer import build_char_tokenizer
+
+# Bump when the build recipe changes in a way the spec does not capture.
+RECIPE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TinyPolicySpec:
+    """Everything that determines the tiny policy's weights (the cache key)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_positions: int = 256
+    levels: tuple[str, ...] = ("add2", "sub2", "mix3")
+    num_train: int = 20000
+    num_test: int = 500
+    task_seed: int = 0
+    warm_start_steps: int = 800
+    warm_start_batch: int = 64
+    warm_start_lr: float = 3e-3
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        blob = json.dumps({"recipe": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("RAYREP_CACHE_DIR", Path.home() / ".cache" / "rayrep"))
+
+
+def qwen2_config(spec: TinyPolicySpec, vocab_size: int, tokenizer):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+    )
+
+
+def _warm_start_examples(spec: TinyPolicySpec, tokenizer) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + solution + eos, prompt length) for each train problem."""
+    train, _ = make_splits(spec.num_train, spec.num_test, spec.task_seed, spec.levels)
+    examples = []
+    for problem in train:
+        prompt = problem.to_prompt("train", 0)
+        prompt_ids = tokenizer.apply_chat_template(
+            list(prompt.messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        answer_ids = tokenizer(problem.solution(), add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids + answer_ids + [tokenizer.eos_token_id], len(prompt_ids)))
+    return examples
+
+
+def _collate(batch, pad_id: int):
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (ids, prompt_len) in enumerate(batch):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        # Only the answer is supervised: the policy learns to solve, not to echo questions.
+        labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+    return input_ids, attention, labels
+
+
+def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
+    """Build, warm-start and save the tiny policy into `out_dir`; returns build stats."""
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    start = time.monotonic()
+    torch.manual_seed(spec.seed)
+    rng = random.Random(spec.seed)
+    built = build_char_tokenizer()
+    config = qwen2_config(spec, 8 * math.ceil(len(built) / 8), built)
+    config.save_pretrained(out_dir)
+    built.save_pretrained(out_dir)
+    # Train on exactly the tokenizer that vLLM and transformers will load from the checkpoint.
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    model = Qwen2ForCausalLM(config)
+    examples = _warm_start_examples(spec, tokenizer)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.01)
+    warmup = max(1, spec.warm_start_steps // 20)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, spec.warm_start_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(spec.warm_start_steps):
+        batch = rng.sample(examples, spec.warm_start_batch)
+        input_ids, attention, labels = _collate(batch, tokenizer.pad_token_id)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == spec.warm_start_steps - 1:
+            log(f"tiny policy warm start: step {step + 1}/{spec.warm_start_steps} loss {loss.item():.4f}")
+
+    model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stats = {
+        "spec": asdict(spec),
+        "cache_key": spec.cache_key(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": float(loss.item()),
+        "build_seconds": round(time.monotonic() - start, 1),
+    }
+    (out_dir / "rayrep_build.json").write_text(json.dumps(stats, indent=2))
+    return stats
+
+
+def ensure_tiny_policy(spec: TinyPolicySpec = TinyPolicySpec(), cache_dir: Path | None = None, log=print) -> Path:
+    """Path of the tiny policy checkpoint for `spec`, building it on first use.
+
+    The build writes into a temporary directory that is renamed into place only when
+    complete, so an interrupted build never leaves a half-written checkpoint behind and
+    two concurrent builders never read each other's partial files.
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / f"tiny-policy-{spec.cache_key()}"
+    if (target / "rayrep_build.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    log(f"building the tiny policy into {target} (cached for later runs)")
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=root))
+    try:
+        stats = train_tiny_policy(spec, staging, log=log)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "rayrep_build.json").exists():  # not a concurrent builder's win
+                raise
+        log(f"tiny policy ready: {stats['parameters']:,} parameters, built in {stats['build_seconds']} s")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,404 @@
+"""policy_loss: clip boundaries, dual clip, replay shaping, aggregation, micro-batching."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rayrep.learner.loss import AGGREGATIONS, loss_denominator, policy_loss
+
+
+def one_token(ratio: float, advantage: float, *, replayed: bool = False, **kwargs):
+    """Loss, d loss / d logp and metrics for a batch of one valid token with ratio `ratio`."""
+    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    old_logp = torch.zeros(1, 1, dtype=torch.float64)
+    loss, metrics = policy_loss(
+        logp,
+        old_logp,
+        torch.tensor([advantage], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.bool),
+        replay_mask=torch.tensor([replayed]),
+        **kwargs,
+    )
+    loss.backward()
+    return loss.item(), logp.grad.item(), metrics
+
+
+# ---- PPO clip with clip-higher (0.2 / 0.28) and dual clip c = 10 ------------------------
+
+# (ratio, advantage, expected loss, expected gradient, clipped, dual-clipped)
+# d(-A r)/d logp = -A r where the unclipped branch is active, 0 where a bound is.
+CLIP_CASES = [
+    (1.27, 1.0, -1.27, -1.27, 0, 0),  # just inside the upper bound 1.28
+    (1.29, 1.0, -1.28, 0.0, 1, 0),  # just outside: clipped, no gradient
+    (0.81, 1.0, -0.81, -0.81, 0, 0),
+    (0.79, 1.0, -0.79, -0.79, 0, 0),  # A > 0 is never clipped from below (pessimism)
+    (0.81, -1.0, 0.81, 0.81, 0, 0),  # just inside the lower bound 0.8
+    (0.79, -1.0, 0.80, 0.0, 1, 0),  # just outside: clipped
+    (1.29, -1.0, 1.29, 1.29, 0, 0),  # A < 0 is never clipped from above ...
+    (9.9, -2.0, 19.8, 19.8, 0, 0),  # ... until the dual clip at c = 10
+    (10.1, -2.0, 20.0, 0.0, 0, 1),
+    (30.0, 1.0, -1.28, 0.0, 1, 0),  # the dual clip is for A < 0 only
+]
+
+
+@pytest.mark.parametrize(("ratio", "advantage", "loss", "grad", "clipped", "dual"), CLIP_CASES)
+def test_clip_boundaries_value_and_gradient(ratio, advantage, loss, grad, clipped, dual):
+    value, gradient, metrics = one_token(ratio, advantage)
+    assert value == pytest.approx(loss, abs=1e-12)
+    assert gradient == pytest.approx(grad, abs=1e-12)
+    assert metrics["fresh_clip_frac"] == clipped
+    assert metrics["dual_clip_frac"] == dual
+
+
+def test_dual_clip_none_disables_it():
+    value, gradient, metrics = one_token(10.1, -2.0, dual_clip=None)
+    assert value == pytest.approx(20.2)
+    assert gradient == pytest.approx(20.2)
+    assert metrics["dual_clip_frac"] == 0
+
+
+def test_tie_at_the_clip_boundary_keeps_the_unclipped_gradient():
+    # With a zero-width range, ratio 1 sits exactly on both bounds: clipped and unclipped
+    # losses tie, and the token must keep its full gradient -A r (not half of it).
+    value, gradient, metrics = one_token(1.0, 2.0, clip_low=0.0, clip_high=0.0)
+    assert (value, gradient) == (-2.0, -2.0)
+    assert metrics["fresh_clip_frac"] == 0
+
+
+def test_custom_clip_range():
+    value, gradient, _ = one_token(1.15, 1.0, clip_low=0.1, clip_high=0.1)
+    assert (value, gradient) == (pytest.approx(-1.1), 0.0)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "advantage"), [(1.5, 1.0), (0.5, -1.0), (20.0, -1.0), (0.1, 1.0)]
+)
+def test_clip_false_is_plain_importance_weighting(ratio, advantage):
+    value, gradient, metrics = one_token(ratio, advantage, clip=False)
+    assert value == pytest.approx(-advantage * ratio)
+    assert gradient == pytest.approx(-advantage * ratio)
+    assert metrics["fresh_clip_frac"] == 0 and metrics["dual_clip_frac"] == 0
+
+
+# ---- ExGRPO replay shaping f(w) = w / (w + beta) ----------------------------------------
+
+
+@pytest.mark.parametrize("w", [1e-4, 0.1, 1.0, 1000.0])
+@pytest.mark.parametrize("advantage", [1.0, -0.5])
+def test_replay_shaping_value_and_gradient(w, advantage):
+    beta = 0.1
+    value, gradient, metrics = one_token(
+        w, advantage, replayed=True, replay_shaping=True, replay_beta=beta
+    )
+    assert value == pytest.approx(-advantage * w / (w + beta), rel=1e-9)
+    # d f(w) / d logp = f'(w) * w = beta * w / (w + beta)^2
+    assert gradient == pytest.approx(-advantage * beta * w / (w + beta) ** 2, rel=1e-9)
+    assert metrics["replay_clip_frac"] == 0 and metrics["dual_clip_frac"] == 0
+    assert metrics["replay_tokens"] == 1 and metrics["fresh_tokens"] == 0
+
+
+def test_replay_shaping_limits():
+    # w -> 0: f(w) ~ w / beta, the gradient of a nearly impossible success is ~ w / beta.
+    value, gradient, _ = one_token(1e-6, 1.0, replayed=True, replay_shaping=True)
+    assert value == pytest.approx(-1e-5, rel=1e-4)
+    assert gradient == pytest.approx(-1e-5, rel=1e-4)
+    # w >> 1: f -> 1 and the gradient vanishes like beta / w, where PPO would clip.
+    value, gradient, _ = one_token(1e4, 1.0, replayed=True, replay_shaping=True)
+    assert value == pytest.approx(-1.0, abs=1e-4)
+    assert gradient == pytest.approx(-1e-5, rel=1e-3)
+
+
+def test_replayed_tokens_without_shaping_follow_ppo():
+    value, gradient, metrics = one_token(1.5, 1.0, replayed=True)
+    assert (value, gradient) == (pytest.approx(-1.28), 0.0)
+    assert metrics["replay_clip_frac"] == 1 and metrics["fresh_tokens"] == 0
+    value, gradient, metrics = one_token(12.0, -1.0, replayed=True)
+    assert (value, gradient) == (pytest.approx(10.0), 0.0)
+    assert metrics["dual_clip_frac"] == 1 and metrics["replay_clip_frac"] == 0
+
+
+def test_fresh_and_replayed_rows_in_one_batch():
+    # Row 0 fresh with ratio 1.5 (clipped), row 1 replayed with ratio 1.5 (shaped).
+    logp = torch.full((2, 2), math.log(1.5), dtype=torch.float64, requires_grad=True)
+    loss, metrics = policy_loss(
+        logp,
+        torch.zeros(2, 2, dtype=torch.float64),
+        torch.tensor([1.0, 1.0], dtype=torch.float64),
+        torch.tensor([[1, 1], [1, 0]]),
+        replay_mask=torch.tensor([False, True]),
+        replay_shaping=True,
+    )
+    loss.backward()
+    shaped = 1.5 / 1.6
+    assert loss.item() == pytest.approx((-1.28 * 2 - shaped) / 3)
+    expected_grad = torch.tensor([[0.0, 0.0], [-0.1 * 1.5 / 1.6**2 / 3, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, expected_grad)
+    assert metrics["fresh_tokens"] == 2 and metrics["replay_tokens"] == 1
+    assert metrics["fresh_clip_frac"] == 1 and metrics["replay_clip_frac"] == 0
+
+
+# ---- aggregation --------------------------------------------------------------------------
+
+# Ratio 1 and clip=False make the token loss -A_t, so each mode's value is plain arithmetic.
+AGG_ADVANTAGES = torch.tensor(
+    [[3.0, 9.0, 9.0], [1.0, 2.0, 3.0], [5.0, 5.0, 5.0]], dtype=torch.float64
+)
+AGG_MASK = torch.tensor([[1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)  # lengths 1, 3, 0
+AGG_CASES = {
+    # (3 + 1 + 2 + 3) / 4 tokens
+    "token-mean": (-9 / 4, [[-3 / 4, 0, 0], [-1 / 4, -2 / 4, -3 / 4], [0, 0, 0]], {}),
+    # (3 / 1 + 6 / 3) / 2 non-empty sequences
+    "seq-mean-token-mean": (-5 / 2, [[-3 / 2, 0, 0], [-1 / 6, -2 / 6, -3 / 6], [0, 0, 0]], {}),
+    # (3 / 10 + 6 / 10) / 2 non-empty sequences
+    "seq-mean-token-sum": (
+        -0.45,
+        [[-0.15, 0, 0], [-0.05, -0.1, -0.15], [0, 0, 0]],
+        {"norm_constant": 10.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_aggregation_modes(agg):
+    expected_loss, expected_grad, extra = AGG_CASES[agg]
+    logp = torch.zeros(3, 3, dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(
+        logp,
+        torch.zeros(3, 3, dtype=torch.float64),
+        AGG_ADVANTAGES,
+        AGG_MASK,
+        agg=agg,
+        clip=False,
+        **extra,
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(expected_loss)
+    torch.testing.assert_close(logp.grad, torch.tensor(expected_grad, dtype=torch.float64))
+
+
+def test_aggregation_errors():
+    logp, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="'seq-mean'"):
+        policy_loss(logp, logp, torch.ones(1), mask, agg="seq-mean")
+    with pytest.raises(ValueError, match="norm_constant is required"):
+        policy_loss(logp, logp, torch.ones(1), mask, agg="seq-mean-token-sum")
+    with pytest.raises(ValueError, match="norm_constant only applies"):
+        policy_loss(logp, logp, torch.ones(1), mask, norm_constant=8192)
+    with pytest.raises(ValueError, match="norm_constant"):
+        policy_loss(logp, logp, torch.ones(1), mask, agg="seq-mean-token-sum", norm_constant=0)
+
+
+# ---- empty masks and garbage in padding ---------------------------------------------------
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_all_zero_mask_gives_zero_loss_with_a_graph(agg):
+    extra = {"norm_constant": 8192} if agg == "seq-mean-token-sum" else {}
+    logp = torch.full((2, 3), -math.inf, requires_grad=True)  # padding may hold anything
+    loss, metrics = policy_loss(
+        logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3), agg=agg, **extra
+    )
+    assert loss.item() == 0.0
+    assert loss.grad_fn is not None
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(2, 3))
+    assert all(math.isfinite(value) for value in metrics.values())
+    assert metrics["fresh_tokens"] == 0 and "fresh_ratio_mean" not in metrics
+
+
+def test_padding_values_never_leak_into_loss_or_gradient():
+    logp = torch.tensor([[-0.5, -math.inf, math.nan], [-0.1, -0.2, math.inf]], requires_grad=True)
+    old_logp = torch.tensor([[-0.5, -math.inf, 0.0], [-0.1, -0.2, 0.0]])
+    advantages = torch.tensor([[1.0, math.nan, math.nan], [-1.0, -1.0, math.nan]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0]])
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask)
+    loss.backward()
+    # ratio 1 everywhere valid: loss = (-1 + 1 + 1) / 3
+    assert loss.item() == pytest.approx(1 / 3)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1 / 3, 0, 0], [1 / 3, 1 / 3, 0]]))
+    assert all(math.isfinite(value) for value in metrics.values())
+
+
+def test_extreme_log_ratio_stays_finite():
+    logp = torch.tensor([[200.0, -200.0]], requires_grad=True)
+    advantages = torch.tensor([[1.0, -1.0]])
+    loss, metrics = policy_loss(logp, torch.zeros(1, 2), advantages, torch.ones(1, 2), clip=False)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert all(math.isfinite(value) for value in metrics.values())
+
+
+def test_bfloat16_inputs_are_computed_in_float32():
+    logp = torch.zeros(1, 2, dtype=torch.bfloat16, requires_grad=True)
+    loss, _ = policy_loss(logp, logp.detach(), torch.ones(1), torch.ones(1, 2))
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert logp.grad.dtype == torch.bfloat16
+
+
+# ---- micro-batches and the global denominator ------------------------------------------
+
+
+def _mixed_batch(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([6, 1, 4, 2])  # halves hold 7 and 6 tokens
+    mask = torch.arange(6).unsqueeze(0) < lengths.unsqueeze(1)
+    old_logp = -torch.rand(4, 6, generator=generator, dtype=torch.float64) * 3
+    # Log-ratios chosen to put tokens on both sides of both clip bounds, and one
+    # negative-advantage token (row 2, ratio e^2.5 > 10) under the dual clip.
+    log_ratio = torch.tensor(
+        [
+            [0.4, -0.4, 0.1, 0.2, -0.1, 0.3],
+            [0.3, 0.0, 0.0, 0.0, 0.0, 0.0],
+            [-0.4, 0.1, 2.5, -0.1, 0.0, 0.0],
+            [0.4, -0.5, 0.0, 0.0, 0.0, 0.0],
+        ],
+        dtype=torch.float64,
+    )
+    logp = old_logp + log_ratio
+    advantages = torch.tensor([1.3, -0.7, -2.0, 0.4], dtype=torch.float64)
+    replay_mask = torch.tensor([False, True, False, True])
+    return logp, old_logp, advantages, mask, replay_mask
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("replay_shaping", [False, True])
+def test_micro_batches_with_global_denominator_match_full_batch(agg, replay_shaping):
+    extra = {"norm_constant": 6.0} if agg == "seq-mean-token-sum" else {}
+    logp, old_logp, advantages, mask, replay_mask = _mixed_batch()
+    options = dict(agg=agg, replay_shaping=replay_shaping, **extra)
+
+    full_logp = logp.clone().requires_grad_()
+    full_loss, full_metrics = policy_loss(
+        full_logp, old_logp, advantages, mask, replay_mask=replay_mask, **options
+    )
+    full_loss.backward()
+    # the batch does exercise both clips
+    assert full_metrics["fresh_clip_frac"] > 0 and full_metrics["dual_clip_frac"] > 0
+
+    halves = [slice(0, 2), slice(2, 4)]
+    global_count = sum(loss_denominator(mask[rows], agg) for rows in halves)
+    assert global_count == (13 if agg == "token-mean" else 4)
+
+    micro_logp = logp.clone().requires_grad_()
+    summed_loss = 0.0
+    for rows in halves:
+        loss, _ = policy_loss(
+            micro_logp[rows],
+            old_logp[rows],
+            advantages[rows],
+            mask[rows],
+            replay_mask=replay_mask[rows],
+            denominator=global_count,
+            **options,
+        )
+        loss.backward()  # gradients accumulate in micro_logp.grad, as in a training loop
+        summed_loss += loss.item()
+
+    assert summed_loss == pytest.approx(full_loss.item(), rel=1e-12)
+    torch.testing.assert_close(micro_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_token_mean_micro_batches_without_global_denominator_differ():
+    # The control for the test above: averaging local token means weighs the 6-token
+    # half's tokens more than the 7-token half's, which is not the batch's token mean.
+    logp, old_logp, advantages, mask, _ = _mixed_batch()
+    full_loss, _ = policy_loss(logp, old_logp, advantages, mask)
+    local_means = [
+        policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows])[0]
+        for rows in (slice(0, 2), slice(2, 4))
+    ]
+    assert (sum(local_means) / 2).item() != pytest.approx(full_loss.item(), rel=1e-6)
+
+
+def test_denominator_smaller_than_local_count_is_rejected():
+    logp, old_logp, advantages, mask, _ = _mixed_batch()
+    with pytest.raises(ValueError, match="GLOBAL"):
+        policy_loss(logp, old_logp, advantages, mask, denominator=5)
+
+
+def test_zero_global_denominator_gives_zero_loss():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.ones(1), torch.zeros(1, 2), denominator=0)
+    assert loss.item() == 0.0 and loss.grad_fn is not None
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+
+def test_metrics_by_hand():
+    # Row 0 fresh: ratios 2 and 0.25 (A = +1); row 1 replayed: ratio 1 (A = -1), 1 token.
+    log_two = math.log(2.0)
+    logp = torch.tensor([[log_two, -2 * log_two], [0.0, 0.0]], dtype=torch.float64)
+    loss, metrics = policy_loss(
+        logp,
+        torch.zeros(2, 2, dtype=torch.float64),
+        torch.tensor([1.0, -1.0], dtype=torch.float64),
+        torch.tensor([[1, 1], [1, 0]]),
+        replay_mask=torch.tensor([False, True]),
+    )
+    k3_two = 2 - 1 - log_two
+    k3_quarter = 0.25 - 1 + 2 * log_two
+    assert metrics == pytest.approx(
+        {
+            "fresh_tokens": 2.0,
+            "replay_tokens": 1.0,
+            "fresh_clip_frac": 0.5,  # ratio 2 with A > 0 is clipped, 0.25 is not
+            "replay_clip_frac": 0.0,
+            "dual_clip_frac": 0.0,
+            "approx_kl": (k3_two + k3_quarter + 0.0) / 3,
+            "advantage_mean": (1 + 1 - 1) / 3,
+            "fresh_ratio_mean": 1.125,
+            "fresh_ratio_min": 0.25,
+            "fresh_ratio_max": 2.0,
+            "replay_ratio_mean": 1.0,
+            "replay_ratio_min": 1.0,
+            "replay_ratio_max": 1.0,
+        }
+    )
+    assert all(type(value) is float for value in metrics.values())
+    assert loss.item() == pytest.approx((-1.28 - 0.25 + 1.0) / 3)
+
+
+def test_metrics_without_replay_have_no_replay_ratio():
+    _, metrics = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2))
+    assert metrics["replay_tokens"] == 0 and metrics["replay_clip_frac"] == 0.0
+    assert not any(key.startswith("replay_ratio") for key in metrics)
+    assert metrics["fresh_ratio_mean"] == 1.0
+
+
+# ---- argument validation --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        (dict(clip_low=1.0), "clip_low"),
+        (dict(clip_low=-0.1), "clip_low"),
+        (dict(clip_high=-0.1), "clip_high"),
+        (dict(dual_clip=1.0), "dual_clip"),
+        (dict(replay_beta=0.0), "replay_beta"),
+    ],
+)
+def test_hyperparameter_validation(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), **kwargs)
+
+
+def test_shape_and_mask_validation():
+    logp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="old_logp"):
+        policy_loss(logp, torch.zeros(2, 2), torch.ones(2), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(logp, logp, torch.ones(3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+        policy_loss(logp, logp, torch.ones(2), torch.full((2, 3), 0.5))
+    with pytest.raises(ValueError, match="replay_mask"):
+        policy_loss(
+            logp, logp, torch.ones(2), torch.ones(2, 3), replay_mask=torch.ones(3, dtype=torch.bool)
+        )
+    with pytest.raises(ValueError, match="logp must be"):
+        policy_loss(torch.zeros(3), torch.zeros(3), torch.ones(3), torch.ones(3))

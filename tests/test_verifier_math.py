@@ -1,0 +1,360 @@
+"""The math verifier: real math-verify in real sandbox processes, no mocks."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from rayrep.verifier import math as vm
+from rayrep.verifier.math import MathSandbox, SandboxError, Verdict, last_boxed_content
+
+pytestmark = pytest.mark.timeout(120)
+
+WALL_LIMIT_S = 2.0  # the promise: any single call returns within this, pathological or not
+
+
+@pytest.fixture(scope="module")
+def warm_default():
+    """The process-wide sandbox, started before any call is timed."""
+    return vm.default_sandbox().start()
+
+
+@pytest.fixture
+def sandbox():
+    """A private sandbox, for tests that kill its children."""
+    with MathSandbox() as box:
+        yield box
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process exists at all: a zombie (killed but never reaped) counts."""
+    return psutil.pid_exists(pid)
+
+
+def _stall(pid: int) -> None:
+    """Freeze a child the way an uninterruptible C loop would: no signal handler runs."""
+    os.kill(pid, signal.SIGSTOP)
+
+
+# ---------------------------------------------------------------------------------------
+# Final-answer extraction (pure Python, parent side)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (r"so \boxed{68}.", "68"),
+        (r"\boxed{1} first, then \boxed{2}", "2"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed {\{1,2\}}", r"\{1,2\}"),  # escaped braces do not close the box
+        (r"\boxed{a{b}c} trailing", "a{b}c"),
+        (r"x \boxed{3} y \boxed{4", "3"),  # a box cut off at the end falls back to the one before
+        ("no box here: 42", None),
+        (r"\boxed", None),
+    ],
+)
+def test_last_boxed_content(text, expected):
+    assert last_boxed_content(text) == expected
+
+
+def test_last_boxed_content_caps_length():
+    text = r"\boxed{" + "1" * 50 + "}"
+    assert last_boxed_content(text, max_chars=50) == "1" * 50
+    assert last_boxed_content(text, max_chars=49) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\\boxed{" * 150_000,  # a million characters of boxes that never close
+        "\\boxed{" + "{" * 1_000_000,
+        "a" * 1_000_000 + r"\boxed{5}",
+    ],
+    ids=["many-unclosed-boxes", "megabyte-of-braces", "megabyte-then-box"],
+)
+def test_extraction_is_fast_on_a_megabyte(text):
+    start = time.monotonic()
+    last_boxed_content(text, max_chars=vm.MAX_ANSWER_CHARS)
+    assert time.monotonic() - start < 1.0
+
+
+# ---------------------------------------------------------------------------------------
+# Ordinary answers through the stable API
+
+
+@pytest.mark.parametrize(
+    ("completion", "truth"),
+    [
+        (r"The total is \boxed{68}.", "68"),
+        (r"\boxed{\frac{1}{2}}", "0.5"),
+        (r"\boxed{\frac{1}{2}}", "1/2"),
+        (r"\boxed{\dfrac{3}{4}}", r"\frac{3}{4}"),
+        (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"),
+        ("The answer is 42.", "42"),
+        (r"\boxed{-7}", "-7"),
+        (r"Try \boxed{5}. No wait, it is \boxed{6}.", "6"),
+        (r"\boxed{\{1,2\}}", r"\{2,1\}"),
+    ],
+)
+def test_correct_answers_score_one(warm_default, completion, truth):
+    assert vm.score(completion, truth) == 1.0
+    assert vm.score(completion, truth, style="dapo") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("completion", "truth"),
+    [
+        (r"\boxed{69}", "68"),
+        (r"\boxed{7}", "-7"),
+        (r"\boxed{\frac{1}{3}}", "0.5"),
+        ("The answer is 41.", "42"),
+        (r"Try \boxed{6}. No wait, it is \boxed{5}.", "6"),  # only the last box counts
+    ],
+)
+def test_wrong_answers_score_zero(warm_default, completion, truth):
+    assert vm.score(completion, truth) == 0.0
+    assert vm.score(completion, truth, style="dapo") == -1.0
+
+
+def test_verdict_reports_answer_and_status(warm_default):
+    verdict = vm.verify(r"so \boxed{\frac{1}{2}}", "0.5")
+    assert verdict == Verdict(True, "ok", r"\frac{1}{2}", "")
+    assert vm.verify("I have no idea.", "3").status == "no_answer"
+    assert vm.verify(r"\boxed{}", "3").status == "no_answer"
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="style"):
+        vm.score(r"\boxed{1}", "1", style="sparse")
+    with pytest.raises(ValueError, match="timeout_s"):
+        vm.verify(r"\boxed{1}", "1", timeout_s=0)
+    with pytest.raises(TypeError, match="completion"):
+        vm.verify(None, "1")
+    with pytest.raises(ValueError, match="length"):
+        vm.verify_batch(["a", "b"], ["1"])
+    with pytest.raises(ValueError, match="start_method"):
+        MathSandbox(start_method="fork")
+
+
+def test_guards_reject_before_the_sandbox(warm_default):
+    long_answer = vm.verify(r"\boxed{" + "1+" * 600 + "1}", "1201")
+    assert long_answer.status == "error" and "longer than" in long_answer.detail
+    deep = vm.verify(r"\boxed{" + "{" * 60 + "1" + "}" * 60 + "}", "1")
+    assert deep.status == "error" and "nested" in deep.detail
+    assert vm.verify(r"\boxed{1}", "").status == "error"
+
+
+# ---------------------------------------------------------------------------------------
+# Pathological inputs: bounded wall time, honest status
+
+
+PATHOLOGICAL = [
+    (r"\boxed{9^{9^{9^{9}}}}", "9", {"timeout", "error"}),
+    ("x" * 1_000_000, "1", {"no_answer", "error"}),
+    ("{" * 10_000, "1", {"error", "no_answer"}),
+    (r"\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}", "1", {"error"}),
+    (os.urandom(100_000).decode("latin-1"), "1", {"error", "no_answer"}),
+    (r"\boxed{10^{10^{10^{10}}}}", "1", {"timeout", "error"}),
+    (r"\boxed{2^{10^{9}}}", "2", {"timeout", "error"}),
+]
+
+
+def test_pathological_inputs_return_quickly_one_after_another(warm_default):
+    for completion, truth, statuses in PATHOLOGICAL:
+        start = time.monotonic()
+        verdict = vm.verify(completion, truth)
+        elapsed = time.monotonic() - start
+        assert elapsed < WALL_LIMIT_S, (completion[:40], elapsed)
+        assert not verdict.correct
+        assert verdict.status in statuses, (completion[:40], verdict)
+        assert vm.score(completion, truth) == 0.0
+    # and the sandbox still answers ordinary questions afterwards
+    assert vm.score(r"\boxed{68}", "68") == 1.0
+
+
+def test_soft_deadline_stops_slow_work_without_a_kill(sandbox):
+    before = sandbox.child_pids()
+    start = time.monotonic()
+    verdict = sandbox.verify(r"\boxed{9^{9^{9^{9}}}}", "9", timeout_s=1.0)
+    assert time.monotonic() - start < 1.0
+    assert verdict.status == "timeout" and "stopped in the sandbox" in verdict.detail
+    assert sandbox.child_pids() == before
+
+
+def test_hard_kill_replaces_a_stuck_child_with_the_warm_spare(sandbox):
+    """A child that no signal can stop is killed at the limit; the spare takes over."""
+    previous_spare = None
+    for _ in range(3):
+        start = time.monotonic()
+        sandbox.start()  # promotes the spare if the last round killed the active child
+        active, spare = sandbox.child_pids()
+        assert previous_spare in (None, active)
+        _stall(active)
+        verdict = sandbox.verify(r"\boxed{68}", "68", timeout_s=1.0)
+        elapsed = time.monotonic() - start
+        assert verdict.status == "timeout" and "killed" in verdict.detail
+        assert elapsed < WALL_LIMIT_S, elapsed
+        assert not _alive(active)
+        assert sandbox.child_pids() == [spare]
+        previous_spare = spare
+    # The next call runs on the spare at once: without one it would start a child now and
+    # wait ~0.5 s (more on a loaded machine) for the imports. The pause only lets the spare
+    # finish its own start-up on a busy machine; it does not help a missing spare.
+    time.sleep(1.0)
+    start = time.monotonic()
+    assert sandbox.verify(r"\boxed{68}", "68").correct
+    assert time.monotonic() - start < 0.4
+    assert sandbox.child_pids()[0] == previous_spare
+
+
+def test_score_from_worker_threads(warm_default):
+    completions = [
+        r"\boxed{68}", r"\boxed{9^{9^{9^{9}}}}", "The answer is 42.", r"\boxed{2\sqrt{2}}", r"\boxed{5}"
+    ]
+    truths = ["68", "9", "42", r"\sqrt{8}", "6"]
+
+    def timed(pair):
+        start = time.monotonic()
+        return vm.score(*pair), time.monotonic() - start
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(timed, zip(completions, truths)))
+    assert [r for r, _ in results] == [1.0, 0.0, 1.0, 1.0, 0.0]
+    # Callers queue behind the one pathological item, never much longer.
+    assert max(t for _, t in results) < 2 * WALL_LIMIT_S
+
+
+def test_pathological_input_from_a_thread_running_an_event_loop(warm_default):
+    """Async Ray actors run their event loop off the main thread, where SIGALRM cannot work."""
+    outcome = {}
+
+    async def check():
+        start = time.monotonic()
+        outcome["verdict"] = vm.verify(r"\boxed{10^{10^{10^{10}}}}", "1")
+        outcome["elapsed"] = time.monotonic() - start
+        outcome["ok"] = await asyncio.to_thread(vm.score, r"\boxed{2\sqrt{2}}", r"\sqrt{8}")
+
+    thread = threading.Thread(target=asyncio.run, args=(check(),))
+    thread.start()
+    thread.join(20)
+    assert outcome["verdict"].status == "timeout"
+    assert outcome["elapsed"] < WALL_LIMIT_S
+    assert outcome["ok"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------
+# Batches
+
+
+def test_batch_with_a_pathological_item_in_the_middle(warm_default):
+    completions = [r"\boxed{68}", r"\boxed{1/2}", r"\boxed{9^{9^{9^{9}}}}", r"\boxed{7}", "The answer is 42."]
+    truths = ["68", "0.5", "9", "-7", "42"]
+    start = time.monotonic()
+    verdicts = vm.verify_batch(completions, truths)
+    assert time.monotonic() - start < 2 * WALL_LIMIT_S
+    assert [v.correct for v in verdicts] == [True, True, False, False, True]
+    assert [v.status for v in verdicts] == ["ok", "ok", "timeout", "ok", "ok"]
+
+
+def test_batch_continues_on_the_spare_after_a_kill(sandbox):
+    completions = [r"\boxed{68}", r"\boxed{9^{9^{9^{9}}}}", r"\boxed{-7}", r"\boxed{8}", "The answer is 42."]
+    truths = ["68", "9", "-7", "7", "42"]
+    first_child = sandbox.child_pids()[0]
+    result = {}
+    worker = threading.Thread(
+        target=lambda: result.update(v=sandbox.verify_batch(completions, truths, timeout_s=2.0))
+    )
+    worker.start()
+    # The first item takes milliseconds and the second keeps the child busy for 1.75 s
+    # (its soft deadline): freezing the child now leaves only the hard kill to end it.
+    time.sleep(0.5)
+    _stall(first_child)
+    worker.join(20)
+    verdicts = result["v"]
+    assert [v.status for v in verdicts] == ["ok", "timeout", "ok", "ok", "ok"]
+    assert "killed" in verdicts[1].detail
+    assert [v.correct for v in verdicts] == [True, False, True, False, True]
+    assert not _alive(first_child)
+
+
+# ---------------------------------------------------------------------------------------
+# Equivalence and extraction (used by maj@k)
+
+
+def test_equivalent(warm_default):
+    assert vm.equivalent(r"\frac{1}{2}", "0.5")
+    assert vm.equivalent(r"2\sqrt{2}", r"\sqrt{8}")
+    assert not vm.equivalent("2", "3")
+    start = time.monotonic()
+    assert not vm.equivalent("1", r"9^{9^{9^{9}}}")
+    assert time.monotonic() - start < WALL_LIMIT_S
+
+
+def test_extract_answer(warm_default):
+    assert vm.extract_answer(r"first \boxed{1}, finally \boxed{ \frac{2}{3} }") == r"\frac{2}{3}"
+    assert vm.extract_answer("The answer is 42.") == "42"
+    assert vm.extract_answer("I cannot solve this.") is None
+
+
+# ---------------------------------------------------------------------------------------
+# Process hygiene
+
+
+def test_close_leaves_no_child_processes():
+    box = MathSandbox().start()
+    pids = box.child_pids()
+    assert len(pids) == 2 and all(_alive(pid) for pid in pids)  # active + warm spare
+    _stall(pids[0])
+    assert box.verify(r"\boxed{1}", "1", timeout_s=0.5).status == "timeout"
+    pids += box.child_pids()
+    box.close()
+    box.close()  # idempotent
+    assert box.child_pids() == []
+    assert not any(_alive(pid) for pid in pids)
+    assert not {p.pid for p in multiprocessing.active_children()} & set(pids)
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} & set(pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        box.verify(r"\boxed{1}", "1")
+
+
+def test_children_are_cleaned_up_at_interpreter_exit(tmp_path):
+    script = (
+        "from rayrep.verifier import math as vm\n"
+        "assert vm.score(r'\\boxed{3}', '3') == 1.0\n"
+        "print(*vm.default_sandbox().child_pids())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_parent_does_not_import_math_verify():
+    code = "import sys, rayrep.verifier.math; print('sympy' in sys.modules or 'math_verify' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_memory_limit_is_applied_in_the_child():
+    # Far below what importing sympy needs: only an enforced limit makes start-up fail.
+    with pytest.raises(SandboxError):
+        MathSandbox(memory_limit_bytes=32 * 2**20, keep_spare=False).start()
+
+
+def test_forkserver_start_method():
+    with MathSandbox(start_method="forkserver", keep_spare=False) as box:
+        assert box.verify(r"\boxed{\frac{6}{4}}", "1.5").correct
