@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
     from rayrep.verifier.math import MathSandbox
 
-__all__ = ["avg_at_k", "maj_at_k", "pass_at_k", "summarize"]
+__all__ = ["avg_at_k", "evaluate_policy", "maj_at_k", "pass_at_k", "score_groups", "summarize"]
 
 
 def _as_count(name: str, value: object) -> int:
@@ -155,3 +156,51 @@ def maj_at_k(
     # Groups were created in order of first occurrence, so the lowest index wins a tie.
     winner = max(range(len(votes)), key=lambda i: (votes[i], -i))
     return 1.0 if checker.equivalent(ground_truth, representatives[winner], timeout_s) else 0.0
+
+
+def score_groups(prompts, groups, timeout_s: float = 1.0) -> tuple[list[list[bool]], Counter]:
+    """Correctness of each sampled answer (problems x samples) and the verifier's status counts.
+
+    `prompts` are `rayrep.types.Prompt`s, `groups[i]` the `Rollout`s sampled for prompts[i].
+    """
+    from rayrep.verifier.math import verify_batch
+
+    texts = [rollout.text for group in groups for rollout in group]
+    truths = [prompt.ground_truth for prompt, group in zip(prompts, groups) for _ in group]
+    verdicts = verify_batch(texts, truths, timeout_s)
+    flat = iter(verdicts)
+    correct = [[next(flat).correct for _ in group] for group in groups]
+    return correct, Counter(verdict.status for verdict in verdicts)
+
+
+def evaluate_policy(cfg, model_path: str, log=print) -> dict:
+    """avg@k, pass@k and maj@k of the policy at `model_path` on the configured test split.
+
+    Samples `generator.eval_samples` answers per test question at
+    `generator.eval_temperature` with an in-process vLLM engine.
+    """
+    from rayrep.data import encode_prompts, load_split
+    from rayrep.generator.engine import make_engine, sample
+
+    prompts = load_split(cfg.data, "test")
+    llm = make_engine(cfg, model_path)
+    prompt_ids = encode_prompts(llm.get_tokenizer(), prompts, cfg.data.max_prompt_tokens)
+    k = cfg.generator.eval_samples
+    groups = sample(
+        llm,
+        prompt_ids,
+        n=k,
+        temperature=cfg.generator.eval_temperature,
+        top_p=1.0,
+        max_tokens=cfg.generator.max_response_tokens,
+    )
+    correct, statuses = score_groups(prompts, groups, cfg.verifier.timeout_s)
+    summary = summarize(correct, ks=sorted({1, k}))
+    summary[f"maj@{k}"] = sum(
+        maj_at_k([r.text for r in group], prompt.ground_truth, timeout_s=cfg.verifier.timeout_s)
+        for prompt, group in zip(prompts, groups)
+    ) / len(prompts)
+    summary["mean_response_tokens"] = sum(len(r.response_ids) for g in groups for r in g) / (len(prompts) * k)
+    summary["verifier_timeouts"] = statuses.get("timeout", 0)
+    summary["verifier_errors"] = statuses.get("error", 0)
+    return summary

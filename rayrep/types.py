@@ -30,3 +30,18 @@ class Prompt:
     def text(self) -> str:
         """The last user message: the question itself, for logs and plots."""
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "user"), "")
+
+
+@dataclass
+class Rollout:
+    """One sampled answer, as a generator returns it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    """Behaviour policy's log-prob of each response token (same length as response_ids)."""
+    text: str
+    finish_reason: str
+    """'stop' (the policy ended its answer) or 'length' (cut at the response limit)."""
+    version: int = 0
+    """Policy version (number of weight syncs) of the weights that sampled it."""

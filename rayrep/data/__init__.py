@@ -1,0 +1,49 @@
+"""Prompt sets: files in the verl/DAPO row format, or the embedded arithmetic task."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rayrep.config import DataConfig
+from rayrep.types import Prompt
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+def load_split(data: DataConfig, split: Literal["train", "test"]) -> list[Prompt]:
+    """The prompts of a split: from `data.<split>_files`, else the embedded task."""
+    files = data.train_files if split == "train" else data.test_files
+    if not files:
+        from rayrep.data.arithmetic import arithmetic_prompts
+
+        return arithmetic_prompts(
+            split, data.arithmetic_train_size, data.arithmetic_test_size, data.arithmetic_seed, data.arithmetic_levels
+        )
+    from rayrep.data.loaders import PromptFileError, load_prompts
+
+    prompts, origin = [], {}
+    for path in files:
+        for prompt in load_prompts(path):
+            if prompt.uid in origin:
+                raise PromptFileError(f"{path}: question id {prompt.uid!r} also appears in {origin[prompt.uid]}")
+            origin[prompt.uid] = path
+            prompts.append(prompt)
+    return prompts
+
+
+def encode_prompts(tokenizer, prompts: list[Prompt], max_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt rendered with the policy's chat template."""
+    encoded = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(
+            list(prompt.messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if len(ids) > max_tokens:
+            raise PromptTooLong(
+                f"question {prompt.uid!r} ({prompt.data_source}) has {len(ids)} prompt tokens, "
+                f"more than data.max_prompt_tokens={max_tokens}"
+            )
+        encoded.append(list(ids))
+    return encoded

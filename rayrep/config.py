@@ -1,0 +1,445 @@
+"""Typed configuration: one dataclass per component, validated when it is built.
+
+Every field has a one-line doc (shown by `--help`). A Config comes from a named preset
+(`jobs/presets/<name>.toml`, `tiny-cpu` by default), optionally a user TOML file, and
+command-line overrides of any field (`--learner.lr 1e-6`). A wrong value fails here,
+before any actor starts, with the dotted field name and the bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "jobs" / "presets"
+DEFAULT_PRESET = "tiny-cpu"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the value."""
+
+
+def option(default: Any, doc: str, *, min: float | None = None, max: float | None = None):
+    """A config field with its one-line doc and an optional inclusive numeric range."""
+    return field(default=default, metadata={"doc": doc, "min": min, "max": max})
+
+
+@dataclass
+class DataConfig:
+    train_files: tuple[str, ...] = option((), "prompt sets (jsonl/parquet, verl/DAPO rows) to train on; empty: the embedded arithmetic task")
+    test_files: tuple[str, ...] = option((), "prompt sets to evaluate on; empty: the embedded task's test split")
+    arithmetic_levels: tuple[str, ...] = option(("add2", "sub2", "mix3"), "difficulty levels of the embedded arithmetic task")
+    arithmetic_train_size: int = option(20000, "train questions of the embedded task", min=1)
+    arithmetic_test_size: int = option(500, "test questions of the embedded task", min=1)
+    arithmetic_seed: int = option(0, "seed of the embedded task's splits")
+    max_prompt_tokens: int = option(1024, "prompts longer than this are rejected when the prompt set is loaded", min=1)
+    shuffle_seed: int = option(0, "seed of the order in which training questions are visited")
+
+
+@dataclass
+class ModelConfig:
+    path: str = option("tiny", "Hugging Face checkpoint directory of the base policy; 'tiny': the embedded tiny policy")
+    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "parameter dtype for rollouts and training")
+    cache_dir: str = option("", "where the embedded tiny policy is built and cached; empty: $RAYREP_CACHE_DIR or ~/.cache/rayrep")
+    tiny_hidden_size: int = option(128, "hidden size of the embedded tiny policy", min=32)
+    tiny_layers: int = option(4, "transformer layers of the embedded tiny policy", min=1)
+    tiny_warm_start_steps: int = option(800, "supervised warm-start steps of the embedded tiny policy", min=0)
+
+
+@dataclass
+class GeneratorConfig:
+    num_workers: int = option(1, "vLLM generator actors", min=1)
+    temperature: float = option(1.0, "sampling temperature of training rollouts", min=0.0)
+    top_p: float = option(1.0, "nucleus sampling of training rollouts", min=0.0, max=1.0)
+    max_response_tokens: int = option(3072, "longest response a rollout may generate", min=1)
+    eval_temperature: float = option(1.0, "sampling temperature of evaluation", min=0.0)
+    eval_samples: int = option(4, "answers sampled per test question in evaluation (avg@k, pass@k)", min=1)
+    gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take (GPU only)", min=0.05, max=1.0)
+    cpu_kv_cache_gib: float = option(1.0, "KV-cache size of a CPU vLLM engine in GiB (CPU only)", min=0.1)
+    enforce_eager: bool = option(True, "run vLLM without CUDA graphs / compilation (fast start, needed on CPU)")
+    seed: int = option(0, "base seed of the generators' sampling")
+
+
+@dataclass
+class VerifierConfig:
+    num_workers: int = option(1, "verifier actors scoring completions in parallel", min=0)
+    timeout_s: float = option(1.0, "hard wall-clock limit per completion; a slower one scores as wrong and counts as a timeout", min=0.01)
+    reward_style: Literal["binary", "dapo"] = option("dapo", "binary: 1 correct / 0 wrong; dapo: +1 / -1")
+    overlong_buffer: int = option(512, "DAPO overlong shaping: the penalty ramps over the last this-many tokens", min=0)
+    overlong_factor: float = option(1.0, "DAPO overlong shaping: the penalty at the maximum length (0 disables shaping)", min=0.0)
+
+
+@dataclass
+class ReplayConfig:
+    num_shards: int = option(2, "replay buffer shard actors; questions are routed by a stable hash of their id", min=1)
+    max_answers_per_question: int = option(64, "cap on stored answers per question; the oldest is evicted", min=1)
+
+
+@dataclass
+class RLEPConfig:
+    pool: str = option("", "experience pool (Parquet) to replay; jobs/rlep.py fills it in from the collect stage")
+    replays_per_group: int = option(2, "M: replayed successes added to each question's G fresh rollouts", min=0)
+    old_logprobs: Literal["recompute", "recorded"] = option("recompute", "replayed answers' old log-probs: recompute with the current policy (ratio starts at 1) or the recorded behaviour ones")
+    collect_samples: int = option(64, "answers sampled per training question when building the pool", min=2)
+    collect_temperature: float = option(0.7, "sampling temperature when building the pool", min=0.0)
+    collect_top_p: float = option(0.95, "nucleus sampling when building the pool", min=0.0, max=1.0)
+    min_successes: int = option(2, "questions with fewer verified successes are left out of the pool", min=1)
+
+
+@dataclass
+class ExGRPOConfig:
+    start_pass_rate: float = option(0.35, "replay starts once a batch's share of correct rollouts first exceeds this", min=0.0, max=1.0)
+    replay_ratio: float = option(0.5, "rho: share of each batch's questions drawn from the buffer", min=0.0, max=1.0)
+    bucket_sigma: Literal["code", "paper"] = option("code", "bucket weight N(k/K; 0.5, sigma): sigma = 1 in counts (the code) or in accuracy units (the paper)")
+    beta: float = option(0.1, "replay shaping f(w) = w / (w + beta)", min=1e-6)
+    clip_fresh_in_mixed: bool = option(False, "clip fresh tokens in the mixed phase (paper eq. 4) instead of leaving them unclipped (the code)")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["grpo", "rlep", "exgrpo"] = option("grpo", "grpo: the DAPO baseline; rlep / exgrpo: the replay methods")
+    prompts_per_step: int = option(512, "questions per rollout step (B)", min=1)
+    group_size: int = option(16, "fresh rollouts per question (G; K in ExGRPO)", min=2)
+    std_normalize: bool = option(True, "divide group advantages by the group's std (off: Dr.GRPO / ExGRPO)")
+    advantage_eps: float = option(1e-6, "added to the group std", min=0.0)
+    dynamic_sampling: bool = option(False, "drop groups whose rewards are all equal and sample more questions (DAPO)")
+    rlep: RLEPConfig = field(default_factory=RLEPConfig)
+    exgrpo: ExGRPOConfig = field(default_factory=ExGRPOConfig)
+
+
+@dataclass
+class LearnerConfig:
+    num_workers: int = option(1, "learner actors forming one data-parallel group", min=1)
+    strategy: Literal["fsdp2", "deepspeed"] = option("fsdp2", "sharding: torch FSDP2, or DeepSpeed ZeRO-2")
+    lr: float = option(1e-6, "peak learning rate", min=0.0)
+    lr_schedule: Literal["constant", "cosine"] = option("constant", "after warm-up: constant or cosine decay to 0")
+    warmup_steps: int = option(10, "optimizer steps of linear warm-up", min=0)
+    weight_decay: float = option(0.1, "AdamW weight decay", min=0.0)
+    grad_clip: float = option(1.0, "max global grad norm (0 disables)", min=0.0)
+    skip_grad_norm_above: float = option(0.0, "skip an optimizer step whose grad norm exceeds this (0 disables; ExGRPO: 500)", min=0.0)
+    mini_batch_prompts: int = option(64, "questions per optimizer step; all their answers (G + M) go in", min=1)
+    micro_batch_size: int = option(16, "sequences per forward/backward pass (gradient accumulation)", min=1)
+    epochs: int = option(1, "passes over each rollout batch", min=1)
+    clip_low: float = option(0.2, "PPO clip range below 1 (1 - eps_low)", min=0.0, max=0.999)
+    clip_high: float = option(0.28, "PPO clip range above 1 (clip-higher, 1 + eps_high)", min=0.0)
+    dual_clip: float = option(10.0, "dual-clip bound c for negative advantages (0 disables)", min=0.0)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = option("token-mean", "how per-token losses are aggregated")
+    loss_norm_constant: float = option(0.0, "normaliser of seq-mean-token-sum (Dr.GRPO: max response length; ExGRPO: 8192)", min=0.0)
+    entropy_coef: float = option(0.0, "entropy bonus coefficient (ExGRPO: 0.001)", min=0.0)
+
+
+@dataclass
+class PlacementConfig:
+    device: Literal["cpu", "gpu"] = option("cpu", "cpu: gloo and CPU bundles; gpu: NCCL and {'GPU': 1} bundles")
+    mode: Literal["colocated", "disaggregated"] = option("colocated", "generators and learners share bundles, or each role gets its own")
+    cpus_per_bundle: int = option(1, "CPUs reserved per bundle", min=1)
+
+
+@dataclass
+class LoggingConfig:
+    out_dir: str = option("runs", "root folder of runs (metrics, checkpoints, plots)")
+    run_name: str = option("", "this run's folder under out_dir; empty: algorithm name and time")
+    wandb: bool = option(False, "also log metrics to Weights & Biases")
+    wandb_project: str = option("rayrep", "Weights & Biases project")
+
+
+@dataclass
+class RunConfig:
+    steps: int = option(400, "rollout steps", min=0)
+    eval_every: int = option(20, "evaluate on the test set every this-many steps (0: only at the start and end)", min=0)
+    save_every: int = option(0, "save a checkpoint every this-many steps (0: only at the end)", min=0)
+    seed: int = option(0, "global seed")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        validate(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def replace(self, **dotted: Any) -> "Config":
+        """A validated copy with dotted fields changed: `cfg.replace(**{"learner.lr": 1e-5})`."""
+        data = self.to_dict()
+        for key, value in dotted.items():
+            _set_dotted(data, key, value)
+        return from_dict(data)
+
+
+# ---------------------------------------------------------------- building and checking
+
+
+def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
+    """Build a (nested) config dataclass from plain data, checking names and types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a table of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown config field {prefix}{unknown[0]!s}; fields of {prefix.rstrip('.') or 'the config'}: "
+            f"{', '.join(sorted(known))}"
+        )
+    values = {}
+    for name, value in data.items():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            values[name] = from_dict(value, kind, f"{prefix}{name}.")
+        else:
+            values[name] = _coerce(value, kind, f"{prefix}{name}")
+    if cls is Config:
+        return Config(**values)
+    return cls(**values)
+
+
+def _coerce(value: Any, kind: Any, name: str) -> Any:
+    """Check `value` against the annotated type; accept lossless conversions only."""
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is tuple:
+        (item,) = {a for a in typing.get_args(kind) if a is not Ellipsis}
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return tuple(_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value))
+    if origin in (types.UnionType, typing.Union):
+        raise TypeError(f"{name}: union types are not supported in configs")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    raise TypeError(f"{name}: unsupported config type {kind}")
+
+
+def _parse_text(text: str, kind: Any, name: str) -> Any:
+    """Turn a command-line string into a value of the field's type."""
+    if kind is bool:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{name}: expected true or false, got {text!r}")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{name}: expected an integer, got {text!r}") from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{name}: expected a number, got {text!r}") from None
+    return text  # strings, Literal choices and comma-separated tuples are checked by _coerce
+
+
+def _field_specs(cls: type = Config, prefix: str = ""):
+    """(dotted name, type, dataclass field) for every leaf field, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from _field_specs(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", kind, f
+
+
+def _check_ranges(obj: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, name + ".")
+            continue
+        low, high = f.metadata.get("min"), f.metadata.get("max")
+        if low is not None and value < low:
+            raise ConfigError(f"{name}: {value!r} is below the minimum {low}")
+        if high is not None and value > high:
+            raise ConfigError(f"{name}: {value!r} is above the maximum {high}")
+
+
+def validate(cfg: Config) -> None:
+    """Ranges of every field, then the rules that tie fields of different components."""
+    for name, kind, _ in _field_specs():
+        section, _, leaf = name.rpartition(".")
+        holder = cfg
+        for part in section.split(".") if section else ():
+            holder = getattr(holder, part)
+        _coerce(getattr(holder, leaf), kind, name)
+    _check_ranges(cfg)
+    algo, learner = cfg.algorithm, cfg.learner
+    if algo.prompts_per_step % learner.mini_batch_prompts:
+        raise ConfigError(
+            f"learner.mini_batch_prompts={learner.mini_batch_prompts} must divide "
+            f"algorithm.prompts_per_step={algo.prompts_per_step}"
+        )
+    if learner.mini_batch_prompts % learner.num_workers:
+        raise ConfigError(
+            f"learner.num_workers={learner.num_workers} must divide "
+            f"learner.mini_batch_prompts={learner.mini_batch_prompts} (each rank takes whole groups)"
+        )
+    if learner.loss_agg == "seq-mean-token-sum" and learner.loss_norm_constant <= 0:
+        raise ConfigError("learner.loss_norm_constant must be > 0 when learner.loss_agg is 'seq-mean-token-sum'")
+    if learner.dual_clip and learner.dual_clip <= 1:
+        raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
+    if cfg.verifier.overlong_buffer > cfg.generator.max_response_tokens:
+        raise ConfigError(
+            f"verifier.overlong_buffer={cfg.verifier.overlong_buffer} exceeds "
+            f"generator.max_response_tokens={cfg.generator.max_response_tokens}"
+        )
+
+
+# ---------------------------------------------------------------- presets and command line
+
+
+def preset_path(name: str) -> Path:
+    candidate = Path(name)
+    if candidate.suffix == ".toml":
+        if not candidate.is_file():
+            raise ConfigError(f"config file {name} does not exist")
+        return candidate
+    path = PRESET_DIR / f"{name}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(known)}")
+    return path
+
+
+def load_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def _merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    *sections, leaf = dotted.split(".")
+    for section in sections:
+        data = data.setdefault(section, {})
+        if not isinstance(data, dict):
+            raise ConfigError(f"unknown config field {dotted}")
+    data[leaf] = value
+
+
+def load_preset(name: str = DEFAULT_PRESET) -> Config:
+    return from_dict(load_toml(preset_path(name)))
+
+
+def help_text() -> str:
+    lines = ["config fields (override with --<field> VALUE):"]
+    for name, kind, f in _field_specs():
+        type_name = getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+        lines.append(f"  --{name} ({type_name}, default {f.default!r}): {f.metadata.get('doc', '')}")
+    return "\n".join(lines)
+
+
+def parse_cli(argv: list[str]) -> Config:
+    """Build a Config from `--preset NAME`, `--config FILE.toml` and `--section.field VALUE` args.
+
+    Later sources override earlier ones: preset < config file < field overrides.
+    """
+    preset, files, overrides = DEFAULT_PRESET, [], []
+    kinds = {name: kind for name, kind, _ in _field_specs()}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --learner.lr 1e-6")
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            if not args:
+                raise ConfigError(f"{arg} needs a value")
+            value = args.pop(0)
+        if key == "preset":
+            preset = value
+        elif key == "config":
+            files.append(value)
+        elif key in kinds:
+            overrides.append((key, value))
+        else:
+            close = [k for k in kinds if k.endswith("." + key.rpartition(".")[2])]
+            hint = f"; did you mean {', '.join('--' + k for k in close)}?" if close else ""
+            raise ConfigError(f"unknown config field --{key}{hint}")
+    data = load_toml(preset_path(preset))
+    for path in files:
+        data = _merge(data, load_toml(preset_path(path)))
+    for key, text in overrides:
+        _set_dotted(data, key, _parse_text(text, kinds[key], key))
+    return from_dict(data)
+
+
+def job_parser(description: str):
+    """An argparse parser for a job's own flags; config fields go to `parse_job_args`."""
+    import argparse
+
+    return argparse.ArgumentParser(
+        description=description,
+        epilog="Any config field can be set too, e.g. --preset tiny-cpu --learner.lr 1e-5.\n\n" + help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def parse_job_args(parser, argv: list[str] | None = None):
+    """(job flags, Config): the job's own flags, then the config from everything else.
+
+    A config error exits with status 2 and the message, before anything starts.
+    """
+    import sys
+
+    args, rest = parser.parse_known_args(argv)
+    try:
+        return args, parse_cli(rest)
+    except ConfigError as err:
+        parser.exit(2, f"{parser.prog}: config error: {err}\n")

@@ -1,0 +1,82 @@
+"""Building a vLLM engine and sampling from it, through vLLM's public API only.
+
+Shared by the generator worker actor and by the jobs that sample in-process (evaluation).
+"""
+
+from __future__ import annotations
+
+import os
+
+from rayrep.config import Config
+from rayrep.types import Rollout
+
+
+def configure_vllm_env(cfg: Config) -> None:
+    """Environment vLLM reads at import/engine start; call before `import vllm`."""
+    # The in-process engine (no engine-core subprocess) starts in seconds and lets a weight
+    # sync reach the model runner directly through `collective_rpc`.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if cfg.placement.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.generator.cpu_kv_cache_gib))))
+
+
+def make_engine(cfg: Config, model_path: str, seed: int | None = None):
+    """A vLLM `LLM` for the policy at `model_path`, sized by the generator config."""
+    configure_vllm_env(cfg)
+    from vllm import LLM
+
+    gen = cfg.generator
+    kwargs = dict(
+        model=model_path,
+        dtype=cfg.model.dtype,
+        enforce_eager=gen.enforce_eager,
+        seed=gen.seed if seed is None else seed,
+        max_model_len=cfg.data.max_prompt_tokens + gen.max_response_tokens,
+        # Per-token log-probs of the sampling distribution (after temperature / top-p): the
+        # behaviour policy that importance ratios are taken against.
+        logprobs_mode="processed_logprobs",
+    )
+    if cfg.placement.device == "gpu":
+        kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
+    return LLM(**kwargs)
+
+
+def sample(
+    llm,
+    prompt_ids: list[list[int]],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    seed: int | None = None,
+    version: int = 0,
+) -> list[list[Rollout]]:
+    """`n` rollouts for each prompt (given as token ids), with their behaviour log-probs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0
+    )
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
+    groups = []
+    for ids, output in zip(prompt_ids, outputs):
+        group = []
+        for completion in output.outputs:
+            response = list(completion.token_ids)
+            # logprobs=0 returns exactly the sampled token's log-prob at each position.
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, response)]
+            group.append(
+                Rollout(
+                    prompt_ids=list(ids),
+                    response_ids=response,
+                    logprobs=logprobs,
+                    text=completion.text,
+                    finish_reason=completion.finish_reason or "stop",
+                    version=version,
+                )
+            )
+        groups.append(group)
+    return groups
