@@ -54,7 +54,7 @@ LEVELS: dict[str, Level] = {
         Level("mix4", operands=4, min_digits=1, max_digits=2, ops="+-"),
     )
 }
-DEFAULT_LEVELS = ("add1", "add2", "sub2", "mix3")
+DEFAULT_LEVELS = ("add2", "sub2", "mix3")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rayrep.data.arithmetic import make_splits
+from rayrep.data.arithmetic import DEFAULT_LEVELS, make_splits
 from rayrep.models.tokenizer import build_char_tokenizer
 
 # Bump when the build recipe changes in a way the spec does not capture.
@@ -40,7 +40,7 @@ class TinyPolicySpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     max_positions: int = 256
-    levels: tuple[str, ...] = ("add2", "sub2", "mix3")
+    levels: tuple[str, ...] = DEFAULT_LEVELS
     num_train: int = 20000
     num_test: int = 500
     task_seed: int = 0

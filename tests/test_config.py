@@ -1,0 +1,130 @@
+import pytest
+
+from rayrep.config import (
+    Config,
+    ConfigError,
+    LearnerConfig,
+    PRESET_DIR,
+    _field_specs,
+    from_dict,
+    help_text,
+    load_preset,
+    parse_cli,
+    parse_job_args,
+    job_parser,
+)
+
+
+def test_every_preset_loads_and_validates():
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+    assert "tiny-cpu" in names and len(names) >= 3
+    for name in names:
+        assert isinstance(load_preset(name), Config)
+
+
+def test_paper_presets_hold_the_papers_hyperparameters():
+    rlep = load_preset("qwen2.5-math-7b-rlep")
+    assert (rlep.algorithm.prompts_per_step, rlep.algorithm.group_size) == (512, 16)
+    assert rlep.algorithm.rlep.replays_per_group == 2
+    assert (rlep.learner.lr, rlep.learner.mini_batch_prompts, rlep.learner.weight_decay) == (1e-6, 64, 0.1)
+    assert (rlep.learner.clip_low, rlep.learner.clip_high, rlep.learner.dual_clip) == (0.2, 0.28, 10.0)
+    assert (rlep.verifier.overlong_buffer, rlep.generator.max_response_tokens) == (512, 3072)
+    ex = load_preset("qwen2.5-math-7b-exgrpo")
+    assert (ex.algorithm.prompts_per_step, ex.algorithm.group_size, ex.run.steps) == (128, 8, 701)
+    assert ex.algorithm.std_normalize is False
+    assert (ex.algorithm.exgrpo.start_pass_rate, ex.algorithm.exgrpo.replay_ratio) == (0.35, 0.5)
+
+
+def test_cli_overrides_any_field_with_both_spellings():
+    cfg = parse_cli(["--learner.lr", "3e-6", "--algorithm.rlep.replays_per_group=4",
+                     "--algorithm.exgrpo.clip_fresh_in_mixed", "true", "--data.arithmetic_levels", "add2, mix3"])
+    assert cfg.learner.lr == 3e-6
+    assert cfg.algorithm.rlep.replays_per_group == 4
+    assert cfg.algorithm.exgrpo.clip_fresh_in_mixed is True
+    assert cfg.data.arithmetic_levels == ("add2", "mix3")
+    # Untouched fields keep the preset's values.
+    assert cfg.algorithm.prompts_per_step == load_preset("tiny-cpu").algorithm.prompts_per_step
+
+
+def test_later_sources_override_earlier(tmp_path):
+    user = tmp_path / "mine.toml"
+    user.write_text("[learner]\nlr = 2e-5\nwarmup_steps = 7\n")
+    cfg = parse_cli(["--config", str(user), "--learner.lr", "5e-5"])
+    assert (cfg.learner.lr, cfg.learner.warmup_steps) == (5e-5, 7)
+    assert parse_cli(["--preset", "qwen2.5-math-7b-rlep"]).learner.num_workers == 64
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learner.lr", "fast"], "learner.lr: expected a number, got 'fast'"),
+        (["--learner.lr", "-1"], "learner.lr: -1.0 is below the minimum 0.0"),
+        (["--run.steps", "2.5"], "run.steps: expected an integer, got '2.5'"),
+        (["--generator.top_p", "1.5"], "generator.top_p: 1.5 is above the maximum 1.0"),
+        (["--learner.mini_batch_prompts", "48"], "learner.mini_batch_prompts=48 must divide algorithm.prompts_per_step=64"),
+        (["--algorithm.name", "ppo"], "algorithm.name: 'ppo' is not one of 'grpo', 'rlep', 'exgrpo'"),
+        (["--preset", "huge-gpu"], "unknown preset 'huge-gpu'; known presets: "),
+        (["--lr", "1e-6"], "unknown config field --lr; did you mean --learner.lr?"),
+        (["--placement.enforce_eager", "true"], "unknown config field --placement.enforce_eager"),
+        (["--generator.enforce_eager", "maybe"], "generator.enforce_eager: expected true or false, got 'maybe'"),
+        (["--learner.lr"], "--learner.lr needs a value"),
+        (["stray"], "unexpected argument 'stray'"),
+        (["--learner.loss_agg", "seq-mean-token-sum"], "learner.loss_norm_constant must be > 0"),
+        (["--learner.dual_clip", "0.5"], "learner.dual_clip: 0.5 must be > 1"),
+        (["--verifier.overlong_buffer", "100"], "verifier.overlong_buffer=100 exceeds generator.max_response_tokens=48"),
+    ],
+)
+def test_bad_values_fail_naming_the_field_and_value(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_cli(argv)
+    assert message in str(err.value)
+
+
+def test_bad_toml_files_name_the_file(tmp_path):
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[learner\nlr = 1")
+    with pytest.raises(ConfigError, match="broken.toml"):
+        parse_cli(["--config", str(broken)])
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[learner]\nlearning_rate = 1e-6\n")
+    with pytest.raises(ConfigError, match="unknown config field learner.learning_rate"):
+        parse_cli(["--config", str(unknown)])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_cli(["--config", str(tmp_path / "missing.toml")])
+
+
+def test_direct_construction_is_validated_too():
+    with pytest.raises(ConfigError, match="learner.micro_batch_size: 0 is below the minimum 1"):
+        Config(learner=LearnerConfig(micro_batch_size=0))
+    with pytest.raises(ConfigError, match="learner.strategy: 'zero3'"):
+        Config(learner=LearnerConfig(strategy="zero3"))
+
+
+def test_round_trip_and_replace():
+    cfg = load_preset("tiny-cpu")
+    assert from_dict(cfg.to_dict()) == cfg
+    changed = cfg.replace(**{"learner.lr": 1e-3, "algorithm.name": "rlep"})
+    assert (changed.learner.lr, changed.algorithm.name) == (1e-3, "rlep")
+    assert cfg.learner.lr != 1e-3  # the original is untouched
+    with pytest.raises(ConfigError):
+        cfg.replace(**{"learner.lr": "x"})
+
+
+def test_every_field_has_a_doc_shown_in_help():
+    text = help_text()
+    names = [name for name, _, _ in _field_specs()]
+    assert "learner.lr" in names and "algorithm.rlep.replays_per_group" in names
+    for name, _, f in _field_specs():
+        assert f.metadata.get("doc"), f"{name} has no doc"
+        assert f"--{name} (" in text
+
+
+def test_job_parser_separates_job_flags_and_exits_on_config_errors(capsys):
+    parser = job_parser("demo")
+    parser.add_argument("--checkpoint")
+    args, cfg = parse_job_args(parser, ["--checkpoint", "ck", "--learner.lr", "1e-5"])
+    assert args.checkpoint == "ck" and cfg.learner.lr == 1e-5
+    with pytest.raises(SystemExit) as exit_info:
+        parse_job_args(parser, ["--learner.lr", "oops"])
+    assert exit_info.value.code == 2
+    assert "learner.lr: expected a number, got 'oops'" in capsys.readouterr().err
