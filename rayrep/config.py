@@ -138,7 +138,13 @@ class LearnerConfig:
 class PlacementConfig:
     device: Literal["cpu", "gpu"] = option("cpu", "cpu: gloo and CPU bundles; gpu: NCCL and {'GPU': 1} bundles")
     mode: Literal["colocated", "disaggregated"] = option("colocated", "generators and learners share bundles, or each role gets its own")
-    cpus_per_bundle: int = option(1, "CPUs reserved per bundle", min=1)
+    cpus_per_bundle: int = option(1, "CPUs per bundle; colocated roles take turns, so each uses all of them", min=1)
+    gpus_per_node: int = option(8, "GPUs per node of the cluster (for the plan's node count)", min=1)
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: float = option(64.0, "weights travel in flat buckets of at most this many MiB", min=0.001)
 
 
 @dataclass
@@ -168,6 +174,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):

@@ -47,3 +47,31 @@ def encode_prompts(tokenizer, prompts: list[Prompt], max_tokens: int) -> list[li
             )
         encoded.append(list(ids))
     return encoded
+
+
+class PromptSampler:
+    """Training questions in epochs, each epoch in a fresh seeded order."""
+
+    def __init__(self, prompts: list[Prompt], seed: int = 0):
+        if not prompts:
+            raise ValueError("the training prompt set is empty")
+        self.prompts, self.seed = prompts, seed
+        self.epoch, self.order, self.position = 0, [], 0
+        self._shuffle()
+
+    def _shuffle(self) -> None:
+        import random
+
+        self.order = list(range(len(self.prompts)))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(self.order)
+        self.position = 0
+
+    def next(self, count: int) -> list[Prompt]:
+        batch = []
+        while len(batch) < count:
+            if self.position == len(self.order):
+                self.epoch += 1
+                self._shuffle()
+            batch.append(self.prompts[self.order[self.position]])
+            self.position += 1
+        return batch

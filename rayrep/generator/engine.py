@@ -21,7 +21,7 @@ def configure_vllm_env(cfg: Config) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.generator.cpu_kv_cache_gib))))
 
 
-def make_engine(cfg: Config, model_path: str, seed: int | None = None):
+def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_extension_cls: str | None = None):
     """A vLLM `LLM` for the policy at `model_path`, sized by the generator config."""
     configure_vllm_env(cfg)
     from vllm import LLM
@@ -37,6 +37,8 @@ def make_engine(cfg: Config, model_path: str, seed: int | None = None):
         # behaviour policy that importance ratios are taken against.
         logprobs_mode="processed_logprobs",
     )
+    if worker_extension_cls:
+        kwargs["worker_extension_cls"] = worker_extension_cls
     if cfg.placement.device == "gpu":
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
     return LLM(**kwargs)
@@ -46,20 +48,23 @@ def sample(
     llm,
     prompt_ids: list[list[int]],
     *,
-    n: int,
+    n: int | list[int],
     temperature: float,
     top_p: float,
     max_tokens: int,
     seed: int | None = None,
     version: int = 0,
 ) -> list[list[Rollout]]:
-    """`n` rollouts for each prompt (given as token ids), with their behaviour log-probs."""
+    """`n` rollouts for each prompt (given as token ids; `n` may differ per prompt), with
+    their behaviour log-probs."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(
-        n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0
-    )
+    counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
+    params = [
+        SamplingParams(n=count, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0)
+        for count in counts
+    ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
     groups = []
     for ids, output in zip(prompt_ids, outputs):
@@ -80,3 +85,19 @@ def sample(
             )
         groups.append(group)
     return groups
+
+
+def score_sequences(llm, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+    """Log-prob of each response token given everything before it, under the engine's weights."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    requests = [TokensPrompt(prompt_token_ids=p + r) for p, r in zip(prompt_ids, response_ids)]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    scored = []
+    for prompt, response, output in zip(prompt_ids, response_ids, outputs):
+        # prompt_logprobs[i] holds the log-prob of token i given tokens < i (None for i = 0).
+        positions = output.prompt_logprobs[len(prompt) : len(prompt) + len(response)]
+        scored.append([step[token].logprob for step, token in zip(positions, response)])
+    return scored

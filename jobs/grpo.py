@@ -1,0 +1,33 @@
+"""The GRPO/DAPO baseline (DAPO without dynamic sampling, the RLEP paper's baseline).
+
+    python jobs/grpo.py                                   # tiny-cpu preset, local Ray cluster
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/grpo.py
+    python jobs/grpo.py --dry-run --preset qwen2.5-math-7b-rlep   # print the placement plan only
+"""
+
+import sys
+
+from rayrep.config import job_parser, parse_job_args
+from rayrep.placement import make_plan
+
+
+def main(argv=None):
+    parser = job_parser(__doc__)
+    parser.add_argument("--dry-run", action="store_true", help="print the placement plan and exit")
+    args, cfg = parse_job_args(parser, argv)
+    cfg = cfg.replace(**{"algorithm.name": "grpo"})
+    if args.dry_run:
+        print(make_plan(cfg).describe())
+        return None
+
+    from rayrep.train import train
+
+    result = train(cfg)
+    first, last = result.evals[0], result.evals[-1]
+    print(f"\nrun: {result.run_dir}\nfinal checkpoint: {result.final_checkpoint}")
+    print(f"test pass@1: {first['test_pass@1']:.3f} at step 0 -> {last['test_pass@1']:.3f} at step {last['step']}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

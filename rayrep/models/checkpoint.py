@@ -1,0 +1,38 @@
+"""Hugging Face checkpoint directories written by the learner."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Everything of the base checkpoint except its weights travels with a trained one.
+_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], base_model_path: str, out_path: str) -> str:
+    """Write `state` as `out_path`/model.safetensors beside the base's config and tokenizer.
+
+    Written to a temporary folder and renamed into place: a reader never sees half a
+    checkpoint, and an existing one is replaced only by a complete one.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        base = Path(base_model_path)
+        for name in _COPIED:
+            if (base / name).exists():
+                shutil.copy2(base / name, staging / name)
+        save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors", metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(out)

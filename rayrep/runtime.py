@@ -1,0 +1,68 @@
+"""The running system: placement groups and the actors of every role, started and stopped together."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import ray
+
+from rayrep.config import Config
+from rayrep.generator.pool import GeneratorPool
+from rayrep.learner.group import LearnerGroup
+from rayrep.placement import Placement, Plan, make_plan
+from rayrep.sync.weights import WeightSync
+from rayrep.verifier.pool import VerifierPool
+
+
+def connect_ray(plan: Plan) -> bool:
+    """Join the cluster this process belongs to, or start a local one; True if we started it.
+
+    Under `ray job submit` (RAY_ADDRESS set) the job joins the submitting cluster. Otherwise a
+    local cluster starts with enough logical CPUs for the plan: roles that take turns may
+    share the machine's cores.
+    """
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return False
+    cpus = max(os.cpu_count() or 1, math.ceil(plan.total.get("CPU", 1)))
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def optimizer_steps_per_rollout(cfg: Config) -> int:
+    """Mini-batches are whole questions, so this depends on questions, never on answers per question."""
+    return math.ceil(cfg.algorithm.prompts_per_step / cfg.learner.mini_batch_prompts) * cfg.learner.epochs
+
+
+@dataclass
+class Runtime:
+    placement: Placement
+    generators: GeneratorPool
+    verifiers: VerifierPool
+    learners: LearnerGroup
+    sync: WeightSync
+    started_ray: bool
+
+    @staticmethod
+    def start(cfg: Config, model_path: str) -> "Runtime":
+        plan = make_plan(cfg)
+        started_ray = connect_ray(plan)
+        placement = Placement(plan)
+        generators = GeneratorPool.create(cfg, model_path, placement)
+        verifiers = VerifierPool.create(cfg, placement)
+        learners = LearnerGroup(cfg, model_path, placement, cfg.run.steps * optimizer_steps_per_rollout(cfg))
+        sync = WeightSync(cfg, learners, generators)
+        return Runtime(placement, generators, verifiers, learners, sync, started_ray)
+
+    def shutdown(self) -> None:
+        self.learners.shutdown()
+        self.verifiers.shutdown()
+        for worker in self.generators.workers + self.verifiers.workers:
+            ray.kill(worker)
+        self.placement.remove()
+        if self.started_ray:
+            ray.shutdown()

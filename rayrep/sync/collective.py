@@ -1,0 +1,130 @@
+"""Weight broadcast over a dedicated collective group, in flat buckets of bounded size.
+
+The group is built from public torch APIs (`TCPStore`, `PrefixStore`, `ProcessGroupGloo` /
+`ProcessGroupNCCL`), apart from any default group: vLLM creates its own default group
+inside each generator (a world of size 1 on CPU), so `new_group` cannot span learner and
+generators. Ranks here are group-local: the learner's rank 0 is rank 0, generator workers
+follow.
+
+Tensors travel in flat buckets (one dtype each, at most `bucket_bytes`, a bigger tensor
+alone), not one call per tensor: the per-call latency of a collective dominates small
+tensors. Both sides derive the bucket layout from the same `WeightManifest`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """What a sync sends, in order, and how it is packed into buckets (index lists)."""
+
+    tensors: tuple[TensorSpec, ...]
+    buckets: tuple[tuple[int, ...], ...]
+    tied_embedding: str | None = None
+    """Name of the input embedding when the output head shares it (sent once, loaded twice)."""
+
+    @staticmethod
+    def build(specs: Iterable[TensorSpec], bucket_bytes: int, tied_embedding: str | None = None) -> "WeightManifest":
+        specs = tuple(specs)
+        buckets: list[tuple[int, ...]] = []
+        current: list[int] = []
+        current_bytes, current_dtype = 0, None
+        for index, spec in enumerate(specs):
+            size = spec.numel * spec.dtype.itemsize
+            if current and (spec.dtype != current_dtype or current_bytes + size > bucket_bytes):
+                buckets.append(tuple(current))
+                current, current_bytes = [], 0
+            current.append(index)
+            current_bytes += size
+            current_dtype = spec.dtype
+        if current:
+            buckets.append(tuple(current))
+        return WeightManifest(specs, tuple(buckets), tied_embedding)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.numel * s.dtype.itemsize for s in self.tensors)
+
+
+class WeightGroup:
+    """A process group of its own, with a broadcast that takes group-local ranks."""
+
+    def __init__(self, store: dist.Store, group: dist.ProcessGroup, rank: int, world_size: int):
+        self.store, self.group, self.rank, self.world_size = store, group, rank, world_size
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self.group.broadcast([tensor], options).wait()
+
+    def close(self) -> None:
+        # Dropping the references lets the backend tear its connections down.
+        self.group = None
+        self.store = None
+
+
+def open_group(host: str, port: int, world_size: int, rank: int, backend: str, device: torch.device) -> WeightGroup:
+    """Join the weight group; every member's call must be in flight at the same time."""
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=GROUP_TIMEOUT)
+    prefixed = dist.PrefixStore("rayrep-weight-sync", store)
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=GROUP_TIMEOUT)
+    elif backend == "nccl":
+        torch.cuda.set_device(device)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    else:
+        raise ValueError(f"unknown weight-sync backend {backend!r}; expected 'gloo' or 'nccl'")
+    handle = WeightGroup(store, group, rank, world_size)
+    # A first collective proves every member is connected before any weights move.
+    probe = torch.zeros(1, device=device)
+    handle.broadcast(probe, root=0)
+    return handle
+
+
+def send_buckets(group: WeightGroup, manifest: WeightManifest, tensors: Iterator[torch.Tensor], device: torch.device) -> None:
+    """Broadcast `tensors` (in manifest order, full shapes) from group rank 0."""
+    for bucket in manifest.buckets:
+        specs = [manifest.tensors[i] for i in bucket]
+        flat = torch.empty(sum(s.numel for s in specs), dtype=specs[0].dtype, device=device)
+        offset = 0
+        for spec in specs:
+            tensor = next(tensors)
+            if tuple(tensor.shape) != spec.shape:
+                raise ValueError(f"weight sync: {spec.name} has shape {tuple(tensor.shape)}, manifest says {spec.shape}")
+            flat[offset : offset + spec.numel].copy_(tensor.reshape(-1))
+            offset += spec.numel
+        group.broadcast(flat, root=0)
+
+
+def receive_buckets(group: WeightGroup, manifest: WeightManifest, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receive every bucket and yield (name, tensor) views into it, in manifest order."""
+    for bucket in manifest.buckets:
+        specs = [manifest.tensors[i] for i in bucket]
+        # A fresh buffer per bucket: the loader may hold views until a whole layer arrived.
+        flat = torch.empty(sum(s.numel for s in specs), dtype=specs[0].dtype, device=device)
+        group.broadcast(flat, root=0)
+        offset = 0
+        for spec in specs:
+            yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)
+            offset += spec.numel

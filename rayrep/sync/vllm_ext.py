@@ -1,0 +1,53 @@
+"""The one place rayrep reaches inside vLLM: a worker extension for weight sync.
+
+vLLM mixes this class into its worker (`LLM(worker_extension_cls=...)`) and exposes its
+methods through the public `LLM.collective_rpc`. Everything it touches of vLLM's worker is
+the worker's public `reload_weights` and the model config; an upgrade of vLLM that
+changes those touches this file only.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from rayrep.sync.collective import WeightManifest, open_group, receive_buckets
+
+
+class WeightSyncExtension:
+    """Methods that run inside each vLLM worker (one per tensor-parallel rank)."""
+
+    def rayrep_join_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str) -> None:
+        # Our own group, beside the one vLLM created for itself (a world of size 1 on CPU):
+        # the learner's rank 0 broadcasts to every generator worker through it.
+        self._rayrep_group = open_group(host, port, world_size, rank, backend, self._rayrep_device())
+
+    def rayrep_receive_weights(self, manifest: WeightManifest) -> int:
+        """Receive every bucket and load them in one `reload_weights` call; returns tensors loaded."""
+        loaded = 0
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal loaded
+            # One reload over all buckets: reloading per bucket can split a layer's fused
+            # q/k/v projection across calls and leave part of it stale.
+            for name, tensor in receive_buckets(self._rayrep_group, manifest, self._rayrep_device()):
+                loaded += 1
+                yield name, tensor
+                if name == manifest.tied_embedding:
+                    # The learner has no separate lm_head parameter when embeddings are tied,
+                    # but vLLM keeps a head of its own that must receive the same tensor.
+                    loaded += 1
+                    yield "lm_head.weight", tensor
+
+        self.reload_weights(weights_iterator=weights())
+        return loaded
+
+    def rayrep_leave_weight_group(self) -> None:
+        group = getattr(self, "_rayrep_group", None)
+        if group is not None:
+            group.close()
+            self._rayrep_group = None
+
+    def _rayrep_device(self) -> torch.device:
+        return torch.device("cpu") if self.device_config.device_type == "cpu" else self.device

@@ -1,0 +1,42 @@
+"""WeightSync: after each update, the learner's weights go to every generator.
+
+Learner rank 0 is rank 0 of a dedicated group (gloo on CPU, NCCL on GPU) whose other
+members are the generator workers. A sync gathers full tensors from the FSDP shards
+bucket by bucket and broadcasts each bucket; generators load everything in one
+`reload_weights` and move to the new policy version.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from rayrep.config import Config
+
+
+class WeightSync:
+    def __init__(self, cfg: Config, learners, generators):
+        self.learners, self.generators = learners, generators
+        self.manifest = learners.weight_manifest(int(cfg.sync.bucket_mb * 2**20))
+        backend = "nccl" if cfg.placement.device == "gpu" else "gloo"
+        host, port = learners.rendezvous_address()
+        world = 1 + len(generators.workers)
+        # Every member's join must be in flight together: the rendezvous waits for all.
+        ray.get(
+            learners.join_weight_group(host, port, world, backend)
+            + [g.join_weight_group.remote(host, port, world, rank + 1, backend) for rank, g in enumerate(generators.workers)]
+        )
+        self.version = 0
+
+    def push(self) -> dict[str, float]:
+        """Broadcast the current weights to every generator; returns timing and size."""
+        self.version += 1
+        start = time.perf_counter()
+        ray.get(
+            self.learners.broadcast_weights(self.manifest)
+            + [g.receive_weights.remote(self.manifest, self.version) for g in self.generators.workers]
+        )
+        seconds = time.perf_counter() - start
+        size = self.manifest.total_bytes
+        return {"policy_version": self.version, "sync_seconds": seconds, "sync_bytes": size, "sync_gbps": size / seconds / 1e9}
