@@ -62,7 +62,6 @@ def train(cfg: Config, log=print, **algorithm_parts) -> RunResult:
     algorithm = make_algorithm(cfg, runtime=runtime, **algorithm_parts)
     sampler = PromptSampler(train_prompts, seed=cfg.data.shuffle_seed)
     result = RunResult(run_dir, final_checkpoint="")
-    gen = cfg.generator
     try:
         result.evals.append(evaluate(runtime, cfg, test_prompts, test_ids, step=0))
         metrics.log(result.evals[-1])
@@ -72,18 +71,15 @@ def train(cfg: Config, log=print, **algorithm_parts) -> RunResult:
             step_start = time.perf_counter()
 
             with timed(record, "generate"):
-                plan = algorithm.plan_rollouts(sampler.next(cfg.algorithm.prompts_per_step))
-                prompts = [prompt for prompt, _ in plan]
-                chunks = runtime.generators.generate(
-                    [prompt_ids[p.uid] for p in prompts], n=[n for _, n in plan],
-                    temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
-                )
-                answers = runtime.generators.gather(chunks)
+                fresh = generate(runtime, cfg, algorithm.plan_rollouts(sampler.next(cfg.algorithm.prompts_per_step)), prompt_ids)
 
             with timed(record, "verify"):
-                verdicts = runtime.verifiers.check(chunks, [p.ground_truth for p in prompts])
-                correct = verdicts.correct
-                record.update({f"verifier_{status}": n for status, n in verdicts.statuses.items()})
+                verify(runtime, fresh, record)
+
+            if cfg.algorithm.dynamic_sampling:
+                with timed(record, "refill"):
+                    fresh = keep_informative(runtime, cfg, algorithm, sampler, prompt_ids, fresh, record)
+            prompts, answers, correct = fresh.prompts, fresh.answers, fresh.correct
 
             with timed(record, "replay"):
                 groups = algorithm.make_groups(prompts, answers, correct)
@@ -112,6 +108,64 @@ def train(cfg: Config, log=print, **algorithm_parts) -> RunResult:
     finally:
         metrics.close()
         runtime.shutdown()
+
+
+@dataclass
+class Rollouts:
+    """Fresh answers of one step: questions, their sampled answers, and the verifier's marks."""
+
+    prompts: list
+    answers: list
+    chunks: list
+    correct: list = field(default_factory=list)
+
+    def select(self, keep: list[int]) -> "Rollouts":
+        return Rollouts([self.prompts[i] for i in keep], [self.answers[i] for i in keep], [], [self.correct[i] for i in keep])
+
+    def extend(self, other: "Rollouts") -> "Rollouts":
+        return Rollouts(self.prompts + other.prompts, self.answers + other.answers, [], self.correct + other.correct)
+
+
+def generate(runtime: Runtime, cfg: Config, plan, prompt_ids: dict) -> Rollouts:
+    """Sample each planned question's answers on the generator pool."""
+    gen = cfg.generator
+    prompts = [prompt for prompt, _ in plan]
+    chunks = runtime.generators.generate(
+        [prompt_ids[p.uid] for p in prompts], n=[n for _, n in plan],
+        temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
+    )
+    return Rollouts(prompts, runtime.generators.gather(chunks), chunks)
+
+
+def verify(runtime: Runtime, rollouts: Rollouts, record: dict) -> None:
+    """Mark every answer correct or not, counting the verifier's statuses into `record`."""
+    verdicts = runtime.verifiers.check(rollouts.chunks, [p.ground_truth for p in rollouts.prompts])
+    rollouts.correct = verdicts.correct
+    for status, n in verdicts.statuses.items():
+        record[f"verifier_{status}"] = record.get(f"verifier_{status}", 0) + n
+
+
+def keep_informative(runtime, cfg, algorithm, sampler, prompt_ids, rollouts: Rollouts, record, max_rounds: int = 4) -> Rollouts:
+    """DAPO's dynamic sampling: drop questions whose answers are all right or all wrong
+    (no learning signal) and sample more questions until the batch is full again.
+
+    Gives up after `max_rounds` extra rounds and trains on what it has.
+    """
+    wanted = cfg.algorithm.prompts_per_step
+
+    def informative(r: Rollouts) -> Rollouts:
+        return r.select([i for i, marks in enumerate(r.correct) if 0 < sum(marks) < len(marks)])
+
+    kept = informative(rollouts)
+    record["dynamic_sampling_kept"] = len(kept.prompts) / max(1, len(rollouts.prompts))
+    rounds = 0
+    while len(kept.prompts) < wanted and rounds < max_rounds:
+        rounds += 1
+        more = generate(runtime, cfg, algorithm.plan_rollouts(sampler.next(wanted)), prompt_ids)
+        verify(runtime, more, record)
+        kept = kept.extend(informative(more))
+    record["dynamic_sampling_rounds"] = rounds
+    return kept.select(list(range(min(wanted, len(kept.prompts)))))
 
 
 def rollout_stats(groups, answers, correct, generate_seconds: float) -> dict:

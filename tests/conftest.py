@@ -16,3 +16,17 @@ def tiny_policy(tiny_cfg) -> str:
     from rayrep.models import resolve_policy
 
     return resolve_policy(tiny_cfg)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real local Ray cluster for one test module, stopped afterwards.
+
+    `address="local"` never attaches to some other cluster running on the machine. Four
+    logical CPUs on a 2-core machine: the roles take turns, as in a real run.
+    """
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

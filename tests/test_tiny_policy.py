@@ -60,7 +60,7 @@ def test_build_writes_a_complete_checkpoint_and_is_cached(small_build):
 def test_cache_key_tracks_every_field():
     base = TinyPolicySpec()
     assert base.cache_key() == TinyPolicySpec().cache_key()
-    assert base.cache_key() != TinyPolicySpec(warm_start_steps=801).cache_key()
+    assert base.cache_key() != TinyPolicySpec(warm_start_steps=1101).cache_key()
     assert base.cache_key() != TinyPolicySpec(levels=("add2",)).cache_key()
 
 

@@ -67,12 +67,17 @@ class Problem:
     def question(self) -> str:
         return f"{self.expression}=? {INSTRUCTION}"
 
-    def solution(self) -> str:
-        """A worked answer, left to right, ending in the boxed result (the warm-start target)."""
+    def solution(self, slip: int = 0) -> str:
+        """A worked answer, left to right, ending in the boxed result (the warm-start target).
+
+        `slip` adds an arithmetic mistake of that size to the last step (and so to the boxed
+        result), as a careless solver would make.
+        """
         tokens = _split_expression(self.expression)
         steps, value = [], int(tokens[0])
-        for op, operand in zip(tokens[1::2], tokens[2::2]):
-            new_value = _apply(value, op, int(operand))
+        pairs = list(zip(tokens[1::2], tokens[2::2]))
+        for index, (op, operand) in enumerate(pairs):
+            new_value = _apply(value, op, int(operand)) + (slip if index == len(pairs) - 1 else 0)
             steps.append(f"{value}{op}{operand}={new_value}")
             value = new_value
         return f"{', '.join(steps)}. \\boxed{{{value}}}"

@@ -12,6 +12,7 @@ The worker knows nothing of the algorithm: rows, advantages, masks and a `LossSp
 from __future__ import annotations
 
 import math
+import time
 from datetime import timedelta
 
 import ray
@@ -150,7 +151,9 @@ class LearnerWorker:
             range(start, min(start + learner.mini_batch_prompts, num_prompts))
             for start in range(0, num_prompts, learner.mini_batch_prompts)
         ]
+        sums = MetricSums()
         old_logprobs = batch.old_logprobs.clone()
+        start = time.perf_counter()
         if batch.recompute_old.any() and len(minibatches) * learner.epochs > 1:
             # Later mini-batches see updated weights, so "old" must be taken before any update.
             # (With a single optimizer step, the first forward pass is the old policy.)
@@ -163,8 +166,8 @@ class LearnerWorker:
             single_pass_old = False
         else:
             single_pass_old = True
-
-        sums = MetricSums()
+        if self.rank == 0:
+            sums.count("time_old_logprobs", time.perf_counter() - start)
         for _ in range(learner.epochs):
             for prompts in minibatches:
                 self._step(batch, prompts, old_logprobs, single_pass_old, loss, sums)
@@ -264,8 +267,6 @@ class LearnerWorker:
 
     def broadcast_weights(self, manifest) -> float:
         """Gather full tensors (all ranks) and broadcast them from rank 0; returns seconds spent."""
-        import time
-
         from rayrep.sync.collective import send_buckets
 
         start = time.perf_counter()

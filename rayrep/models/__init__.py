@@ -25,6 +25,8 @@ def tiny_spec(cfg: Config):
         num_test=cfg.data.arithmetic_test_size,
         task_seed=cfg.data.arithmetic_seed,
         warm_start_steps=cfg.model.tiny_warm_start_steps,
+        warm_start_slips=cfg.model.tiny_warm_start_slips,
+        warm_start_slip_steps=cfg.model.tiny_warm_start_slip_steps,
     )
 
 

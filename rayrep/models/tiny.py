@@ -1,11 +1,17 @@
 """The embedded tiny policy: a small Qwen2 with a character tokenizer, warm-started on the task.
 
 Built entirely by this code (no hub access): a random Qwen2, then a short supervised warm
-start on worked solutions of the embedded arithmetic task's train split. The warm start is
-deliberately short: the saved policy solves a useful share of test problems at T=1.0, far
-from all of them, so RL has room to improve. The result is an ordinary Hugging Face
-checkpoint directory that `transformers` and vLLM both load, cached by a hash of
-everything that determines it.
+start on worked solutions of the embedded arithmetic task's train split. The result is an
+ordinary Hugging Face checkpoint directory that `transformers` and vLLM both load, cached
+by a hash of everything that determines it.
+
+The warm start is made to leave room for RL, the way a pretrained model leaves room for
+RL on real reasoning: it first learns the arithmetic from clean solutions, then, in its
+last steps, from solutions of which half carry a small slip in the last step (off by one
+or two, a lost carry). The policy ends up knowing the right answer (greedy decoding is
+often right) yet sampling a careless one half of the time; RL with a verifier can teach
+it to stop slipping within minutes on a CPU. Without the slips, a policy this small sits
+on a steep part of its learning curve, and what RL can gain in a few minutes is small.
 """
 
 from __future__ import annotations
@@ -44,9 +50,13 @@ class TinyPolicySpec:
     num_train: int = 20000
     num_test: int = 500
     task_seed: int = 0
-    warm_start_steps: int = 800
+    warm_start_steps: int = 1100
     warm_start_batch: int = 64
     warm_start_lr: float = 3e-3
+    warm_start_slips: float = 0.5
+    """Share of warm-start targets whose last step carries an arithmetic slip (see below)..."""
+    warm_start_slip_steps: int = 250
+    """...in the last this-many steps only: arithmetic is learned clean first."""
     seed: int = 0
 
     def cache_key(self) -> str:
@@ -79,18 +89,28 @@ def qwen2_config(spec: TinyPolicySpec, vocab_size: int, tokenizer):
     )
 
 
-def _warm_start_examples(spec: TinyPolicySpec, tokenizer) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + solution + eos, prompt length) for each train problem."""
+SLIPS = (-10, -2, -1, 1, 2, 10)
+"""Sizes of the arithmetic slips of the warm start: off by one or two, or a lost carry."""
+
+
+def _warm_start_prompts(spec: TinyPolicySpec, tokenizer) -> list[tuple[list[int], object]]:
+    """(prompt token ids, problem) for each train problem."""
     train, _ = make_splits(spec.num_train, spec.num_test, spec.task_seed, spec.levels)
-    examples = []
-    for problem in train:
-        prompt = problem.to_prompt("train", 0)
-        prompt_ids = tokenizer.apply_chat_template(
-            list(prompt.messages), add_generation_prompt=True, tokenize=True, return_dict=False
+    return [
+        (
+            tokenizer.apply_chat_template(
+                list(problem.to_prompt("train", 0).messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            ),
+            problem,
         )
-        answer_ids = tokenizer(problem.solution(), add_special_tokens=False)["input_ids"]
-        examples.append((prompt_ids + answer_ids + [tokenizer.eos_token_id], len(prompt_ids)))
-    return examples
+        for problem in train
+    ]
+
+
+def _warm_start_example(prompt_ids, problem, slip: int, tokenizer) -> tuple[list[int], int]:
+    """(token ids of prompt + worked solution + eos, prompt length)."""
+    answer_ids = tokenizer(problem.solution(slip), add_special_tokens=False)["input_ids"]
+    return prompt_ids + answer_ids + [tokenizer.eos_token_id], len(prompt_ids)
 
 
 def _collate(batch, pad_id: int):
@@ -120,7 +140,7 @@ def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
     # Train on exactly the tokenizer that vLLM and transformers will load from the checkpoint.
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     model = Qwen2ForCausalLM(config)
-    examples = _warm_start_examples(spec, tokenizer)
+    prompts = _warm_start_prompts(spec, tokenizer)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.01)
     warmup = max(1, spec.warm_start_steps // 20)
@@ -135,7 +155,13 @@ def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
     model.train()
     loss = torch.tensor(float("nan"))
     for step in range(spec.warm_start_steps):
-        batch = rng.sample(examples, spec.warm_start_batch)
+        slips = spec.warm_start_slips if step >= spec.warm_start_steps - spec.warm_start_slip_steps else 0.0
+        # Slips are drawn afresh on every visit, so the policy learns a slip *rate*, not
+        # which problems to get wrong.
+        batch = [
+            _warm_start_example(ids, problem, rng.choice(SLIPS) if rng.random() < slips else 0, tokenizer)
+            for ids, problem in rng.sample(prompts, spec.warm_start_batch)
+        ]
         input_ids, attention, labels = _collate(batch, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         loss.backward()

@@ -1,0 +1,62 @@
+"""GeneratorWorker and GeneratorPool on a real local Ray cluster with a real vLLM engine."""
+
+import pytest
+import ray
+import torch
+
+from rayrep.data import encode_prompts, load_split
+from rayrep.generator.pool import GeneratorPool, split_evenly
+from rayrep.placement import Placement, make_plan
+
+
+def test_split_evenly_covers_everything_in_order():
+    assert [list(r) for r in split_evenly(7, 3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [len(r) for r in split_evenly(2, 4)] == [1, 1, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, tiny_cfg, tiny_policy):
+    cfg = tiny_cfg.replace(**{"generator.num_workers": 2, "placement.cpus_per_bundle": 1})
+    placement = Placement(make_plan(cfg))
+    yield cfg, GeneratorPool.create(cfg, tiny_policy, placement)
+    placement.remove()
+
+
+def test_rollouts_are_consistent_with_a_transformers_forward_pass(pool, tiny_policy):
+    cfg, generators = pool
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_policy)
+    prompts = load_split(cfg.data, "test")[:6]
+    prompt_ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_tokens)
+    counts = [3, 1, 2, 3, 1, 2]
+    chunks = generators.generate(prompt_ids, n=counts, temperature=1.0, top_p=1.0, max_tokens=48)
+    assert [c.indices for c in chunks] == [range(0, 3), range(3, 6)]  # both workers used
+    groups = generators.gather(chunks)
+    assert [len(g) for g in groups] == counts
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
+    for ids, group in zip(prompt_ids, groups):
+        for rollout in group:
+            assert rollout.prompt_ids == ids and rollout.version == 0
+            assert rollout.finish_reason in ("stop", "length")
+            assert tokenizer.decode(rollout.response_ids, skip_special_tokens=True) == rollout.text
+            full = torch.tensor([ids + rollout.response_ids])
+            with torch.no_grad():
+                logits = model(full).logits[0, len(ids) - 1 : -1]
+            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(rollout.response_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(rollout.logprobs), expected, atol=1e-3)
+
+
+def test_sequence_logprobs_score_given_tokens(pool, tiny_policy):
+    cfg, generators = pool
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
+    prompt, response = [54, 31, 5, 20, 16, 20], [19, 5, 65, 1]
+    (scored,) = generators.sequence_logprobs([prompt], [response])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+    assert len(scored) == len(response)
+    assert torch.allclose(torch.tensor(scored), expected, atol=1e-4)
+    assert generators.versions() == [0, 0]

@@ -1,0 +1,48 @@
+"""VerifierPool on a real local Ray cluster: parallel scoring, time limits, counted statuses."""
+
+import time
+
+import pytest
+import ray
+
+from rayrep.generator.pool import RolloutChunk
+from rayrep.types import Rollout
+from rayrep.verifier.pool import VerifierPool
+
+
+def chunk(texts_per_prompt, start=0):
+    groups = [[Rollout([1], [2], [0.0], text, "stop") for text in texts] for texts in texts_per_prompt]
+    return RolloutChunk(range(start, start + len(groups)), ray.put(groups))
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, tiny_cfg):
+    cfg = tiny_cfg.replace(**{"verifier.num_workers": 2, "verifier.timeout_s": 1.0})
+    verifiers = VerifierPool.create(cfg)
+    yield verifiers
+    verifiers.shutdown()
+
+
+def test_scores_in_prompt_order_across_workers(pool):
+    chunks = [chunk([["\\boxed{3}", "\\boxed{4}"], ["\\boxed{10}"]]), chunk([["no answer", "\\boxed{0.5}"]], start=2)]
+    verdicts = pool.check(chunks, ["3", "10", "1/2"])
+    assert verdicts.correct == [[True, False], [True], [False, True]]
+    assert verdicts.statuses == {"ok": 4, "no_answer": 1}
+
+
+def test_a_hanging_input_costs_at_most_the_limit_and_is_counted(pool):
+    slow = "\\boxed{9^{9^{9^{9}}}}"
+    chunks = [chunk([[slow, "\\boxed{7}"]]), chunk([["\\boxed{7}", slow]], start=1)]
+    start = time.monotonic()
+    verdicts = pool.check(chunks, ["7", "7"])
+    elapsed = time.monotonic() - start
+    assert verdicts.correct == [[False, True], [True, False]]
+    assert verdicts.statuses["timeout"] == 2 and verdicts.statuses["ok"] == 2
+    # Each pathological answer costs at most the 1 s limit (math-verify alone would take
+    # minutes on it); the bound leaves room for a busy machine.
+    assert elapsed < 5.0
+
+
+def test_zero_workers_score_in_process(ray_cluster):
+    verdicts = VerifierPool(timeout_s=1.0).check([chunk([["\\boxed{2}"]])], ["2"])
+    assert verdicts.correct == [[True]]
