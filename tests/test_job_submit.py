@@ -21,7 +21,7 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 @pytest.fixture
 def ray_head(tiny_policy):
-    """A Ray head started from the CLI; stopped by signalling exactly the process group we started."""
+    """A Ray head started from the CLI; stopped through the process we started (never `ray stop`)."""
     temp_dir = tempfile.mkdtemp(prefix="rr-", dir="/tmp")  # short: Ray's unix sockets live here
     dashboard = free_port()
     head = subprocess.Popen(
@@ -43,7 +43,7 @@ def ray_head(tiny_policy):
                 time.sleep(1)
         yield address
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
+        head.terminate()  # `ray start --block` stops its cluster when it is terminated
         try:
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
