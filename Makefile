@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed-$(EXTRAS)
 .PHONY: run test venv clean-venv
 
 run: $(STAMP)
-	$(PY) jobs/eval.py
+	$(PY) jobs/rlep.py
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -79,7 +79,7 @@ class VerifierConfig:
 
 @dataclass
 class ReplayConfig:
-    num_shards: int = option(2, "replay buffer shard actors; questions are routed by a stable hash of their id", min=1)
+    num_shards: int = option(2, "replay buffer shard actors; questions are routed by a stable hash of their id (0: in-process)", min=0)
     max_answers_per_question: int = option(64, "cap on stored answers per question; the oldest is evicted", min=1)
 
 
@@ -92,6 +92,7 @@ class RLEPConfig:
     collect_temperature: float = option(0.7, "sampling temperature when building the pool", min=0.0)
     collect_top_p: float = option(0.95, "nucleus sampling when building the pool", min=0.0, max=1.0)
     min_successes: int = option(2, "questions with fewer verified successes are left out of the pool", min=1)
+    collect_questions: int = option(0, "pool only the first this-many training questions the run's sampler visits (0: all)", min=0)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 if TYPE_CHECKING:
     from rayrep.verifier.math import MathSandbox
 
-__all__ = ["avg_at_k", "evaluate_policy", "maj_at_k", "pass_at_k", "score_groups", "summarize"]
+__all__ = ["avg_at_k", "checkpoint_evals", "evaluate_policy", "maj_at_k", "pass_at_k", "score_groups", "summarize"]
 
 
 def _as_count(name: str, value: object) -> int:
@@ -204,3 +204,16 @@ def evaluate_policy(cfg, model_path: str, log=print) -> dict:
     summary["verifier_timeouts"] = statuses.get("timeout", 0)
     summary["verifier_errors"] = statuses.get("error", 0)
     return summary
+
+
+def checkpoint_evals(checkpoint: str, cfg) -> list[dict]:
+    """The test-set eval curve of the run that wrote `checkpoint` (its `evals.json`), or, for
+    a checkpoint from elsewhere, one evaluation of it (a curve of one point)."""
+    import json
+    from pathlib import Path
+
+    evals_file = Path(checkpoint).resolve().parents[1] / "evals.json"
+    if evals_file.is_file():
+        return json.loads(evals_file.read_text())
+    metrics = evaluate_policy(cfg, checkpoint)
+    return [{"step": cfg.run.steps, **{f"test_{k}": v for k, v in metrics.items() if "@" in k}}]

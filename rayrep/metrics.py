@@ -112,3 +112,60 @@ def progress_line(record: dict) -> str:
         if record.get(key) is not None:
             parts.append(f"{label} {fmt.format(record[key])}")
     return " | ".join(parts)
+
+
+def compare_runs(baseline: list[dict], other: list[dict], metric: str = "test_pass@1") -> dict:
+    """Peak and final of both eval curves, and the first step where `other` reaches the baseline's peak."""
+    def curve(evals):
+        return [(e["step"], e[metric]) for e in evals if metric in e]
+
+    base, mine = curve(baseline), curve(other)
+    base_peak_step, base_peak = max(base, key=lambda p: (p[1], -p[0]))
+    mine_peak_step, mine_peak = max(mine, key=lambda p: (p[1], -p[0]))
+    reached = next((step for step, value in mine if value >= base_peak), None)
+    return {
+        "metric": metric,
+        "baseline": {"peak": base_peak, "peak_step": base_peak_step, "final": base[-1][1], "final_step": base[-1][0]},
+        "other": {"peak": mine_peak, "peak_step": mine_peak_step, "final": mine[-1][1], "final_step": mine[-1][0]},
+        "other_reaches_baseline_peak_at": reached,
+    }
+
+
+def plot_curves(curves: dict[str, list[dict]], path: str | Path, metric: str = "test_pass@1", title: str = "") -> Path:
+    """A PNG of `metric` against step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    for name, evals in curves.items():
+        points = [(e["step"], e[metric]) for e in evals if metric in e]
+        ax.plot([s for s, _ in points], [100 * v for _, v in points], marker="o", label=name)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"{metric.removeprefix('test_')} on the test set (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def comparison_table(names: tuple[str, str], comparison: dict) -> str:
+    base, other = names
+    b, o = comparison["baseline"], comparison["other"]
+    reached = comparison["other_reaches_baseline_peak_at"]
+    lines = [
+        f"{'run':<12}{'peak ' + comparison['metric']:>22}{'at step':>9}{'final':>9}",
+        f"{base:<12}{100 * b['peak']:>21.1f}%{b['peak_step']:>9}{100 * b['final']:>8.1f}%",
+        f"{other:<12}{100 * o['peak']:>21.1f}%{o['peak_step']:>9}{100 * o['final']:>8.1f}%",
+    ]
+    if reached is None:
+        lines.append(f"{other} did not reach the {base} peak ({100 * b['peak']:.1f}%) within {o['final_step']} steps")
+    else:
+        lines.append(f"{other} first reached the {base} peak ({100 * b['peak']:.1f}%, step {b['peak_step']}) "
+                     f"at step {reached}")
+    return "\n".join(lines)

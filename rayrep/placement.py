@@ -70,24 +70,27 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(cfg: Config) -> Plan:
+def make_plan(cfg: Config, learners: bool = True) -> Plan:
+    """The plan of a run; `learners=False` leaves the learner role out (sampling jobs)."""
     place = cfg.placement
     gpu = place.device == "gpu"
     cpus = place.cpus_per_bundle
     bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
-    learners, generators = cfg.learner.num_workers, cfg.generator.num_workers
+    learners, generators = (cfg.learner.num_workers if learners else 0), cfg.generator.num_workers
     groups: dict[str, list[dict]] = {}
     slots: dict[str, list[RoleSlot]] = {}
     if place.mode == "colocated":
         groups["policy"] = [dict(bundle) for _ in range(max(learners, generators))]
         # Two roles share each bundle: each asks for half of it, so Ray accounts exactly.
         half = {key: value / 2 for key, value in bundle.items()}
-        slots["learner"] = [RoleSlot("policy", i, half) for i in range(learners)]
+        if learners:
+            slots["learner"] = [RoleSlot("policy", i, half) for i in range(learners)]
         slots["generator"] = [RoleSlot("policy", i, half) for i in range(generators)]
     else:
-        groups["learners"] = [dict(bundle) for _ in range(learners)]
+        if learners:
+            groups["learners"] = [dict(bundle) for _ in range(learners)]
+            slots["learner"] = [RoleSlot("learners", i, dict(bundle)) for i in range(learners)]
         groups["generators"] = [dict(bundle) for _ in range(generators)]
-        slots["learner"] = [RoleSlot("learners", i, dict(bundle)) for i in range(learners)]
         slots["generator"] = [RoleSlot("generators", i, dict(bundle)) for i in range(generators)]
     if cfg.verifier.num_workers:
         groups["verifiers"] = [{"CPU": 1} for _ in range(cfg.verifier.num_workers)]

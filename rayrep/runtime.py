@@ -43,23 +43,27 @@ class Runtime:
     placement: Placement
     generators: GeneratorPool
     verifiers: VerifierPool
-    learners: LearnerGroup
-    sync: WeightSync
+    learners: LearnerGroup | None
+    sync: WeightSync | None
     started_ray: bool
 
     @staticmethod
-    def start(cfg: Config, model_path: str) -> "Runtime":
-        plan = make_plan(cfg)
+    def start(cfg: Config, model_path: str, train: bool = True) -> "Runtime":
+        """Every role's actors; `train=False` starts generators and verifiers only (sampling jobs)."""
+        plan = make_plan(cfg, learners=train)
         started_ray = connect_ray(plan)
         placement = Placement(plan)
         generators = GeneratorPool.create(cfg, model_path, placement)
         verifiers = VerifierPool.create(cfg, placement)
-        learners = LearnerGroup(cfg, model_path, placement, cfg.run.steps * optimizer_steps_per_rollout(cfg))
-        sync = WeightSync(cfg, learners, generators)
+        learners = sync = None
+        if train:
+            learners = LearnerGroup(cfg, model_path, placement, cfg.run.steps * optimizer_steps_per_rollout(cfg))
+            sync = WeightSync(cfg, learners, generators)
         return Runtime(placement, generators, verifiers, learners, sync, started_ray)
 
     def shutdown(self) -> None:
-        self.learners.shutdown()
+        if self.learners is not None:
+            self.learners.shutdown()
         self.verifiers.shutdown()
         for worker in self.generators.workers + self.verifiers.workers:
             ray.kill(worker)

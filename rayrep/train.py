@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayrep.algos.grpo import make_algorithm
+from rayrep.algos import make_algorithm
 from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.eval import summarize
@@ -42,7 +42,7 @@ def timed(record: dict, phase: str):
     record[f"time_{phase}"] = time.perf_counter() - start
 
 
-def train(cfg: Config, log=print, **algorithm_parts) -> RunResult:
+def train(cfg: Config, log=print) -> RunResult:
     run_dir = run_dir_for(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
@@ -56,10 +56,11 @@ def train(cfg: Config, log=print, **algorithm_parts) -> RunResult:
     test_prompts = load_split(cfg.data, "test")
     prompt_ids = dict(zip((p.uid for p in train_prompts), encode_prompts(tokenizer, train_prompts, cfg.data.max_prompt_tokens)))
     test_ids = encode_prompts(tokenizer, test_prompts, cfg.data.max_prompt_tokens)
+    algorithm = make_algorithm(cfg, train_prompts, prompt_ids)
 
     runtime = Runtime.start(cfg, model_path)
+    algorithm.attach(runtime)
     metrics = MetricsLog(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_project)
-    algorithm = make_algorithm(cfg, runtime=runtime, **algorithm_parts)
     sampler = PromptSampler(train_prompts, seed=cfg.data.shuffle_seed)
     result = RunResult(run_dir, final_checkpoint="")
     try:
@@ -103,10 +104,12 @@ def train(cfg: Config, log=print, **algorithm_parts) -> RunResult:
             log(progress_line(record))
 
         result.final_checkpoint = runtime.learners.save(str(run_dir / "checkpoints" / "final"))
+        algorithm.save(run_dir)
         (run_dir / "evals.json").write_text(json.dumps(result.evals, indent=2))
         return result
     finally:
         metrics.close()
+        algorithm.shutdown()
         runtime.shutdown()
 
 

@@ -7,7 +7,8 @@ bonus; dynamic sampling is an option (off).
 An algorithm answers four questions for the driver: which questions to roll out and how
 many answers each gets (`plan_rollouts`), what groups to train on once they are verified
 (`make_groups`), the loss to train with (`loss_spec`), and what to remember afterwards
-(`after_update`). GRPO trains on fresh groups only.
+(`after_update`). GRPO trains on fresh groups only; RLEP and ExGRPO (rlep.py, exgrpo.py)
+override what they change.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ class GRPO:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+
+    def attach(self, runtime) -> None:
+        """Called once the actors are up (replay methods start their buffer shards here)."""
+
+    def save(self, run_dir) -> None:
+        """Persist what a resumed run would need besides the weights (the replay buffer)."""
+
+    def shutdown(self) -> None:
+        pass
 
     # ------------------------------------------------------------------ the driver's questions
 
@@ -79,9 +89,3 @@ class GRPO:
         recompute = [flag for g in groups for flag in self.recompute_old(g)]
         return collate(groups, advantages, recompute, temperature=self.cfg.generator.temperature)
 
-
-def make_algorithm(cfg: Config, **parts):
-    """The algorithm named by `algorithm.name`, wired to the parts it needs (e.g. the buffer)."""
-    if cfg.algorithm.name == "grpo":
-        return GRPO(cfg)
-    raise ValueError(f"algorithm {cfg.algorithm.name!r} is not available yet")

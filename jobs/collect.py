@@ -1,0 +1,42 @@
+"""RLEP phase 1: build an experience pool from a checkpoint.
+
+    python jobs/collect.py --checkpoint runs/grpo-x/checkpoints/final --out pool.parquet
+    python jobs/collect.py --import-text dapo_rlep_pool.parquet --checkpoint <policy> --out pool.parquet
+
+The checkpoint samples `algorithm.rlep.collect_samples` answers per training question at
+`collect_temperature` / `collect_top_p`; verified successes of questions with at least
+`min_successes` of them are written with token ids, behaviour log-probs, text, reward,
+length and the source checkpoint. `--import-text` converts a public RLEP pool (text
+candidates in `reward_model.candidates`) by tokenizing it with the checkpoint's tokenizer.
+"""
+
+import json
+import sys
+
+from rayrep.algos.rlep import collect_pool
+from rayrep.config import job_parser, parse_job_args
+
+
+def main(argv=None) -> dict:
+    parser = job_parser(__doc__)
+    parser.add_argument("--checkpoint", required=True, help="policy that samples (or whose tokenizer imports)")
+    parser.add_argument("--out", required=True, help="experience pool to write (.parquet)")
+    parser.add_argument("--import-text", help="a text-only RLEP pool (verl/DAPO rows) to convert instead of sampling")
+    args, cfg = parse_job_args(parser, argv)
+    if args.import_text:
+        from transformers import AutoTokenizer
+
+        from rayrep.buffer.files import import_text_pool
+
+        path, count = import_text_pool(args.import_text, AutoTokenizer.from_pretrained(args.checkpoint), args.out,
+                                       max_response_tokens=cfg.generator.max_response_tokens)
+        print(f"imported {count} candidate answers into {path}. Text carries no behaviour log-probs: "
+              f"replay recomputes them (algorithm.rlep.old_logprobs = 'recompute').")
+        return {"pool": str(path), "successes": count}
+    stats = collect_pool(cfg, args.checkpoint, args.out)
+    print(json.dumps(stats, indent=2))
+    return stats
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

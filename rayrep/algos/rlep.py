@@ -1,0 +1,168 @@
+"""RLEP: replay verified successes of an earlier run in every GRPO group.
+
+Phase 1 (`collect_pool`): a checkpoint of a finished baseline run samples n answers per
+training question; the verified-correct ones are kept, questions with fewer than two
+dropped, and the pool is written with token ids and behaviour log-probs.
+
+Phase 2 (`RLEP`): training starts again from the base policy; each question gets G fresh
+rollouts plus up to M successes drawn uniformly without replacement from its pool, and
+advantages are taken over all G' = G + M answers. Unlike the public code:
+- a question with fewer than M stored successes gets what it has, never placeholder
+  answers (the public code pads with fake one-token failures);
+- mini-batches are whole questions with all their answers, so the number of optimizer
+  steps per rollout does not depend on M (the public code scales by G and takes 9 steps
+  where the baseline takes 8);
+- answers are replayed as the token ids the policy produced, never re-tokenized text.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rayrep.algos.grpo import GRPO
+from rayrep.buffer.files import BufferFileError, read_pool, write_pool
+from rayrep.buffer.replay import ReplayBuffer
+from rayrep.config import Config, ConfigError
+from rayrep.types import Group, Prompt, Rollout
+
+
+class RLEP(GRPO):
+    name = "rlep"
+
+    def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]]):
+        super().__init__(cfg)
+        settings = cfg.algorithm.rlep
+        if not settings.pool:
+            raise ConfigError("algorithm.rlep.pool: RLEP needs an experience pool (jobs/collect.py writes one)")
+        self.pool = read_pool(settings.pool)
+        check_pool(self.pool, prompt_ids, settings.pool, settings.old_logprobs)
+        self.buffer: ReplayBuffer | None = None
+
+    def attach(self, runtime) -> None:
+        replay = self.cfg.replay
+        self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, seed=self.cfg.run.seed)
+        self.buffer.add([(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in self.pool.items()])
+        self.pool = None  # the shards hold it now
+
+    def make_groups(self, prompts: list[Prompt], rollouts: list[list[Rollout]], correct: list[list[bool]]) -> list[Group]:
+        groups = super().make_groups(prompts, rollouts, correct)
+        wanted = self.cfg.algorithm.rlep.replays_per_group
+        replays = self.buffer.sample_answers([(p.uid, wanted) for p in prompts])
+        self.short = 0
+        for group in groups:
+            stored = replays.get(group.prompt.uid, [])
+            self.short += len(stored) < wanted
+            for answer in stored:
+                group.rollouts.append(Rollout(
+                    prompt_ids=group.rollouts[0].prompt_ids,
+                    response_ids=answer.response_ids.tolist(),
+                    logprobs=answer.logprobs.tolist(),
+                    text="",  # the verdict was taken when the pool was built
+                    finish_reason="stop",
+                    version=answer.version,
+                ))
+                group.correct.append(True)
+                group.replayed.append(True)
+        return groups
+
+    def recompute_old(self, group: Group) -> list[bool]:
+        recompute_replays = self.cfg.algorithm.rlep.old_logprobs == "recompute"
+        return [recompute_replays or not replayed for replayed in group.replayed]
+
+    def after_update(self, step: int, groups: list[Group]) -> dict:
+        answers = sum(g.size for g in groups)
+        replayed = sum(sum(g.replayed) for g in groups)
+        return {"replay_share": replayed / max(1, answers), "replay_questions_short": self.short}
+
+    def shutdown(self) -> None:
+        if self.buffer is not None:
+            self.buffer.shutdown()
+
+
+def check_pool(pool: dict, prompt_ids: dict[str, list[int]], path: str, old_logprobs: str) -> None:
+    """Every pooled question must render to the same prompt tokens as in this run."""
+    known = [uid for uid in pool if uid in prompt_ids]
+    if not known:
+        raise BufferFileError(f"{path}: none of its {len(pool)} questions is in this run's training set")
+    for uid in known:
+        stored, answers = pool[uid]
+        if stored.tolist() != list(prompt_ids[uid]):
+            raise BufferFileError(
+                f"{path}: question {uid!r} was pooled with other prompt tokens than this run's tokenizer and "
+                f"chat template give; rebuild the pool with this policy's tokenizer"
+            )
+        if old_logprobs == "recorded" and any(np.isnan(a.logprobs).any() for a in answers):
+            raise ConfigError(
+                f"algorithm.rlep.old_logprobs='recorded' but {path} has no behaviour log-probs for question "
+                f"{uid!r} (an imported text pool); use 'recompute'"
+            )
+
+
+def questions_to_collect(cfg: Config, prompts: list[Prompt]) -> list[Prompt]:
+    """The training questions a pool covers: all, or the first `collect_questions` the
+    run's prompt sampler visits (the same seeded order the replay run will follow)."""
+    from rayrep.data import PromptSampler
+
+    limit = cfg.algorithm.rlep.collect_questions
+    if not limit or limit >= len(prompts):
+        return list(prompts)
+    sampler = PromptSampler(prompts, seed=cfg.data.shuffle_seed)
+    seen, ordered = set(), []
+    while len(ordered) < limit:
+        for prompt in sampler.next(cfg.algorithm.prompts_per_step):
+            if prompt.uid not in seen:
+                seen.add(prompt.uid)
+                ordered.append(prompt)
+    return ordered[:limit]
+
+
+def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) -> dict:
+    """RLEP phase 1: sample, verify, keep the successes of questions with enough of them."""
+    from transformers import AutoTokenizer
+
+    from rayrep.data import encode_prompts, load_split
+    from rayrep.runtime import Runtime
+
+    settings = cfg.algorithm.rlep
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompts = questions_to_collect(cfg, load_split(cfg.data, "train"))
+    prompt_ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_tokens)
+    start = time.perf_counter()
+    runtime = Runtime.start(cfg, checkpoint, train=False)
+    rows, kept_questions, samples = [], 0, 0
+    try:
+        # Slices bound the memory of one generate call; every generator works on each slice.
+        size = max(64, 8 * len(runtime.generators.workers))
+        for begin in range(0, len(prompts), size):
+            part, ids = prompts[begin : begin + size], prompt_ids[begin : begin + size]
+            chunks = runtime.generators.generate(
+                ids, n=settings.collect_samples, temperature=settings.collect_temperature,
+                top_p=settings.collect_top_p, max_tokens=cfg.generator.max_response_tokens,
+            )
+            answers = runtime.generators.gather(chunks)
+            correct = runtime.verifiers.check(chunks, [p.ground_truth for p in part]).correct
+            for prompt, group, marks in zip(part, answers, correct):
+                samples += len(group)
+                successes = [r for r, ok in zip(group, marks) if ok]
+                if len(successes) < settings.min_successes:
+                    continue
+                kept_questions += 1
+                rows += [{
+                    "uid": prompt.uid, "prompt": prompt.messages, "ground_truth": prompt.ground_truth,
+                    "data_source": prompt.data_source, "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
+                    "logprobs": r.logprobs, "text": r.text, "reward": 1.0, "version": r.version,
+                } for r in successes]
+            log(f"collect: {min(begin + size, len(prompts))}/{len(prompts)} questions, {kept_questions} kept, {len(rows)} successes")
+    finally:
+        runtime.shutdown()
+    if not rows:
+        raise RuntimeError(f"no question had {settings.min_successes} verified successes: the pool would be empty")
+    write_pool(rows, Path(out_path), source_checkpoint=str(checkpoint))
+    return {
+        "pool": str(out_path), "questions": len(prompts), "kept_questions": kept_questions, "successes": len(rows),
+        "samples": samples, "success_rate": len(rows) / max(1, samples), "seconds": time.perf_counter() - start,
+    }
