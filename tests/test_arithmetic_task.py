@@ -1,7 +1,7 @@
 import pytest
 
 from rayrep.data import encode_prompts, load_split, PromptTooLong
-from rayrep.data.arithmetic import LEVELS, Level, arithmetic_prompts, make_splits, resolve_levels
+from rayrep.data.arithmetic import TEST_RESERVE, Level, arithmetic_prompts, make_splits, resolve_levels
 from rayrep.config import DataConfig, load_preset
 from rayrep.models.tokenizer import build_char_tokenizer
 from rayrep.verifier.math import score
@@ -22,6 +22,16 @@ def test_growing_train_split_keeps_the_test_split():
     _, small = make_splits(100, 50, seed=0)
     _, large = make_splits(5000, 50, seed=0)
     assert [p.expression for p in small] == [p.expression for p in large]
+
+
+def test_splits_are_prefixes_and_train_ignores_the_test_size():
+    train_a, test_a = make_splits(300, 64, seed=3)
+    train_b, test_b = make_splits(2000, 500, seed=3)
+    assert [p.expression for p in test_a] == [p.expression for p in test_b[:64]]
+    assert [p.expression for p in train_a] == [p.expression for p in train_b[:300]]
+    # A train split never holds a problem of any test split up to the reserve.
+    _, largest_test = make_splits(0, TEST_RESERVE, seed=3)
+    assert not {p.expression for p in train_b} & {p.expression for p in largest_test}
 
 
 def test_answers_follow_left_to_right_evaluation():

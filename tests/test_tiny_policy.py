@@ -40,7 +40,7 @@ def test_tokenizer_reloads_identically_through_auto_tokenizer(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_build(tmp_path_factory):
-    spec = TinyPolicySpec(num_train=300, num_test=20, warm_start_steps=3, warm_start_batch=8)
+    spec = TinyPolicySpec(num_train=300, warm_start_steps=3, warm_start_batch=8)
     cache = tmp_path_factory.mktemp("cache")
     return spec, cache, ensure_tiny_policy(spec, cache, log=lambda _: None)
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rayrep.buffer.shard import SOURCES, Answer, QuestionAnswers
+from rayrep.buffer.shard import SOURCES, Answer, PackedAnswers, QuestionAnswers
 
 SNAPSHOT_VERSION = 1
 POOL_VERSION = 1
@@ -28,21 +29,31 @@ class BufferFileError(ValueError):
     """A snapshot or pool file is missing, malformed, or of an unknown schema version."""
 
 
-def _check_version(path: Path, table: pa.Table, kind: str, known: int) -> None:
-    meta = table.schema.metadata or {}
+def _check_version(path: Path, schema: pa.Schema, kind: str, known: int) -> None:
+    meta = schema.metadata or {}
     if meta.get(b"rayrep.kind", b"").decode() != kind:
         raise BufferFileError(f"{path}: not a rayrep {kind} file (metadata rayrep.kind = {meta.get(b'rayrep.kind')!r})")
-    version = int(meta.get(b"rayrep.schema_version", b"0"))
+    raw = meta.get(b"rayrep.schema_version")
+    if raw is None:
+        raise BufferFileError(f"{path}: no rayrep.schema_version in the {kind} file's metadata")
+    try:
+        version = int(raw)
+    except ValueError:
+        raise BufferFileError(f"{path}: {kind} schema version {raw!r} is not a number") from None
     if version != known:
         raise BufferFileError(f"{path}: {kind} schema version {version}, this rayrep reads version {known}")
 
 
-def _write_atomic(table: pa.Table, path: Path) -> None:
+def _write_atomic(path: Path, schema: pa.Schema, tables) -> None:
+    """Write `tables` (of `schema`) one after another as one Parquet file; `path` is replaced
+    only by a complete file. Row groups stay small, so that readers can stream the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(table, temp)
+        with pq.ParquetWriter(temp, schema) as writer:
+            for table in tables:
+                writer.write_table(table, row_group_size=_ROWS_PER_CHUNK)
         os.replace(temp, path)
     finally:
         if os.path.exists(temp):
@@ -56,6 +67,123 @@ def _read(path: Path) -> pa.Table:
         return pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise BufferFileError(f"{path}: not a readable Parquet file ({err})") from None
+
+
+def _open(path: Path, kind: str, known: int) -> pq.ParquetFile:
+    if not path.is_file():
+        raise BufferFileError(f"{path}: no such file")
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise BufferFileError(f"{path}: not a readable Parquet file ({err})") from None
+    _check_version(path, file.schema_arrow, kind, known)
+    return file
+
+
+def _row_batches(path: Path, file: pq.ParquetFile):
+    """(number of rows before, table) of each row group, read one after the other."""
+    first = 0
+    for group in range(file.metadata.num_row_groups):
+        try:
+            table = file.read_row_group(group)
+        except (pa.ArrowInvalid, OSError) as err:
+            raise BufferFileError(f"{path}: not a readable Parquet file ({err})") from None
+        yield first, table
+        first += len(table)
+
+
+# ---------------------------------------------------------------------- columns
+# Token ids and log-probs go between numpy and Arrow as flat arrays plus offsets, never as
+# Python lists: one Python object per token costs about 30 bytes, which made restoring a
+# 100k-trajectory snapshot peak at 18x its raw size (a 1M one could not be restored here).
+
+_MAX_LIST_VALUES = 2**31 - 1
+"""Values one Arrow list array (int32 offsets) can hold; longer columns are chunked."""
+_ROWS_PER_CHUNK = 65_536
+
+
+def _list_array(values: np.ndarray, lengths: np.ndarray, value_type: pa.DataType) -> pa.ChunkedArray:
+    """Rows of `lengths[i]` consecutive values, as an Arrow list column (chunked, depending only on the content)."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    chunks, start = [], 0
+    while start < len(lengths) or not chunks:
+        end = min(len(lengths), start + _ROWS_PER_CHUNK)
+        while end > start + 1 and offsets[end] - offsets[start] > _MAX_LIST_VALUES:
+            end = start + (end - start) // 2
+        piece = pa.array(values[offsets[start] : offsets[end]], value_type)
+        chunks.append(pa.ListArray.from_arrays(pa.array(offsets[start : end + 1] - offsets[start], pa.int32()), piece))
+        start = end
+    return pa.chunked_array(chunks, pa.list_(value_type))
+
+
+def _column(table: pa.Table, name: str, path: Path, first_row: int = 0) -> pa.ChunkedArray:
+    if name not in table.column_names:
+        raise BufferFileError(f"{path}: no column {name!r}")
+    column = table.column(name)
+    if column.null_count:
+        row = first_row + int(np.nonzero(column.is_null().to_numpy())[0][0])
+        raise BufferFileError(f"{path}, row {row + 1}: {name} is null")
+    return column
+
+
+def _scalars(table: pa.Table, name: str, path: Path, dtype, first_row: int = 0) -> np.ndarray:
+    return np.asarray(_column(table, name, path, first_row).to_numpy(), dtype)
+
+
+def _lists(table: pa.Table, name: str, path: Path, dtype, first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(values, int64 offsets [rows + 1]) of a list column."""
+    column = _column(table, name, path, first_row)
+    values = pc.list_flatten(column)
+    if values.null_count:
+        raise BufferFileError(f"{path}: column {name!r} holds null values")
+    lengths = pc.list_value_length(column).to_numpy()
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return np.asarray(values.to_numpy(), dtype), offsets
+
+
+def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, QuestionAnswers], pa.Schema]:
+    """Every answer row of a snapshot or pool file, grouped by question id in file order.
+
+    Read in batches of rows, so that memory holds the result plus one batch. Pools have no
+    source and step columns: their answers come from a pool, at step 0."""
+    file = _open(path, kind, known)
+    entries: dict[str, QuestionAnswers] = {}
+    for first, table in _row_batches(path, file):
+        tokens, offsets = _lists(table, "response_ids", path, np.int32, first)
+        logprobs, logprob_offsets = _lists(table, "logprobs", path, np.float32, first)
+        if not np.array_equal(offsets, logprob_offsets):
+            row = int(np.nonzero(np.diff(offsets) != np.diff(logprob_offsets))[0][0])
+            raise BufferFileError(f"{path}, row {first + row + 1}: {offsets[row + 1] - offsets[row]} token ids but "
+                                  f"{logprob_offsets[row + 1] - logprob_offsets[row]} log-probs")
+        rows = len(table)
+        batch = PackedAnswers(
+            uids=[], counts=np.empty(0, np.int64), offsets=offsets, tokens=tokens, logprobs=logprobs,
+            rewards=_scalars(table, "reward", path, np.float32, first),
+            versions=_scalars(table, "version", path, np.int32, first),
+            sources=_source_indices(_column(table, "source", path, first).to_pylist(), path)
+            if "source" in table.column_names else np.zeros(rows, np.int8),
+            steps=_scalars(table, "step", path, np.int32, first)
+            if "step" in table.column_names else np.zeros(rows, np.int32),
+        )
+        prompts, prompt_offsets = _lists(table, "prompt_ids", path, np.int32, first)
+        for uid, uid_rows in _rows_by_uid(_column(table, "uid", path, first).to_pylist()).items():
+            entry = entries.get(uid)
+            if entry is None:
+                start, end = prompt_offsets[uid_rows[0]], prompt_offsets[uid_rows[0] + 1]
+                entry = entries[uid] = QuestionAnswers(prompts[start:end])
+            entry.extend_rows(batch, uid_rows, cap=len(entry) + len(uid_rows))
+    pa.default_memory_pool().release_unused()  # Arrow's allocator keeps freed memory otherwise
+    return entries, file.schema_arrow
+
+
+def _rows_by_uid(uids: list[str]) -> dict[str, range | list[int]]:
+    """Row numbers of each uid, in file order (a range where they are consecutive, as written)."""
+    rows: dict[str, list[int]] = {}
+    for row, uid in enumerate(uids):
+        rows.setdefault(uid, []).append(row)
+    return {uid: range(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else r for uid, r in rows.items()}
 
 
 # ---------------------------------------------------------------------- snapshots
@@ -78,49 +206,63 @@ def write_snapshot(parts: list[dict], directory: Path) -> Path:
     questions = sorted((q for part in parts for q in part["questions"]), key=lambda q: q[0])
     retired = sorted(uid for part in parts for uid in part["retired"])
     evicted = sum(part["evicted"] for part in parts)
-    columns: dict[str, list] = {name: [] for name in ANSWER_SCHEMA.names}
-    for uid, entry in questions:
-        for i in range(len(entry)):
-            answer = entry.answer(i)
-            columns["uid"].append(uid)
-            columns["prompt_ids"].append(entry.prompt_ids)
-            columns["response_ids"].append(answer.response_ids)
-            columns["logprobs"].append(answer.logprobs)
-            columns["reward"].append(answer.reward)
-            columns["version"].append(answer.version)
-            columns["source"].append(answer.source)
-            columns["step"].append(answer.step)
     meta = {"rayrep.kind": "buffer-snapshot", "rayrep.schema_version": str(SNAPSHOT_VERSION), "rayrep.evicted": str(evicted)}
-    answers = pa.table(columns, schema=ANSWER_SCHEMA.with_metadata(meta))
+    # Whole questions per table of about _ROWS_PER_CHUNK rows: memory holds one at a time,
+    # and the split depends on the content only (the same content, the same bytes).
+    chunks, rows = [[]], 0
+    for uid, entry in questions:
+        if rows and rows + len(entry) > _ROWS_PER_CHUNK:
+            chunks.append([])
+            rows = 0
+        chunks[-1].append((uid, entry))
+        rows += len(entry)
+    schema = ANSWER_SCHEMA.with_metadata(meta)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_atomic(directory / "answers.parquet", schema, (_answer_table(chunk, schema) for chunk in chunks))
     question_rows = [(uid, entry.bucket, False) for uid, entry in questions] + [(uid, -1, True) for uid in retired]
     question_rows.sort()
     question_table = pa.table(
         {"uid": [r[0] for r in question_rows], "bucket": [r[1] for r in question_rows], "retired": [r[2] for r in question_rows]},
         schema=QUESTION_SCHEMA.with_metadata(meta),
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(answers, directory / "answers.parquet")
-    _write_atomic(question_table, directory / "questions.parquet")
+    _write_atomic(directory / "questions.parquet", question_table.schema, [question_table])
     return directory
 
 
+def _answer_table(questions: list[tuple[str, QuestionAnswers]], schema: pa.Schema) -> pa.Table:
+    """One row per stored answer of the questions, oldest first."""
+    entries = [entry for _, entry in questions]
+    counts = [len(entry) for entry in entries]
+
+    def flat(name, dtype):
+        return np.concatenate([getattr(entry, name) for entry in entries]) if entries else np.empty(0, dtype)
+
+    answer_lengths = np.concatenate([np.diff(entry.offsets) for entry in entries]) if entries else np.empty(0, np.int64)
+    prompts = [np.tile(entry.prompt_ids, len(entry)) for entry in entries]  # the schema repeats it on every row
+    columns = {
+        "uid": pa.array([uid for uid, entry in questions for _ in range(len(entry))], pa.string()),
+        "prompt_ids": _list_array(np.concatenate(prompts) if prompts else np.empty(0, np.int32),
+                                  np.repeat([len(entry.prompt_ids) for entry in entries], counts).astype(np.int64),
+                                  pa.int32()),
+        "response_ids": _list_array(flat("tokens", np.int32), answer_lengths, pa.int32()),
+        "logprobs": _list_array(flat("logprobs", np.float32), answer_lengths, pa.float32()),
+        "reward": pa.array(flat("rewards", np.float32), pa.float32()),
+        "version": pa.array(flat("versions", np.int32), pa.int32()),
+        "source": pa.array(np.array(SOURCES, dtype=object)[flat("sources", np.int8)], pa.string()),
+        "step": pa.array(flat("steps", np.int32), pa.int32()),
+    }
+    return pa.table(columns, schema=schema)
+
+
 def read_snapshot(directory: Path) -> tuple[list[tuple[str, QuestionAnswers]], list[str], int]:
-    answers = _read(directory / "answers.parquet")
+    _open(directory / "answers.parquet", "buffer-snapshot", SNAPSHOT_VERSION)
     questions = _read(directory / "questions.parquet")
-    _check_version(directory / "answers.parquet", answers, "buffer-snapshot", SNAPSHOT_VERSION)
-    _check_version(directory / "questions.parquet", questions, "buffer-snapshot", SNAPSHOT_VERSION)
-    evicted = int((answers.schema.metadata or {}).get(b"rayrep.evicted", b"0"))
-    entries: dict[str, QuestionAnswers] = {}
-    pending: dict[str, list[Answer]] = {}
-    for row in answers.to_pylist():
-        uid = row["uid"]
-        if uid not in entries:
-            entries[uid] = QuestionAnswers(np.array(row["prompt_ids"], np.int32))
-            pending[uid] = []
-        pending[uid].append(Answer(np.array(row["response_ids"], np.int32), np.array(row["logprobs"], np.float32),
-                                   row["reward"], row["version"], row["source"], row["step"]))
-    for uid, answers_of in pending.items():
-        entries[uid].extend(answers_of, cap=len(answers_of))
+    _check_version(directory / "questions.parquet", questions.schema, "buffer-snapshot", SNAPSHOT_VERSION)
+    entries, schema = _read_answers(directory / "answers.parquet", "buffer-snapshot", SNAPSHOT_VERSION)
+    try:
+        evicted = int((schema.metadata or {}).get(b"rayrep.evicted", b"0"))
+    except ValueError:
+        raise BufferFileError(f"{directory / 'answers.parquet'}: metadata rayrep.evicted is not a number") from None
     retired = []
     for row in questions.to_pylist():
         if row["retired"]:
@@ -128,6 +270,14 @@ def read_snapshot(directory: Path) -> tuple[list[tuple[str, QuestionAnswers]], l
         elif row["uid"] in entries:
             entries[row["uid"]].bucket = row["bucket"]
     return sorted(entries.items()), retired, evicted
+
+
+def _source_indices(names: list[str], path: Path) -> np.ndarray:
+    index = {name: i for i, name in enumerate(SOURCES)}
+    try:
+        return np.array([index[name] for name in names], np.int8)
+    except KeyError as err:
+        raise BufferFileError(f"{path}: unknown answer source {err.args[0]!r} (known: {', '.join(SOURCES)})") from None
 
 
 # ---------------------------------------------------------------------- experience pools
@@ -154,42 +304,51 @@ def write_pool(rows: list[dict], path: Path, source_checkpoint: str) -> Path:
     `rows` hold: uid, prompt (chat messages), ground_truth, data_source, prompt_ids,
     response_ids, logprobs, text, reward, version.
     """
+    path = Path(path)
+    for index, r in enumerate(rows):
+        # Checked here too, not only on reading: a pool that cannot be read back is useless.
+        if len(r["response_ids"]) != len(r["logprobs"]):
+            raise BufferFileError(f"{path}, row {index + 1}: {len(r['response_ids'])} token ids "
+                                  f"but {len(r['logprobs'])} log-probs")
+    token_lengths = np.array([len(r["response_ids"]) for r in rows], np.int64)
+    prompt_lengths = np.array([len(r["prompt_ids"]) for r in rows], np.int64)
+
+    def flat(key, dtype):
+        return np.concatenate([np.asarray(r[key], dtype) for r in rows]) if rows else np.empty(0, dtype)
+
     table = pa.table(
         {
             "uid": [r["uid"] for r in rows],
             "prompt": [json.dumps(list(r["prompt"])) for r in rows],
             "ground_truth": [r["ground_truth"] for r in rows],
             "data_source": [r["data_source"] for r in rows],
-            "prompt_ids": [list(r["prompt_ids"]) for r in rows],
-            "response_ids": [list(r["response_ids"]) for r in rows],
-            "logprobs": [list(r["logprobs"]) for r in rows],
+            "prompt_ids": _list_array(flat("prompt_ids", np.int32), prompt_lengths, pa.int32()),
+            "response_ids": _list_array(flat("response_ids", np.int32), token_lengths, pa.int32()),
+            "logprobs": _list_array(flat("logprobs", np.float32), token_lengths, pa.float32()),
             "text": [r["text"] for r in rows],
             "reward": [float(r["reward"]) for r in rows],
-            "length": [len(r["response_ids"]) for r in rows],
+            "length": token_lengths.astype(np.int32),
             "version": [int(r.get("version", 0)) for r in rows],
             "source_checkpoint": [source_checkpoint] * len(rows),
         },
         schema=POOL_SCHEMA.with_metadata({"rayrep.kind": "experience-pool", "rayrep.schema_version": str(POOL_VERSION)}),
     )
-    _write_atomic(table, Path(path))
+    _write_atomic(path, table.schema, [table])
     return Path(path)
 
 
 def read_pool(path: str | Path) -> dict[str, tuple[np.ndarray, list[Answer]]]:
     """question id -> (prompt ids, its stored successes) of a pool written by `write_pool`."""
     path = Path(path)
-    table = _read(path)
-    _check_version(path, table, "experience-pool", POOL_VERSION)
+    entries, _ = _read_answers(path, "experience-pool", POOL_VERSION)
     pool: dict[str, tuple[np.ndarray, list[Answer]]] = {}
-    for index, row in enumerate(table.to_pylist()):
-        if len(row["response_ids"]) != len(row["logprobs"]):
-            raise BufferFileError(f"{path}, row {index + 1}: {len(row['response_ids'])} token ids but {len(row['logprobs'])} log-probs")
-        if row["uid"] not in pool:
-            pool[row["uid"]] = (np.array(row["prompt_ids"], np.int32), [])
-        pool[row["uid"]][1].append(
-            Answer(np.array(row["response_ids"], np.int32), np.array(row["logprobs"], np.float32), row["reward"],
-                   row["version"], "pool", 0)
-        )
+    for uid, entry in entries.items():
+        # The question's answers are views of its flat arrays: one allocation per question.
+        spans = zip(entry.offsets[:-1].tolist(), entry.offsets[1:].tolist())
+        pool[uid] = (entry.prompt_ids, [
+            Answer(entry.tokens[start:end], entry.logprobs[start:end], reward, version, "pool", 0)
+            for (start, end), reward, version in zip(spans, entry.rewards.tolist(), entry.versions.tolist())
+        ])
     return pool
 
 

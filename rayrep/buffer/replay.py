@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from rayrep.buffer.shard import SOURCES, Answer, QuestionAnswers, RemoteReplayShard, ReplayShard
+from rayrep.buffer.shard import Answer, PackedAnswers, RemoteReplayShard, ReplayShard
 
 SNAPSHOT_SCHEMA_VERSION = 1
 
@@ -79,7 +79,8 @@ class ReplayBuffer:
 
     def add(self, items: list[tuple[str, np.ndarray, list[Answer]]], dedup: bool = False) -> int:
         """Store (question id, prompt ids, answers) items; returns how many answers were stored."""
-        results = self._call("add", {s: (group, dedup) for s, group in self._by_shard(items).items()})
+        packed = {s: (PackedAnswers.pack(group), dedup) for s, group in self._by_shard(items).items()}
+        results = self._call("add_packed", packed)
         return sum(results.values())
 
     def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=()) -> dict:
@@ -94,7 +95,9 @@ class ReplayBuffer:
             work[self._route(uid)]["buckets"][uid] = k
         for uid in retire:
             work[self._route(uid)]["retire"].append(uid)
-        results = self._call("apply", {s: (w["items"], dedup, w["buckets"], w["retire"]) for s, w in work.items()})
+        results = self._call("apply", {
+            s: (PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"]) for s, w in work.items()
+        })
         return merge_stats(list(results.values()))
 
     # ------------------------------------------------------------------ reads
@@ -102,17 +105,21 @@ class ReplayBuffer:
     def sample_answers(self, requests: list[tuple[str, int]]) -> dict[str, list[Answer]]:
         """Up to `count` stored answers of each question, uniformly without replacement (RLEP)."""
         seeds = self.rng.getrandbits(63)
-        results = self._call("sample_answers", {s: (group, seeds + s) for s, group in self._by_shard(requests).items()})
+        results = self._call("sample_packed", {
+            s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s)
+            for s, group in self._by_shard(requests).items()
+        })
         merged: dict[str, list[Answer]] = {}
         for part in results.values():
-            merged.update(part)
+            merged.update(part.unpack())
         return merged
 
     def all_answers(self, uids: list[str]) -> dict[str, tuple[np.ndarray, list[Answer]]]:
-        results = self._call("all_answers", {s: (group,) for s, group in self._by_shard(uids, key=lambda u: u).items()})
+        groups = self._by_shard(uids, key=lambda u: u)
+        results = self._call("all_answers_packed", {s: (group,) for s, group in groups.items()})
         merged: dict = {}
         for part in results.values():
-            merged.update(part)
+            merged.update(part.unpack_with_prompts())
         return merged
 
     def bucket_sizes(self) -> list[dict[int, int]]:

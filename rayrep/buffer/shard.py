@@ -5,6 +5,10 @@ float32 array of their behaviour log-probs, offsets, and small per-answer metada
 arrays. Python objects per answer would cost hundreds of bytes each; this way a
 question costs a fixed few hundred bytes plus its raw arrays.
 
+Answers cross between the client and the shards packed (`PackedAnswers`: a few flat
+arrays per call), never as two small arrays per answer: Ray spends tens of microseconds
+on each array it (de)serializes, which made sampling 512 questions' replays take 40 ms.
+
 It serves both replay methods:
 - RLEP: `sample_answers` draws M stored successes of given questions uniformly without
   replacement (what it has when a question has fewer than M: never placeholders).
@@ -40,13 +44,126 @@ class Answer:
     """Training step (or pool id) at which it entered the buffer."""
 
 
+@dataclass
+class PackedAnswers:
+    """Answers of several questions in flat arrays, grouped by question, in order."""
+
+    uids: list[str]
+    counts: np.ndarray
+    """int64 [Q]: how many answers each question has here."""
+    offsets: np.ndarray
+    """int64 [N + 1]: answer i's tokens are tokens[offsets[i] : offsets[i + 1]]."""
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    rewards: np.ndarray
+    versions: np.ndarray
+    sources: np.ndarray
+    """int8 [N]: index into SOURCES."""
+    steps: np.ndarray
+    prompt_offsets: np.ndarray | None = None
+    """int64 [Q + 1] (with prompts): question q's prompt is prompts[prompt_offsets[q] : prompt_offsets[q + 1]]."""
+    prompts: np.ndarray | None = None
+
+    @classmethod
+    def pack(cls, items: list[tuple[str, np.ndarray | None, list[Answer]]]) -> PackedAnswers:
+        """Pack (question id, prompt ids or None, answers) items."""
+        answers = [a for _, _, group in items for a in group]
+        lengths = np.array([len(a.response_ids) for a in answers], np.int64)
+        logprob_lengths = np.array([len(a.logprobs) for a in answers], np.int64)
+        if not np.array_equal(lengths, logprob_lengths):
+            bad = int(np.nonzero(lengths != logprob_lengths)[0][0])
+            for uid, _, group in items:  # name the question and the answer
+                if bad < len(group):
+                    raise ValueError(f"question {uid!r}, answer {bad}: {len(group[bad].response_ids)} token ids "
+                                     f"but {len(group[bad].logprobs)} log-probs")
+                bad -= len(group)
+        packed = cls(
+            uids=[uid for uid, _, _ in items],
+            counts=np.array([len(group) for _, _, group in items], np.int64),
+            offsets=_offsets(lengths),
+            tokens=_flat([a.response_ids for a in answers], np.int32),
+            logprobs=_flat([a.logprobs for a in answers], np.float32),
+            rewards=np.array([a.reward for a in answers], np.float32),
+            versions=np.array([a.version for a in answers], np.int32),
+            sources=np.array([SOURCES.index(a.source) for a in answers], np.int8),
+            steps=np.array([a.step for a in answers], np.int32),
+        )
+        if items and all(prompt is not None for _, prompt, _ in items):
+            prompts = [np.asarray(prompt) for _, prompt, _ in items]
+            packed.prompt_offsets = _offsets(np.array([len(p) for p in prompts], np.int64))
+            packed.prompts = _flat(prompts, np.int32)
+        return packed
+
+    def prompt(self, q: int) -> np.ndarray:
+        return self.prompts[self.prompt_offsets[q] : self.prompt_offsets[q + 1]]
+
+    def unpack(self) -> dict[str, list[Answer]]:
+        """Answers by question; their arrays are views of the packed ones, never of a shard's storage."""
+        return {uid: answers for _, uid, answers in self._groups()}
+
+    def unpack_with_prompts(self) -> dict[str, tuple[np.ndarray, list[Answer]]]:
+        return {uid: (self.prompt(q), answers) for q, uid, answers in self._groups()}
+
+    def _groups(self):
+        offsets, rewards, versions = self.offsets.tolist(), self.rewards.tolist(), self.versions.tolist()
+        sources, steps = self.sources.tolist(), self.steps.tolist()
+        first = 0
+        for q, (uid, count) in enumerate(zip(self.uids, self.counts.tolist())):
+            yield q, uid, [
+                Answer(self.tokens[offsets[i] : offsets[i + 1]], self.logprobs[offsets[i] : offsets[i + 1]], rewards[i],
+                       versions[i], SOURCES[sources[i]], steps[i])
+                for i in range(first, first + count)
+            ]
+            first += count
+
+    @classmethod
+    def gather(cls, uids: list[str], counts: list[int], picks: list[tuple[QuestionAnswers, int]],
+               prompts: list[np.ndarray] | None = None) -> PackedAnswers:
+        """Pack answer i of each (question, i) pick, `counts[q]` picks for question q in turn."""
+        tokens, logprobs, lengths = [], [], []
+        for entry, i in picks:
+            start, end = entry.offsets[i], entry.offsets[i + 1]
+            tokens.append(entry.tokens[start:end])
+            logprobs.append(entry.logprobs[start:end])
+            lengths.append(end - start)
+        packed = cls(
+            uids=list(uids),
+            counts=np.asarray(counts, np.int64),
+            offsets=_offsets(np.array(lengths, np.int64)),
+            tokens=np.concatenate(tokens) if tokens else np.empty(0, np.int32),
+            logprobs=np.concatenate(logprobs) if logprobs else np.empty(0, np.float32),
+            rewards=np.array([entry.rewards[i] for entry, i in picks], np.float32),
+            versions=np.array([entry.versions[i] for entry, i in picks], np.int32),
+            sources=np.array([entry.sources[i] for entry, i in picks], np.int8),
+            steps=np.array([entry.steps[i] for entry, i in picks], np.int32),
+        )
+        if prompts is not None:
+            packed.prompt_offsets = _offsets(np.array([len(p) for p in prompts], np.int64))
+            packed.prompts = _flat(prompts, np.int32)
+        return packed
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def _flat(arrays: list, dtype) -> np.ndarray:
+    return np.concatenate([np.asarray(a, dtype) for a in arrays]) if arrays else np.empty(0, dtype)
+
+
 class QuestionAnswers:
     """All stored answers of one question, oldest first, in flat arrays."""
 
-    __slots__ = ("prompt_ids", "tokens", "logprobs", "offsets", "rewards", "versions", "sources", "steps", "bucket")
+    ARRAYS = ("prompt_ids", "tokens", "logprobs", "offsets", "rewards", "versions", "sources", "steps")
+    __slots__ = ARRAYS + ("bucket",)
 
     def __init__(self, prompt_ids: np.ndarray):
-        self.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
+        # Always a copy: inside a Ray actor the argument is a read-only view of the whole
+        # call's serialized buffer, and keeping the view would pin all of it (every answer
+        # of the add call) in the object store for as long as the question lives.
+        self.prompt_ids = np.array(prompt_ids, dtype=np.int32)
         self.tokens = np.empty(0, dtype=np.int32)
         self.logprobs = np.empty(0, dtype=np.float32)
         self.offsets = np.zeros(1, dtype=np.int64)
@@ -74,15 +191,32 @@ class QuestionAnswers:
 
     def extend(self, answers: list[Answer], cap: int) -> int:
         """Append answers, then evict the oldest beyond `cap`; returns how many were evicted."""
-        if answers:
-            lengths = [len(a.response_ids) for a in answers]
-            self.tokens = np.concatenate([self.tokens] + [np.asarray(a.response_ids, np.int32) for a in answers])
-            self.logprobs = np.concatenate([self.logprobs] + [np.asarray(a.logprobs, np.float32) for a in answers])
+        return self.extend_rows(PackedAnswers.pack([("", None, answers)]), range(len(answers)), cap)
+
+    def extend_rows(self, batch: PackedAnswers, rows: range | list[int], cap: int) -> int:
+        """Append the given answers (rows) of a packed batch, then evict the oldest beyond `cap`.
+
+        Every array is a new one: nothing stored is a view of the batch (which, in a Ray
+        actor, is the call's serialized buffer)."""
+        if len(rows):
+            if isinstance(rows, range):  # one contiguous run of answers: slices, no gather
+                start, end = batch.offsets[rows.start], batch.offsets[rows.stop]
+                tokens, logprobs = [batch.tokens[start:end]], [batch.logprobs[start:end]]
+                lengths = np.diff(batch.offsets[rows.start : rows.stop + 1])
+                rows = slice(rows.start, rows.stop)
+            else:
+                spans = [(batch.offsets[i], batch.offsets[i + 1]) for i in rows]
+                tokens = [batch.tokens[start:end] for start, end in spans]
+                logprobs = [batch.logprobs[start:end] for start, end in spans]
+                lengths = np.array([end - start for start, end in spans], np.int64)
+                rows = np.asarray(rows, np.int64)
+            self.tokens = np.concatenate([self.tokens, *tokens])
+            self.logprobs = np.concatenate([self.logprobs, *logprobs])
             self.offsets = np.concatenate([self.offsets, self.offsets[-1] + np.cumsum(lengths)])
-            self.rewards = np.concatenate([self.rewards, np.array([a.reward for a in answers], np.float32)])
-            self.versions = np.concatenate([self.versions, np.array([a.version for a in answers], np.int32)])
-            self.sources = np.concatenate([self.sources, np.array([SOURCES.index(a.source) for a in answers], np.int8)])
-            self.steps = np.concatenate([self.steps, np.array([a.step for a in answers], np.int32)])
+            self.rewards = np.concatenate([self.rewards, batch.rewards[rows]])
+            self.versions = np.concatenate([self.versions, batch.versions[rows]])
+            self.sources = np.concatenate([self.sources, batch.sources[rows]])
+            self.steps = np.concatenate([self.steps, batch.steps[rows]])
         evict = len(self) - cap
         if evict > 0:
             cut = self.offsets[evict]
@@ -94,8 +228,7 @@ class QuestionAnswers:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.prompt_ids, self.tokens, self.logprobs, self.offsets, self.rewards, self.versions, self.sources, self.steps)
-        return sum(a.nbytes for a in arrays)
+        return sum(getattr(self, name).nbytes for name in self.ARRAYS)
 
 
 class ReplayShard:
@@ -116,23 +249,28 @@ class ReplayShard:
         Retired questions take nothing. With `dedup`, an answer whose token ids are already
         stored under its question is skipped.
         """
-        stored = 0
-        for uid, prompt_ids, answers in items:
+        return self.add_packed(PackedAnswers.pack(items), dedup)
+
+    def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
+        """`add`, for answers packed with their prompts (what the client sends)."""
+        stored, first = 0, 0
+        for q, (uid, count) in enumerate(zip(batch.uids, batch.counts.tolist())):
+            rows, first = range(first, first + count), first + count
             if uid in self.retired:
                 continue
             entry = self.questions.get(uid)
             if entry is None:
-                entry = self.questions[uid] = QuestionAnswers(prompt_ids)
+                entry = self.questions[uid] = QuestionAnswers(batch.prompt(q))
             if dedup:
                 fresh, seen = [], []
-                for a in answers:
-                    ids = np.asarray(a.response_ids, np.int32)
+                for i in rows:
+                    ids = batch.tokens[batch.offsets[i] : batch.offsets[i + 1]]
                     if not entry.contains(ids) and not any(np.array_equal(ids, s) for s in seen):
-                        fresh.append(a)
+                        fresh.append(i)
                         seen.append(ids)
-                answers = fresh
-            self.evicted += entry.extend(answers, self.cap)
-            stored += len(answers)
+                rows = fresh if len(fresh) < len(rows) else rows
+            self.evicted += entry.extend_rows(batch, rows, self.cap)
+            stored += len(rows)
             if len(entry) == 0:
                 del self.questions[uid]
         return stored
@@ -153,7 +291,10 @@ class ReplayShard:
 
     def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=()) -> dict:
         """One round trip for a step's writes: add, then set buckets, then retire; returns stats."""
-        stored = self.add(list(items), dedup) if items else 0
+        if isinstance(items, PackedAnswers):
+            stored = self.add_packed(items, dedup)
+        else:
+            stored = self.add(list(items), dedup) if items else 0
         self.set_buckets(buckets or {})
         self.retire(list(retire))
         return {"stored": stored, **self.stats()}
@@ -162,24 +303,37 @@ class ReplayShard:
 
     def sample_answers(self, requests: list[tuple[str, int]], seed: int | None = None) -> dict[str, list[Answer]]:
         """Up to `count` stored answers per question, uniformly without replacement."""
-        rng = random.Random(seed) if seed is not None else self.rng
-        out = {}
-        for uid, count in requests:
-            entry = self.questions.get(uid)
-            if entry is None or count <= 0:
-                out[uid] = []
-                continue
-            picks = rng.sample(range(len(entry)), min(count, len(entry)))
-            out[uid] = [entry.answer(i) for i in picks]
-        return out
+        return self.sample_packed([uid for uid, _ in requests], [count for _, count in requests], seed).unpack()
+
+    def sample_packed(self, uids: list[str], wanted, seed: int | None = None) -> PackedAnswers:
+        """`sample_answers` of `wanted[q]` answers of question `uids[q]`, packed.
+
+        What the client calls: ids and counts as a list of strings and an array cross a Ray
+        call about three times faster than a list of (id, count) tuples."""
+        rng = np.random.default_rng(seed if seed is not None else self.rng.getrandbits(63))
+        entries = [self.questions.get(uid) for uid in uids]
+        sizes = np.array([0 if entry is None else len(entry) for entry in entries], np.int64)
+        counts = np.minimum(np.maximum(np.asarray(wanted, np.int64).reshape(-1), 0), sizes)
+        # Uniform without replacement, all questions at once: order each question's answers
+        # by random keys in [0, 1) (sorting q + key keeps the questions apart, in order) and
+        # keep its first counts[q].
+        question = np.repeat(np.arange(len(sizes)), sizes)
+        order = np.argsort(question + rng.random(len(question)))
+        starts = _offsets(sizes)
+        keep = np.arange(len(question)) - starts[question] < counts[question]
+        kept = question[keep]
+        picks = [(entries[q], i) for q, i in zip(kept.tolist(), (order[keep] - starts[kept]).tolist())]
+        return PackedAnswers.gather(uids, counts, picks)
 
     def all_answers(self, uids: list[str]) -> dict[str, tuple[np.ndarray, list[Answer]]]:
         """(prompt ids, every stored answer) of each question (ExGRPO's entropy selection)."""
-        return {
-            uid: (self.questions[uid].prompt_ids.copy(), [self.questions[uid].answer(i) for i in range(len(self.questions[uid]))])
-            for uid in uids
-            if uid in self.questions
-        }
+        return self.all_answers_packed(uids).unpack_with_prompts()
+
+    def all_answers_packed(self, uids: list[str]) -> PackedAnswers:
+        present = [uid for uid in uids if uid in self.questions]
+        entries = [self.questions[uid] for uid in present]
+        picks = [(entry, i) for entry in entries for i in range(len(entry))]
+        return PackedAnswers.gather(present, [len(e) for e in entries], picks, prompts=[e.prompt_ids for e in entries])
 
     def bucket_sizes(self) -> dict[int, int]:
         sizes: dict[int, int] = {}
@@ -228,6 +382,13 @@ class ReplayShard:
         }
 
     def restore(self, questions: list[tuple[str, QuestionAnswers]], retired: list[str], evicted: int) -> None:
+        # Arrays that arrive through Ray are read-only views of the call's serialized buffer
+        # (all of the restored content): copy them, so that the buffer can be freed.
+        for _, entry in questions:
+            for name in QuestionAnswers.ARRAYS:
+                array = getattr(entry, name)
+                if array.base is not None:
+                    setattr(entry, name, array.copy())
         self.questions = dict(questions)
         self.retired = set(retired)
         self.evicted = evicted

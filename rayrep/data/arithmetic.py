@@ -10,6 +10,7 @@ machine and every Ray worker sees the same train and test questions.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from dataclasses import dataclass
@@ -127,42 +128,53 @@ def resolve_levels(names) -> list[Level]:
     return [LEVELS[n] for n in names]
 
 
+TEST_RESERVE = 1000
+"""The first this-many problems of the stream are kept for test splits: a train split never
+includes them, so the train split does not depend on the test size (up to this many)."""
+
+
+def problem_stream(seed: int = 0, levels=DEFAULT_LEVELS):
+    """Distinct problems in a fixed seeded order, levels taking turns.
+
+    A level whose distinct problems run out (1-digit addition has only 100) drops out of
+    the rotation instead of repeating questions; the stream ends when every level has.
+    """
+    active = list(resolve_levels(levels))
+    rng = random.Random(f"rayrep-arithmetic-{seed}")
+    seen: set[str] = set()
+    turn = 0
+    while active:
+        level = active[turn % len(active)]
+        for _ in range(200):
+            problem = _random_problem(rng, level)
+            if problem.expression not in seen:
+                seen.add(problem.expression)
+                turn += 1
+                yield problem
+                break
+        else:
+            active.remove(level)
+
+
 def make_splits(
     num_train: int, num_test: int, seed: int = 0, levels=DEFAULT_LEVELS
 ) -> tuple[list[Problem], list[Problem]]:
-    """Deterministic, disjoint train and test problems, levels mixed uniformly.
+    """Deterministic, disjoint train and test problems, levels mixed evenly.
 
-    The test split is drawn first so that growing the train split never changes it.
+    Both are prefixes of fixed sequences: the test split is the start of the problem
+    stream, the train split the part after `TEST_RESERVE` (or after the test split, if
+    larger). So a smaller split is part of a larger one, growing either never changes the
+    other, and the embedded tiny policy (warm-started on a train split) never saw a test
+    problem of any test split up to `TEST_RESERVE` problems.
     """
-    chosen = resolve_levels(levels)
-    rng = random.Random(f"rayrep-arithmetic-{seed}")
-    seen: set[str] = set()
-
-    def draw(count: int) -> list[Problem]:
-        # Levels take turns; a level whose distinct problems run out (1-digit addition has
-        # only 100) drops out of the rotation instead of repeating questions.
-        problems, active = [], list(chosen)
-        while len(problems) < count:
-            if not active:
-                raise ValueError(
-                    f"arithmetic levels {list(levels)} have too few distinct problems "
-                    f"for {num_train} train + {num_test} test questions"
-                )
-            level = active[len(problems) % len(active)]
-            for _ in range(200):
-                problem = _random_problem(rng, level)
-                if problem.expression not in seen:
-                    seen.add(problem.expression)
-                    problems.append(problem)
-                    break
-            else:
-                active.remove(level)
-        rng.shuffle(problems)
-        return problems
-
-    test = draw(num_test)
-    train = draw(num_train)
-    return train, test
+    train_start = max(num_test, TEST_RESERVE)
+    problems = list(itertools.islice(problem_stream(seed, levels), train_start + num_train))
+    if len(problems) < train_start + num_train:
+        raise ValueError(
+            f"arithmetic levels {list(levels)} have too few distinct problems for {num_train} train "
+            f"questions after {train_start} reserved for test"
+        )
+    return problems[train_start:], problems[:num_test]
 
 
 def arithmetic_prompts(

@@ -8,7 +8,9 @@ from rayrep.config import Config, ConfigError
 
 
 def tiny_spec(cfg: Config):
-    """The tiny policy's build recipe: its size from `model.tiny_*`, its task from `data`."""
+    """The tiny policy's build recipe: its size and warm start from `model.tiny_*`, its task
+    (levels, seed) from `data`. The run's train and test sizes do not enter: train splits
+    are prefixes of one sequence and test problems are never in one (see make_splits)."""
     from rayrep.models.tiny import TinyPolicySpec
 
     hidden = cfg.model.tiny_hidden_size
@@ -21,8 +23,7 @@ def tiny_spec(cfg: Config):
         num_heads=hidden // 32,
         num_kv_heads=max(1, hidden // 64),
         levels=cfg.data.arithmetic_levels,
-        num_train=cfg.data.arithmetic_train_size,
-        num_test=cfg.data.arithmetic_test_size,
+        num_train=cfg.model.tiny_warm_start_problems,
         task_seed=cfg.data.arithmetic_seed,
         warm_start_steps=cfg.model.tiny_warm_start_steps,
         warm_start_slips=cfg.model.tiny_warm_start_slips,
