@@ -1,16 +1,21 @@
-"""Where a training step's time goes, and how fast weights sync, on the tiny preset.
+"""Where a training step's time goes, how fast weights sync, and what replay costs per step.
 
-    python bench/step.py [--steps 8] [config overrides...]
+    python bench/step.py [--steps 8] [--algorithms grpo,rlep,exgrpo] [config overrides...]
 
-Runs a short GRPO run on a local Ray cluster and prints each phase's share of the step
-time (median over steps, the first one left out as warm-up), then the weight-sync rate
-next to the rate of a plain in-memory copy of the same bytes measured in the same run,
-and their ratio.
+Runs short runs of each algorithm on a local Ray cluster, one after another in this one
+process, and prints for each the share of every phase in the step time (median over
+steps, the first step left out as warm-up), then each algorithm's median step time as a
+ratio to the baseline's measured in the same run, then the weight-sync rate next to the
+rate of a plain in-memory copy of the same bytes, and their ratio.
+
+RLEP replays a small pool collected from the base policy first; ExGRPO starts collecting
+at once (start_pass_rate 0) so that its steps mix in replayed questions.
 """
 
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,25 +36,55 @@ def in_memory_copy_gbps(num_bytes: int, repeats: int = 20) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
+def measured_steps(run_dir: Path) -> list[dict]:
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 2 and "time_step" in r]
+    for r in records:  # the learner times its old-log-prob pass inside the update call
+        r["time_update"] -= r.get("time_old_logprobs", 0.0)
+    return records
+
+
 def main(argv=None):
     parser = job_parser(__doc__)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--algorithms", default="grpo,rlep,exgrpo")
     args, cfg = parse_job_args(parser, argv)
-    cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.run_name": f"bench-step-{int(time.time())}"})
+    stamp = int(time.time())
+    cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": f"runs/bench-step-{stamp}"})
 
+    from rayrep.algos.rlep import collect_pool
+    from rayrep.models import resolve_policy
     from rayrep.train import train
 
-    result = train(cfg, log=lambda line: None)
-    records = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["step"] >= 2 and "time_step" in r]
-    for r in records:  # the learner times its old-log-prob pass inside the update call
-        r["time_update"] -= r.get("time_old_logprobs", 0.0)
-    step_time = statistics.median(r["time_step"] for r in records)
-    print(f"\n{cfg.algorithm.name} on the {cfg.model.path} policy: {len(records)} steps measured, "
-          f"median step {step_time:.2f} s")
-    print(f"{'phase':<14}{'median s':>10}{'share':>8}")
-    for phase in PHASES:
-        seconds = statistics.median(r[f"time_{phase}"] for r in records)
-        print(f"{phase:<14}{seconds:>10.3f}{100 * seconds / step_time:>7.1f}%")
+    variants = {
+        "grpo": {"algorithm.name": "grpo"},
+        "rlep": {"algorithm.name": "rlep"},
+        "exgrpo": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.exgrpo.start_pass_rate": 0.0},
+    }
+    results = {}
+    for name in args.algorithms.split(","):
+        changes = {**variants[name], "logging.run_name": name}
+        if name == "rlep":
+            pool_cfg = cfg.replace(**{"algorithm.rlep.collect_questions": args.steps * cfg.algorithm.prompts_per_step,
+                                      "algorithm.rlep.collect_samples": 4})
+            pool = collect_pool(pool_cfg, resolve_policy(cfg), f"{cfg.logging.out_dir}/pool.parquet", log=lambda _: None)
+            changes["algorithm.rlep.pool"] = pool["pool"]
+        results[name] = measured_steps(train(cfg.replace(**changes), log=lambda _: None).run_dir)
+
+    base = statistics.median(r["time_step"] for r in results[next(iter(results))])
+    for name, records in results.items():
+        step_time = statistics.median(r["time_step"] for r in records)
+        print(f"\n{name}: {len(records)} steps measured, median step {step_time:.2f} s "
+              f"({step_time / base:.3f}x the {next(iter(results))} step)")
+        print(f"{'phase':<14}{'median s':>10}{'share':>8}")
+        for phase in PHASES:
+            seconds = statistics.median(r[f"time_{phase}"] for r in records)
+            print(f"{phase:<14}{seconds:>10.3f}{100 * seconds / step_time:>7.1f}%")
+        if "replay_share" in records[-1]:
+            print(f"replayed answers: {100 * statistics.median(r['replay_share'] for r in records):.1f}% of the batch")
+        if "exgrpo_replayed_questions" in records[-1]:
+            print(f"replayed questions per step: {statistics.median(r['exgrpo_replayed_questions'] for r in records):.0f}")
+
+    records = results[next(iter(results))]
     size = records[-1]["sync_bytes"]
     sync = statistics.median(r["sync_gbps"] for r in records)
     copy = in_memory_copy_gbps(size)
