@@ -332,6 +332,11 @@ def validate(cfg: Config) -> None:
         )
     if learner.loss_agg == "seq-mean-token-sum" and learner.loss_norm_constant <= 0:
         raise ConfigError("learner.loss_norm_constant must be > 0 when learner.loss_agg is 'seq-mean-token-sum'")
+    if learner.strategy == "deepspeed" and learner.skip_grad_norm_above:
+        raise ConfigError(
+            f"learner.skip_grad_norm_above={learner.skip_grad_norm_above} is not supported with "
+            "learner.strategy='deepspeed' (DeepSpeed skips only non-finite steps); use fsdp2 or set it to 0"
+        )
     if learner.dual_clip and learner.dual_clip <= 1:
         raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
     if cfg.verifier.overlong_buffer > cfg.generator.max_response_tokens:

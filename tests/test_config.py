@@ -98,6 +98,8 @@ def test_direct_construction_is_validated_too():
         Config(learner=LearnerConfig(micro_batch_size=0))
     with pytest.raises(ConfigError, match="learner.strategy: 'zero3'"):
         Config(learner=LearnerConfig(strategy="zero3"))
+    with pytest.raises(ConfigError, match="learner.skip_grad_norm_above=500.0 is not supported"):
+        Config(learner=LearnerConfig(strategy="deepspeed", skip_grad_norm_above=500.0))
 
 
 def test_round_trip_and_replace():

@@ -29,22 +29,24 @@ def synthetic_batch(num_prompts=8, answers=4, seed=0):
     return collate(groups, advantages, recompute_old=[True] * num_prompts * answers, temperature=1.0)
 
 
-def make_learners(cfg, model_path, workers):
-    cfg = cfg.replace(**{"learner.num_workers": workers, "placement.cpus_per_bundle": 1,
+def make_learners(cfg, model_path, workers, strategy="fsdp2"):
+    cfg = cfg.replace(**{"learner.num_workers": workers, "learner.strategy": strategy, "placement.cpus_per_bundle": 1,
                          "generator.num_workers": 1, "verifier.num_workers": 0})
     placement = Placement(make_plan(cfg))
     return cfg, placement, LearnerGroup(cfg, model_path, placement, total_optimizer_steps=10)
 
 
-def test_two_ranks_take_the_same_update_as_one(ray_cluster, tiny_cfg, tiny_policy):
+@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+def test_two_ranks_take_the_same_update_as_one(ray_cluster, tiny_cfg, tiny_policy, strategy):
     # Two mini-batches of 4 questions, micro-batches of 5 rows: rows per rank and micro-batch
     # counts differ, and token counts differ between ranks: token-mean must still be global.
+    # The one-rank reference is always FSDP2; the two ranks use `strategy`.
     cfg = tiny_cfg.replace(**{"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 4,
-                              "learner.micro_batch_size": 5, "learner.lr": 1e-3, "learner.warmup_steps": 0})
+                              "learner.micro_batch_size": 5, "learner.lr": 1e-3, "learner.warmup_steps": 2})
     batch = synthetic_batch()
     results = {}
     for workers in (1, 2):
-        _, placement, learners = make_learners(cfg, tiny_policy, workers)
+        _, placement, learners = make_learners(cfg, tiny_policy, workers, "fsdp2" if workers == 1 else strategy)
         metrics = learners.update(batch, LossSpec())
         results[workers] = (metrics, learners.state_dict_for_sync())
         learners.shutdown()
@@ -54,6 +56,8 @@ def test_two_ranks_take_the_same_update_as_one(ray_cluster, tiny_cfg, tiny_polic
     assert m1["fresh_tokens"] == m2["fresh_tokens"] == int(batch.response_mask.sum())
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)  # same gradients
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
+    assert m1["lr"] == pytest.approx(0.75e-3)  # warm-up: 0.5e-3 then 1e-3
+    assert m2["lr"] == pytest.approx(m1["lr"])
     for name in s1:
         diff = (s1[name] - s2[name]).abs()
         # Adam divides by |g|: an element whose gradient is ~0 can move by up to 2 lr in either

@@ -49,8 +49,9 @@ def test_collect_then_rlep_run_replays_the_pool(ray_cluster, tiny_cfg, tiny_poli
 
 
 def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tmp_path):
+    # On the DeepSpeed ZeRO-2 learner, so that strategy also runs end to end (weight sync included).
     cfg = small(tiny_cfg, tmp_path, **{
-        "algorithm.name": "exgrpo", "algorithm.std_normalize": False, "run.steps": 3,
+        "algorithm.name": "exgrpo", "algorithm.std_normalize": False, "run.steps": 3, "learner.strategy": "deepspeed",
         "algorithm.exgrpo.start_pass_rate": 0.0, "logging.run_name": "exgrpo",
     })
     run = train(cfg, log=lambda _: None)
@@ -60,6 +61,8 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
     later = records[1:]
     assert all(r["exgrpo_replayed_questions"] > 0 and r["replay_tokens"] > 0 for r in later)
     assert all(r["fresh_clip_frac"] == 0 for r in later)  # fresh tokens unclipped in the mixed phase
+    assert all(r["optimizer_steps"] == 2 and r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in records)
+    assert [r["policy_version"] for r in records] == [1, 2, 3]  # each step synced new weights
     assert (run.run_dir / "buffer" / "answers.parquet").exists()
 
 

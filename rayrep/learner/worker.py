@@ -1,7 +1,7 @@
 """LearnerWorker: one data-parallel rank of the policy's training group (a Ray actor).
 
 W workers form one `torch.distributed` group (gloo on CPU, NCCL on GPU) and shard the
-policy with FSDP2 (`fully_shard` per decoder layer and at the root). Every rank receives
+policy with FSDP2 or DeepSpeed ZeRO-2 (`rayrep/learner/sharding.py`). Every rank receives
 the whole `TrainBatch` (one object ref) and picks its own rows, so the split needs no
 communication and every rank knows the mini-batch's global token count, which makes
 token-mean exact across ranks and micro-batches.
@@ -57,9 +57,9 @@ class LearnerWorker:
 
     def setup(self, model_path: str, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
         """Join the data-parallel group, load and shard the policy, build the optimizer."""
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
+
+        from rayrep.learner.sharding import make_sharding
 
         cfg, rank, world_size = self.cfg, self.rank, self.world_size
         dist.init_process_group(
@@ -69,23 +69,13 @@ class LearnerWorker:
             world_size=world_size,
             timeout=timedelta(minutes=30),
         )
-        mesh = init_device_mesh(self.device.type, (world_size,))
         dtype = getattr(torch, cfg.model.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
-        self.model.config.use_cache = False
-        self.tied_embedding = "model.embed_tokens.weight" if self.model.config.tie_word_embeddings else None
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        model.config.use_cache = False
+        self.tied_embedding = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
+        self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device, total_optimizer_steps)
+        self.model = self.sharding.model
         self.model.train()
-
-        learner = cfg.learner
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay, betas=(0.9, 0.999)
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda=lambda step: lr_factor(step, learner.warmup_steps, total_optimizer_steps, learner.lr_schedule)
-        )
 
     # ------------------------------------------------------------------ forward passes
 
@@ -93,7 +83,7 @@ class LearnerWorker:
         """Log-prob (and entropy) of every token of `rows` under the current weights: [n, L'] each.
 
         L' is the longest row of the chunk. An empty chunk runs one dummy row so that every
-        rank takes part in FSDP's collectives the same number of times.
+        rank takes part in the gradient collectives the same number of times.
         """
         if len(rows) == 0:
             rows = torch.zeros(1, dtype=torch.long)
@@ -183,7 +173,6 @@ class LearnerWorker:
         count = max(1, max(math.ceil(len(r) / learner.micro_batch_size) for r in shares))
         chunks = micro_batches(shares[self.rank], count)
         for index, chunk in enumerate(chunks):
-            self.model.set_requires_gradient_sync(index == len(chunks) - 1)
             logp, entropy, width, dummy = self._token_logprobs(batch, chunk, with_entropy=True)
             rows = chunk if not dummy else torch.zeros(1, dtype=torch.long)
             mask = batch.response_mask[rows, :width].to(self.device)
@@ -212,8 +201,8 @@ class LearnerWorker:
             )
             if loss.entropy_coef:
                 value = value - loss.entropy_coef * (entropy * mask).sum() / token_count
-            # FSDP averages gradients over ranks; the loss is already a global mean.
-            (value * self.world_size).backward()
+            # Gradients are averaged over ranks; the loss is already a global mean.
+            self.sharding.backward(value * self.world_size, last_micro_batch=index == len(chunks) - 1)
             if not dummy:
                 sums.add_policy_metrics(metrics)
                 for kind, rows_of_kind in (("fresh", ~replay), ("replay", replay)):
@@ -221,39 +210,25 @@ class LearnerWorker:
                     sums.add(f"entropy_{kind}", float((entropy.detach() * kind_mask).sum()), float(kind_mask.sum()))
             # Each micro-batch's value is its share of the mini-batch loss: they sum to it.
             sums.count("loss_sum", float(value.detach()))
-        grad_norm = self._clip_grad_norm()
-        skip = learner.skip_grad_norm_above
-        stepped = math.isfinite(grad_norm) and not (skip and grad_norm > skip)
-        if stepped:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.sharding.last_lr()  # the rate this step applies (the scheduler moves on in step())
+        grad_norm, stepped = self.sharding.step()
         if self.rank == 0:  # the same on every rank: count it once
             sums.count("optimizer_steps")
             sums.count("skipped_steps", 0.0 if stepped else 1.0)
             sums.add("grad_norm", grad_norm, 1.0)
             sums.extreme("grad_norm_max", grad_norm)
-            sums.add("lr", self.scheduler.get_last_lr()[0], 1.0)
-
-    def _clip_grad_norm(self) -> float:
-        limit = self.cfg.learner.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+            sums.add("lr", lr, 1.0)
 
     # ------------------------------------------------------------------ weights out
 
     def _full_tensors(self):
         """Full (unsharded) parameters in a fixed order; every rank must iterate together."""
-        for name, param in self.model.named_parameters():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            yield name, full.detach()
+        return self.sharding.full_tensors()
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
         return [
             (name, tuple(param.shape), str(param.dtype).removeprefix("torch."))
-            for name, param in self.model.named_parameters()
+            for name, param in self.sharding.module.named_parameters()
         ]
 
     def tied_embedding_name(self) -> str | None:
@@ -296,16 +271,6 @@ class LearnerWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Linear warm-up over `warmup` optimizer steps, then constant or cosine decay to 0 at `total`."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "cosine":
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0
 
 
 # The class stays plain (importable by name) so Ray pickles its methods by reference.
