@@ -1,15 +1,17 @@
 """Where a training step's time goes, how fast weights sync, and what replay costs per step.
 
-    python bench/step.py [--steps 8] [--algorithms grpo,rlep,exgrpo] [config overrides...]
+    python bench/step.py [--steps 8] [--rounds 2] [--algorithms grpo,rlep,exgrpo] [config overrides...]
 
-Runs short runs of each algorithm on a local Ray cluster, one after another in this one
-process, and prints for each the share of every phase in the step time (median over
-steps, the first step left out as warm-up), then each algorithm's median step time as a
-ratio to the baseline's measured in the same run, then the weight-sync rate next to the
+Runs short runs of each algorithm on a local Ray cluster, in rounds (every algorithm once
+per round, the order rotated each round, since this machine's speed drifts), and prints
+for each the share of every phase in the step time (median over steps, the first step of
+each run left out as warm-up), its median step time and trained tokens per step as
+ratios to the baseline's measured in the same run, then the weight-sync rate next to the
 rate of a plain in-memory copy of the same bytes, and their ratio.
 
-RLEP replays a small pool collected from the base policy first; ExGRPO starts collecting
-at once (start_pass_rate 0) so that its steps mix in replayed questions.
+RLEP replays a pool collected from the base policy first (the preset's samples per
+question); ExGRPO starts collecting at once (start_pass_rate 0) so that its steps mix in
+replayed questions.
 """
 
 import statistics
@@ -36,6 +38,10 @@ def in_memory_copy_gbps(num_bytes: int, repeats: int = 20) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
+def trained_tokens(record: dict) -> float:
+    return record.get("fresh_tokens", 0.0) + record.get("replay_tokens", 0.0)
+
+
 def measured_steps(run_dir: Path) -> list[dict]:
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 2 and "time_step" in r]
     for r in records:  # the learner times its old-log-prob pass inside the update call
@@ -46,6 +52,7 @@ def measured_steps(run_dir: Path) -> list[dict]:
 def main(argv=None):
     parser = job_parser(__doc__)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each algorithm, in a rotated order each round")
     parser.add_argument("--algorithms", default="grpo,rlep,exgrpo")
     args, cfg = parse_job_args(parser, argv)
     stamp = int(time.time())
@@ -55,26 +62,33 @@ def main(argv=None):
     from rayrep.models import resolve_policy
     from rayrep.train import train
 
+    names = args.algorithms.split(",")
     variants = {
         "grpo": {"algorithm.name": "grpo"},
         "rlep": {"algorithm.name": "rlep"},
         "exgrpo": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.exgrpo.start_pass_rate": 0.0},
     }
-    results = {}
-    for name in args.algorithms.split(","):
-        changes = {**variants[name], "logging.run_name": name}
-        if name == "rlep":
-            pool_cfg = cfg.replace(**{"algorithm.rlep.collect_questions": args.steps * cfg.algorithm.prompts_per_step,
-                                      "algorithm.rlep.collect_samples": 4})
-            pool = collect_pool(pool_cfg, resolve_policy(cfg), f"{cfg.logging.out_dir}/pool.parquet", log=lambda _: None)
-            changes["algorithm.rlep.pool"] = pool["pool"]
-        results[name] = measured_steps(train(cfg.replace(**changes), log=lambda _: None).run_dir)
+    if "rlep" in names:
+        pool_cfg = cfg.replace(**{"algorithm.rlep.collect_questions": args.steps * cfg.algorithm.prompts_per_step})
+        pool = collect_pool(pool_cfg, resolve_policy(cfg), f"{cfg.logging.out_dir}/pool.parquet", log=lambda _: None)
+        variants["rlep"]["algorithm.rlep.pool"] = pool["pool"]
+    # The machine's speed drifts: each round runs every algorithm once, in a rotated order,
+    # and the medians pool every round's steps.
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        for name in names[round_index % len(names):] + names[: round_index % len(names)]:
+            run_cfg = cfg.replace(**{**variants[name], "logging.run_name": f"{name}-{round_index}"})
+            results[name] += measured_steps(train(run_cfg, log=lambda _: None).run_dir)
 
-    base = statistics.median(r["time_step"] for r in results[next(iter(results))])
+    baseline = names[0]
+    base_step = statistics.median(r["time_step"] for r in results[baseline])
+    base_tokens = statistics.median(trained_tokens(r) for r in results[baseline])
     for name, records in results.items():
         step_time = statistics.median(r["time_step"] for r in records)
-        print(f"\n{name}: {len(records)} steps measured, median step {step_time:.2f} s "
-              f"({step_time / base:.3f}x the {next(iter(results))} step)")
+        tokens = statistics.median(trained_tokens(r) for r in records)
+        print(f"\n{name}: {len(records)} steps measured over {args.rounds} rounds, median step {step_time:.2f} s "
+              f"({step_time / base_step:.3f}x the {baseline} step); trained tokens per step {tokens:.0f} "
+              f"({tokens / base_tokens:.3f}x)")
         print(f"{'phase':<14}{'median s':>10}{'share':>8}")
         for phase in PHASES:
             seconds = statistics.median(r[f"time_{phase}"] for r in records)
@@ -84,7 +98,7 @@ def main(argv=None):
         if "exgrpo_replayed_questions" in records[-1]:
             print(f"replayed questions per step: {statistics.median(r['exgrpo_replayed_questions'] for r in records):.0f}")
 
-    records = results[next(iter(results))]
+    records = results[baseline]
     size = records[-1]["sync_bytes"]
     sync = statistics.median(r["sync_gbps"] for r in records)
     copy = in_memory_copy_gbps(size)
