@@ -117,8 +117,9 @@ class DeepSpeedSharding:
 
     def step(self) -> tuple[float, bool]:
         self.model.step()
-        norm = self.model.get_global_grad_norm()
-        grad_norm = float(norm) if norm is not None else float("nan")
+        # Computed on every step (we never turn `compute_grad_norm` off); inf when DeepSpeed
+        # found a non-finite gradient and skipped the step.
+        grad_norm = float(self.model.get_global_grad_norm())
         self.scheduler.step()
         return grad_norm, math.isfinite(grad_norm)
 

@@ -221,10 +221,6 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ weights out
 
-    def _full_tensors(self):
-        """Full (unsharded) parameters in a fixed order; every rank must iterate together."""
-        return self.sharding.full_tensors()
-
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
         return [
             (name, tuple(param.shape), str(param.dtype).removeprefix("torch."))
@@ -246,7 +242,8 @@ class LearnerWorker:
 
         start = time.perf_counter()
         with torch.no_grad():
-            tensors = (tensor for _, tensor in self._full_tensors())
+            # Every rank iterates together: under FSDP2 each tensor is an all-gather.
+            tensors = (tensor for _, tensor in self.sharding.full_tensors())
             if self.rank == 0:
                 send_buckets(self.weight_group, manifest, tensors, self.device)
             else:
@@ -256,7 +253,7 @@ class LearnerWorker:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full state dict on CPU at rank 0 (None elsewhere); every rank must call it."""
-        state = {name: tensor.cpu().clone() for name, tensor in self._full_tensors()}
+        state = {name: tensor.cpu().clone() for name, tensor in self.sharding.full_tensors()}
         return state if self.rank == 0 else None
 
     def save(self, path: str, base_model_path: str) -> str | None:
