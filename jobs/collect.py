@@ -11,13 +11,12 @@ candidates in `reward_model.candidates`) by tokenizing it with the checkpoint's 
 """
 
 import json
-import sys
 
 from rayrep.algos.rlep import collect_pool
-from rayrep.config import job_parser, parse_job_args
+from rayrep.config import job_parser, parse_job_args, run_job
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str]) -> dict:
     parser = job_parser(__doc__)
     parser.add_argument("--checkpoint", required=True, help="policy that samples (or whose tokenizer imports)")
     parser.add_argument("--out", required=True, help="experience pool to write (.parquet)")
@@ -39,4 +38,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_job(main)

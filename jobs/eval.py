@@ -2,19 +2,21 @@
 
     python jobs/eval.py                       # the embedded tiny policy (built on first use)
     python jobs/eval.py --checkpoint runs/x/checkpoints/final --generator.eval_samples 8
+
+The same evaluation as a training run's (`rayrep.eval.evaluate`), on a generator and a
+verifier pool started for it.
 """
 
 import json
-import sys
 import time
 from pathlib import Path
 
-from rayrep.config import job_parser, parse_job_args
-from rayrep.eval import evaluate_policy
+from rayrep.config import job_parser, parse_job_args, run_job
+from rayrep.eval import evaluate_checkpoint
 from rayrep.models import resolve_policy
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str]) -> dict:
     parser = job_parser(__doc__)
     parser.add_argument("--checkpoint", help="policy to evaluate (default: the config's model.path)")
     parser.add_argument("--out", help="also write the metrics as JSON to this file")
@@ -22,7 +24,7 @@ def main(argv=None) -> dict:
 
     model_path = args.checkpoint or resolve_policy(cfg)
     start = time.monotonic()
-    metrics = evaluate_policy(cfg, model_path)
+    metrics = evaluate_checkpoint(cfg, model_path)
     metrics["eval_seconds"] = round(time.monotonic() - start, 1)
     print(f"\npolicy: {model_path}")
     print(f"test questions: {metrics['num_problems']}, answers each: {metrics['samples_per_problem']} "
@@ -39,4 +41,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_job(main)

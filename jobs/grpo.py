@@ -5,13 +5,11 @@
     python jobs/grpo.py --dry-run --preset qwen2.5-math-7b-rlep   # print the placement plan only
 """
 
-import sys
-
-from rayrep.config import job_parser, parse_job_args
+from rayrep.config import job_parser, parse_job_args, run_job
 from rayrep.placement import make_plan
 
 
-def main(argv=None):
+def main(argv: list[str]):
     parser = job_parser(__doc__)
     parser.add_argument("--dry-run", action="store_true", help="print the placement plan and exit")
     args, cfg = parse_job_args(parser, argv)
@@ -30,4 +28,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_job(main)

@@ -1,27 +1,37 @@
 """Typed configuration: one dataclass per component, validated when it is built.
 
 Every field has a one-line doc (shown by `--help`). A Config comes from a named preset
-(`jobs/presets/<name>.toml`, `tiny-cpu` by default), optionally a user TOML file, and
-command-line overrides of any field (`--learner.lr 1e-6`). A wrong value fails here,
-before any actor starts, with the dotted field name and the bad value.
+(`rayrep/presets/<name>.toml`, shipped with the package; `tiny-cpu` by default),
+optionally user TOML files, and command-line overrides of any field
+(`--learner.lr 1e-6`). A wrong value fails here, before any actor starts, with the
+dotted field name and the bad value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
+import sys
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "jobs" / "presets"
+from rayrep.types import Aggregation
+
 DEFAULT_PRESET = "tiny-cpu"
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad input from the user (a config value, a file, a row in it): jobs report it in one
+    line, naming the file, row, field or value, and exit with status 2."""
+
+
+class ConfigError(InputError):
     """A configuration value is wrong; the message names the field and the value."""
 
 
@@ -81,6 +91,7 @@ class VerifierConfig:
 @dataclass
 class ReplayConfig:
     num_shards: int = option(2, "replay buffer shard actors; questions are routed by a stable hash of their id (0: in-process)", min=0)
+    cpus_per_shard: float = option(0.5, "CPUs each shard's bundle reserves (shards hold memory and answer a few calls per step)", min=0.01)
     max_answers_per_question: int = option(64, "cap on stored answers per question; the oldest is evicted", min=1)
 
 
@@ -116,6 +127,11 @@ class AlgorithmConfig:
     rlep: RLEPConfig = field(default_factory=RLEPConfig)
     exgrpo: ExGRPOConfig = field(default_factory=ExGRPOConfig)
 
+    @property
+    def uses_replay(self) -> bool:
+        """Whether the run keeps a replay buffer (its shards are placed and started with the other roles)."""
+        return self.name in ("rlep", "exgrpo")
+
 
 @dataclass
 class LearnerConfig:
@@ -133,7 +149,7 @@ class LearnerConfig:
     clip_low: float = option(0.2, "PPO clip range below 1 (1 - eps_low)", min=0.0, max=0.999)
     clip_high: float = option(0.28, "PPO clip range above 1 (clip-higher, 1 + eps_high)", min=0.0)
     dual_clip: float = option(10.0, "dual-clip bound c for negative advantages (0 disables)", min=0.0)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = option("token-mean", "how per-token losses are aggregated")
+    loss_agg: Aggregation = option("token-mean", "how per-token losses are aggregated")
     loss_norm_constant: float = option(0.0, "normaliser of seq-mean-token-sum (Dr.GRPO: max response length; ExGRPO: 8192)", min=0.0)
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ExGRPO: 0.001)", min=0.0)
 
@@ -144,6 +160,11 @@ class PlacementConfig:
     mode: Literal["colocated", "disaggregated"] = option("colocated", "generators and learners share bundles, or each role gets its own")
     cpus_per_bundle: int = option(1, "CPUs per bundle; colocated roles take turns, so each uses all of them", min=1)
     gpus_per_node: int = option(8, "GPUs per node of the cluster (for the plan's node count)", min=1)
+
+    @property
+    def collective_backend(self) -> Literal["gloo", "nccl"]:
+        """The torch.distributed backend of every group (learners, weight sync): the one place it is chosen."""
+        return "nccl" if self.device == "gpu" else "gloo"
 
 
 @dataclass
@@ -349,25 +370,42 @@ def validate(cfg: Config) -> None:
 # ---------------------------------------------------------------- presets and command line
 
 
-def preset_path(name: str) -> Path:
-    candidate = Path(name)
-    if candidate.suffix == ".toml":
-        if not candidate.is_file():
-            raise ConfigError(f"config file {name} does not exist")
-        return candidate
-    path = PRESET_DIR / f"{name}.toml"
-    if not path.is_file():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
-        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(known)}")
-    return path
+def preset_names() -> list[str]:
+    """The presets shipped with the package."""
+    folder = importlib.resources.files("rayrep.presets")
+    return sorted(entry.name.removesuffix(".toml") for entry in folder.iterdir() if entry.name.endswith(".toml"))
 
 
-def load_toml(path: Path) -> dict:
+def _preset_text(name: str) -> tuple[str, str]:
+    """(where it came from, TOML text) of a named preset, or of a TOML file given by path."""
+    if name.endswith(".toml") or "/" in name or "\\" in name:
+        return _config_file_text(name)
+    entry = importlib.resources.files("rayrep.presets").joinpath(f"{name}.toml")
+    if not entry.is_file():
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+    return f"preset {name}", entry.read_text(encoding="utf-8")
+
+
+def _config_file_text(path: str) -> tuple[str, str]:
+    """(path, TOML text) of a user config file, or an error that says what is wrong with it."""
+    file = Path(path)
+    if file.suffix != ".toml":
+        raise ConfigError(f"config file {path}: not a TOML file (a config file ends in .toml)")
+    if not file.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if not file.is_file():
+        raise ConfigError(f"config file {path} is not a file")
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        return path, file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path}: cannot be read ({err})") from None
+
+
+def _parse_toml(origin: str, text: str) -> dict:
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: {err}") from None
+        raise ConfigError(f"{origin}: {err}") from None
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -390,7 +428,8 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
 
 
 def load_preset(name: str = DEFAULT_PRESET) -> Config:
-    return from_dict(load_toml(preset_path(name)))
+    """A named preset (or a TOML file given by path) as a validated Config."""
+    return from_dict(_parse_toml(*_preset_text(name)))
 
 
 def help_text() -> str:
@@ -428,9 +467,9 @@ def parse_cli(argv: list[str]) -> Config:
             close = [k for k in kinds if k.endswith("." + key.rpartition(".")[2])]
             hint = f"; did you mean {', '.join('--' + k for k in close)}?" if close else ""
             raise ConfigError(f"unknown config field --{key}{hint}")
-    data = load_toml(preset_path(preset))
+    data = _parse_toml(*_preset_text(preset))
     for path in files:
-        data = _merge(data, load_toml(preset_path(path)))
+        data = _merge(data, _parse_toml(*_config_file_text(path)))
     for key, text in overrides:
         _set_dotted(data, key, _parse_text(text, kinds[key], key))
     return from_dict(data)
@@ -452,10 +491,19 @@ def parse_job_args(parser, argv: list[str] | None = None):
 
     A config error exits with status 2 and the message, before anything starts.
     """
-    import sys
-
     args, rest = parser.parse_known_args(argv)
     try:
         return args, parse_cli(rest)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
+
+
+def run_job(main: Callable[[list[str]], object]) -> None:
+    """A job's entry point: `main(sys.argv[1:])`. Bad input (an `InputError`: a config value,
+    a prompt file, a pool, one of their rows) ends the job with its one-line message and
+    exit status 2, not a traceback."""
+    try:
+        main(sys.argv[1:])
+    except InputError as err:
+        print(f"{Path(sys.argv[0]).name}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

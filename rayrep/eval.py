@@ -1,19 +1,22 @@
-"""Evaluation metrics: avg@k, unbiased pass@k, maj@k, and a summary for eval jobs.
+"""Evaluation: avg@k, unbiased pass@k, maj@k, and the one path that evaluates a policy.
 
-Cheap to import (no torch, no ray): `maj_at_k` loads the math verifier only when called.
+Cheap to import (no torch, no ray): `maj_at_k` loads the math verifier only when called,
+`evaluate` runs on a runtime's generator and verifier pools.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections import Counter
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
-    from rayrep.verifier.math import MathSandbox
+    from rayrep.config import Config
+    from rayrep.runtime import Runtime
+    from rayrep.types import Prompt
+    from rayrep.verifier.sandbox import MathSandbox
 
-__all__ = ["avg_at_k", "checkpoint_evals", "evaluate_policy", "maj_at_k", "pass_at_k", "score_groups", "summarize"]
+__all__ = ["avg_at_k", "evaluate", "evaluate_checkpoint", "maj_at_k", "pass_at_k", "summarize"]
 
 
 def _as_count(name: str, value: object) -> int:
@@ -158,62 +161,42 @@ def maj_at_k(
     return 1.0 if checker.equivalent(ground_truth, representatives[winner], timeout_s) else 0.0
 
 
-def score_groups(prompts, groups, timeout_s: float = 1.0) -> tuple[list[list[bool]], Counter]:
-    """Correctness of each sampled answer (problems x samples) and the verifier's status counts.
+def evaluate(runtime: Runtime, cfg: Config, prompts: Sequence[Prompt], prompt_ids: Sequence[list[int]]) -> dict[str, float]:
+    """The one evaluation path (training-time evaluations and `jobs/eval.py`): avg@k,
+    pass@1 and pass@k, maj@k of the generators' current weights on `prompts`.
 
-    `prompts` are `rayrep.types.Prompt`s, `groups[i]` the `Rollout`s sampled for prompts[i].
+    Samples `generator.eval_samples` answers per question at `generator.eval_temperature`
+    on the generator pool; the verifier pool scores them and judges each question's
+    majority answer. Also returns the mean response length and the verifier's timeouts
+    and errors.
     """
-    from rayrep.verifier.math import verify_batch
-
-    texts = [rollout.text for group in groups for rollout in group]
-    truths = [prompt.ground_truth for prompt, group in zip(prompts, groups) for _ in group]
-    verdicts = verify_batch(texts, truths, timeout_s)
-    flat = iter(verdicts)
-    correct = [[next(flat).correct for _ in group] for group in groups]
-    return correct, Counter(verdict.status for verdict in verdicts)
-
-
-def evaluate_policy(cfg, model_path: str, log=print) -> dict:
-    """avg@k, pass@k and maj@k of the policy at `model_path` on the configured test split.
-
-    Samples `generator.eval_samples` answers per test question at
-    `generator.eval_temperature` with an in-process vLLM engine.
-    """
-    from rayrep.data import encode_prompts, load_split
-    from rayrep.generator.engine import make_engine, sample
-
-    prompts = load_split(cfg.data, "test")
-    llm = make_engine(cfg, model_path)
-    prompt_ids = encode_prompts(llm.get_tokenizer(), prompts, cfg.data.max_prompt_tokens)
-    k = cfg.generator.eval_samples
-    groups = sample(
-        llm,
-        prompt_ids,
-        n=k,
-        temperature=cfg.generator.eval_temperature,
-        top_p=1.0,
-        max_tokens=cfg.generator.max_response_tokens,
+    gen = cfg.generator
+    k = gen.eval_samples
+    pending = runtime.generators.generate(
+        list(prompt_ids), n=k, temperature=gen.eval_temperature, top_p=1.0, max_tokens=gen.max_response_tokens
     )
-    correct, statuses = score_groups(prompts, groups, cfg.verifier.timeout_s)
-    summary = summarize(correct, ks=sorted({1, k}))
-    summary[f"maj@{k}"] = sum(
-        maj_at_k([r.text for r in group], prompt.ground_truth, timeout_s=cfg.verifier.timeout_s)
-        for prompt, group in zip(prompts, groups)
-    ) / len(prompts)
-    summary["mean_response_tokens"] = sum(len(r.response_ids) for g in groups for r in g) / (len(prompts) * k)
-    summary["verifier_timeouts"] = statuses.get("timeout", 0)
-    summary["verifier_errors"] = statuses.get("error", 0)
+    verdicts = runtime.verifiers.check(pending, [p.ground_truth for p in prompts], majority=True)
+    lengths = [len(r.response_ids) for per_prompt in runtime.generators.gather(pending) for r in per_prompt]
+    summary = summarize(verdicts.correct, ks=sorted({1, k}))
+    summary[f"maj@{k}"] = sum(verdicts.majority) / len(verdicts.majority)
+    summary["mean_response_tokens"] = sum(lengths) / max(1, len(lengths))
+    summary["verifier_timeouts"] = verdicts.statuses.get("timeout", 0)
+    summary["verifier_errors"] = verdicts.statuses.get("error", 0)
     return summary
 
 
-def checkpoint_evals(checkpoint: str, cfg) -> list[dict]:
-    """The test-set eval curve of the run that wrote `checkpoint` (its `evals.json`), or, for
-    a checkpoint from elsewhere, one evaluation of it (a curve of one point)."""
-    import json
-    from pathlib import Path
+def evaluate_checkpoint(cfg: Config, model_path: str) -> dict[str, float]:
+    """`evaluate` of the policy at `model_path` on the configured test split, on a runtime
+    of generators and verifiers started for it (and stopped afterwards)."""
+    from transformers import AutoTokenizer
 
-    evals_file = Path(checkpoint).resolve().parents[1] / "evals.json"
-    if evals_file.is_file():
-        return json.loads(evals_file.read_text())
-    metrics = evaluate_policy(cfg, checkpoint)
-    return [{"step": cfg.run.steps, **{f"test_{k}": v for k, v in metrics.items() if "@" in k}}]
+    from rayrep.data import encode_prompts, load_split
+    from rayrep.runtime import Runtime
+
+    prompts = load_split(cfg.data, "test")
+    prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(model_path), prompts, cfg.data.max_prompt_tokens)
+    runtime = Runtime.start(cfg, model_path, train=False)
+    try:
+        return evaluate(runtime, cfg, prompts, prompt_ids)
+    finally:
+        runtime.shutdown()

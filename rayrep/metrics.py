@@ -104,7 +104,7 @@ def progress_line(record: dict) -> str:
         ("reward_mean", "reward", "{:+.3f}"),
         ("accuracy", "acc", "{:.3f}"),
         ("response_length", "len", "{:.1f}"),
-        ("entropy_fresh", "ent", "{:.3f}"),
+        ("fresh_entropy", "ent", "{:.3f}"),
         ("grad_norm", "gnorm", "{:.2f}"),
         ("test_pass@1", "test pass@1", "{:.3f}"),
         ("time_step", "s", "{:.1f}"),

@@ -95,11 +95,16 @@ def make_plan(cfg: Config, learners: bool = True) -> Plan:
     if cfg.verifier.num_workers:
         groups["verifiers"] = [{"CPU": 1} for _ in range(cfg.verifier.num_workers)]
         slots["verifier"] = [RoleSlot("verifiers", i, {"CPU": 1}) for i in range(cfg.verifier.num_workers)]
-    strategies = {name: ("PACK" if name != "verifiers" else "SPREAD") for name in groups}
+    if learners and cfg.algorithm.uses_replay and cfg.replay.num_shards:
+        shard = {"CPU": cfg.replay.cpus_per_shard}
+        groups["replay"] = [dict(shard) for _ in range(cfg.replay.num_shards)]
+        slots["replay"] = [RoleSlot("replay", i, dict(shard)) for i in range(cfg.replay.num_shards)]
+    # CPU-only roles spread over the nodes: verifiers share the CPU load, shards the memory.
+    strategies = {name: ("SPREAD" if name in ("verifiers", "replay") else "PACK") for name in groups}
     gpu_bundles = sum(b.get("GPU", 0) for bs in groups.values() for b in bs)
     nodes = max(1, math.ceil(gpu_bundles / place.gpus_per_node)) if gpu else 1
     # Colocated roles take turns, so each may use all of its bundle's cores.
-    threads = {"learner": cpus, "generator": cpus, "verifier": 1}
+    threads = {"learner": cpus, "generator": cpus, "verifier": 1, "replay": 1}
     return Plan(groups, strategies, slots, threads, nodes)
 
 

@@ -1,4 +1,8 @@
-"""The running system: placement groups and the actors of every role, started and stopped together."""
+"""The running system: placement groups and the actors of every role, started and stopped together.
+
+Roles: generators (vLLM), verifiers (math-verify), learners (FSDP2 / DeepSpeed), the
+weight sync between them, and, for the replay methods, the replay buffer's shards.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from dataclasses import dataclass
 
 import ray
 
+from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
@@ -45,6 +50,8 @@ class Runtime:
     verifiers: VerifierPool
     learners: LearnerGroup | None
     sync: WeightSync | None
+    buffer: ReplayBuffer | None
+    """The replay buffer of a run whose algorithm replays (`algorithm.uses_replay`), else None."""
     started_ray: bool
 
     @staticmethod
@@ -55,13 +62,18 @@ class Runtime:
         placement = Placement(plan)
         generators = GeneratorPool.create(cfg, model_path, placement)
         verifiers = VerifierPool.create(cfg, placement)
-        learners = sync = None
+        learners = sync = buffer = None
         if train:
             learners = LearnerGroup(cfg, model_path, placement, cfg.run.steps * optimizer_steps_per_rollout(cfg))
             sync = WeightSync(cfg, learners, generators)
-        return Runtime(placement, generators, verifiers, learners, sync, started_ray)
+            if cfg.algorithm.uses_replay:
+                replay = cfg.replay
+                buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed, placement)
+        return Runtime(placement, generators, verifiers, learners, sync, buffer, started_ray)
 
     def shutdown(self) -> None:
+        if self.buffer is not None:
+            self.buffer.shutdown()
         if self.learners is not None:
             self.learners.shutdown()
         self.verifiers.shutdown()

@@ -1,12 +1,23 @@
 """The few data contracts that cross component boundaries.
 
+Names, used the same way everywhere:
+- a **rollout** is one response to one question, with its token ids and the behaviour
+  log-probs of the policy that produced it (sampled this step, or replayed);
+- a **group** is one question's rollouts in one training step (G fresh + M replayed);
+- a stored **answer** (`rayrep.buffer.shard.Answer`) is a response kept in the replay
+  buffer; it becomes a rollout again when it is replayed.
+
 A field exists only when something reads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -36,9 +47,9 @@ class Prompt:
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "user"), "")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout:
-    """One sampled answer, as a generator returns it."""
+    """One response to one question, as a generator returned it (or the buffer replays it)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -49,6 +60,128 @@ class Rollout:
     """'stop' (the policy ended its answer) or 'length' (cut at the response limit)."""
     version: int = 0
     """Policy version (number of weight syncs) of the weights that sampled it."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One question's rollouts for one training step: fresh ones, then any replayed ones."""
+
+    prompt: Prompt
+    rollouts: tuple[Rollout, ...]
+    correct: tuple[bool, ...]
+    """Per rollout: the verifier's verdict (a replayed success is correct by construction)."""
+    replayed: tuple[bool, ...]
+    """Per rollout: drawn from the replay buffer rather than sampled this step."""
+    rewards: tuple[float, ...] = ()
+    """Per rollout, once the algorithm has scored the group (verdict plus shaping); empty before."""
+
+    @property
+    def size(self) -> int:
+        return len(self.rollouts)
+
+    @property
+    def informative(self) -> bool:
+        """Some rollouts right and some wrong: the group carries a learning signal."""
+        return 0 < sum(self.correct) < len(self.correct)
+
+    def with_replays(self, replays: Sequence[Rollout]) -> "Group":
+        """This group with stored successes appended (replays are correct by construction)."""
+        return dataclasses.replace(
+            self,
+            rollouts=self.rollouts + tuple(replays),
+            correct=self.correct + (True,) * len(replays),
+            replayed=self.replayed + (True,) * len(replays),
+        )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one round of a training step samples, decided before anything is generated.
+
+    A value: an algorithm returns it from `plan` and reads it back in nothing but what it
+    holds, so a second plan (a dynamic-sampling refill) cannot change the first.
+    """
+
+    requests: tuple[tuple[Prompt, int], ...]
+    """(question, number of fresh rollouts to sample for it), in batch order."""
+    replays: Mapping[str, tuple[Rollout, ...]] = field(default_factory=dict)
+    """Question id -> stored answers that join its group after generation (RLEP, ExGRPO)."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """What planning measured (e.g. the time and result of ExGRPO's entropy selection)."""
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return [prompt for prompt, _ in self.requests]
+
+    def complete(self, fresh: Sequence[Group]) -> list[Group]:
+        """The planned groups: each question's fresh rollouts (`fresh`, in request order)
+        followed by the stored answers planned for it."""
+        if [g.prompt.uid for g in fresh] != [p.uid for p, _ in self.requests]:
+            raise ValueError("fresh groups do not match the plan's questions")
+        return [group.with_replays(self.replays.get(group.prompt.uid, ())) for group in fresh]
+
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+"""How per-token losses become one number (see `rayrep.learner.loss.policy_loss`)."""
+AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How the learner turns log-probs into a loss; checked once, when it is built.
+
+    Every response token is trained with one of two objectives:
+    - **PPO**: the clipped ratio (clip-higher range, dual clip for negative advantages).
+      Fresh tokens use it, clipped or not (`clip_fresh`); replayed tokens use it, always
+      clipped, unless `replay_loss` is "shaped".
+    - **shaped** (ExGRPO): replayed tokens train with `-A * w / (w + replay_beta)`, with
+      `w` the ratio to the RECORDED behaviour log-probs, never clipped.
+    """
+
+    clip_low: float = 0.2
+    """Ratio floor 1 - clip_low; in [0, 1)."""
+    clip_high: float = 0.28
+    """Ratio ceiling 1 + clip_high; >= 0 (clip-higher)."""
+    dual_clip: float | None = 10.0
+    """Bound c of the dual clip for negative advantages, > 1; None disables it."""
+    clip_fresh: bool = True
+    """Clip fresh tokens' ratio; ExGRPO's mixed phase (as its code does) leaves them unclipped."""
+    replay_loss: Literal["ppo", "shaped"] = "ppo"
+    """Objective of replayed tokens: the clipped PPO ratio, or ExGRPO's f(w) shaping."""
+    replay_beta: float = 0.1
+    """beta of the shaping f(w) = w / (w + beta); > 0."""
+    agg: Aggregation = "token-mean"
+    norm_constant: float | None = None
+    """Divisor of each sequence's token sum; set with agg 'seq-mean-token-sum' only; > 0."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts coef x the token-mean entropy (>= 0; 0 trains without)."""
+
+    def __post_init__(self):
+        def number(name: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+            if ok:
+                ok = (value > low if low_open else value >= low) and value < high
+            if not ok:
+                bound = f"{'>' if low_open else '>='} {low}" + (f" and < {high}" if high != math.inf else "")
+                raise ValueError(f"LossSpec.{name} must be a number {bound}, got {value!r}")
+
+        number("clip_low", 0.0, 1.0)
+        number("clip_high", 0.0)
+        if self.dual_clip is not None:
+            number("dual_clip", 1.0, low_open=True)
+        number("replay_beta", 0.0, low_open=True)
+        number("entropy_coef", 0.0)
+        if self.replay_loss not in ("ppo", "shaped"):
+            raise ValueError(f"LossSpec.replay_loss must be 'ppo' or 'shaped', got {self.replay_loss!r}")
+        if self.agg not in AGGREGATIONS:
+            raise ValueError(f"LossSpec.agg must be one of {AGGREGATIONS}, got {self.agg!r}")
+        if self.agg == "seq-mean-token-sum":
+            if self.norm_constant is None:
+                raise ValueError("LossSpec.norm_constant is required with agg='seq-mean-token-sum'")
+            number("norm_constant", 0.0, low_open=True)
+        elif self.norm_constant is not None:
+            raise ValueError(f"LossSpec.norm_constant only applies to agg='seq-mean-token-sum', not {self.agg!r}")
 
 
 @dataclass
@@ -82,36 +215,67 @@ class TrainBatch:
     def num_prompts(self) -> int:
         return int(self.prompt_index.max()) + 1 if len(self.prompt_index) else 0
 
+    @classmethod
+    def of_sequences(
+        cls,
+        prompt_ids: Sequence[Sequence[int]],
+        response_ids: Sequence[Sequence[int]],
+        prompt_index: Sequence[int],
+        *,
+        logprobs: Sequence[Sequence[float]] | None = None,
+        advantages: Sequence[float] | None = None,
+        recompute_old: Sequence[bool] | None = None,
+        replayed: Sequence[bool] | None = None,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+    ) -> "TrainBatch":
+        """Rows of prompt + response, right-padded; unset per-row fields are zeros / False."""
+        import torch
+
+        count = len(response_ids)
+        lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompt_ids, response_ids)], dtype=torch.long)
+        width = int(lengths.max()) if count else 1
+        input_ids = torch.full((count, width), pad_id, dtype=torch.long)
+        response_mask = torch.zeros((count, width), dtype=torch.bool)
+        old_logprobs = torch.zeros((count, width), dtype=torch.float32)
+        for row, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+            start, end = len(prompt), len(prompt) + len(response)
+            input_ids[row, :start] = torch.as_tensor(prompt, dtype=torch.long)
+            input_ids[row, start:end] = torch.as_tensor(response, dtype=torch.long)
+            response_mask[row, start:end] = True
+            if logprobs is not None:
+                old_logprobs[row, start:end] = torch.as_tensor(logprobs[row], dtype=torch.float32)
+
+        def flags(values) -> "torch.Tensor":
+            return torch.zeros(count, dtype=torch.bool) if values is None else torch.tensor(list(values), dtype=torch.bool)
+
+        return cls(
+            input_ids=input_ids,
+            lengths=lengths,
+            response_mask=response_mask,
+            old_logprobs=old_logprobs,
+            recompute_old=flags(recompute_old),
+            advantages=torch.zeros(count) if advantages is None else torch.as_tensor(advantages, dtype=torch.float32),
+            replay_mask=flags(replayed),
+            prompt_index=torch.tensor(list(prompt_index), dtype=torch.long),
+            temperature=temperature,
+        )
+
 
 @dataclass(frozen=True)
-class LossSpec:
-    """How the learner turns log-probs into a loss (see `rayrep.learner.loss.policy_loss`)."""
+class StepBatch:
+    """One training step, built by an algorithm from its verified groups: what to train on,
+    with which loss, and what the step saw."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 10.0
-    agg: str = "token-mean"
-    norm_constant: float | None = None
-    clip: bool = True
-    """Clip fresh tokens (ExGRPO's mixed phase turns this off)."""
-    replay_shaping: bool = False
-    """Replayed tokens use f(w) = w / (w + beta) instead of the clipped ratio (ExGRPO)."""
-    replay_beta: float = 0.1
-    entropy_coef: float = 0.0
-
-
-@dataclass
-class Group:
-    """One question's answers for one training step: fresh rollouts and any replayed ones."""
-
-    prompt: Prompt
-    rollouts: list[Rollout]
-    correct: list[bool]
-    replayed: list[bool]
-    """Per answer: drawn from the replay buffer rather than sampled this step."""
-    rewards: list[float] = field(default_factory=list)
-    """Filled by the algorithm (verifier reward plus shaping)."""
+    batch: TrainBatch
+    loss: LossSpec
+    groups: tuple[Group, ...]
+    """The trained groups, scored (`rewards` set), in the batch's row order."""
+    dropped: tuple[Group, ...] = ()
+    """Verified groups left out of the batch (dynamic sampling), scored too."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     @property
-    def size(self) -> int:
-        return len(self.rollouts)
+    def seen(self) -> tuple[Group, ...]:
+        """Every group verified this step, trained or not."""
+        return self.groups + self.dropped

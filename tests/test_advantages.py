@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from rayrep.algos.advantages import group_advantages, overlong_penalty
+from rayrep.algos.advantages import group_advantages
+from rayrep.verifier.reward import overlong_penalty
 
 EPS = 1e-6
 

@@ -1,18 +1,20 @@
-"""GRPO, RLEP and ExGRPO: rewards, group formation, replay bookkeeping (no actors needed)."""
+"""GRPO, RLEP and ExGRPO as step functions: plans, scoring, batches, replay bookkeeping,
+dynamic sampling (no actors: an in-process replay buffer)."""
 
+import dataclasses
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from rayrep.algos.exgrpo import ExGRPO, mean_token_entropy
-from rayrep.algos.grpo import GRPO
+from rayrep.algos.exgrpo import ExGRPO
+from rayrep.algos.grpo import GRPO, keep_informative
 from rayrep.algos.rlep import RLEP
 from rayrep.buffer.files import BufferFileError, write_pool
-from rayrep.buffer.shard import Answer
+from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import ConfigError, load_preset
-from rayrep.types import Prompt, Rollout
+from rayrep.learner.worker import mini_batches
+from rayrep.types import Group, Prompt, Rollout, StepPlan
 
 PROMPT_IDS = [10, 11, 12]
 
@@ -25,9 +27,21 @@ def rollout(response, logprob=-0.5):
     return Rollout(PROMPT_IDS, list(response), [logprob] * len(response), "", "stop")
 
 
+def fresh_group(p, responses, marks):
+    return Group(p, tuple(rollout(r) for r in responses), tuple(marks), (False,) * len(marks))
+
+
 def base_cfg(**changes):
     defaults = {"replay.num_shards": 0, "algorithm.group_size": 4, "verifier.overlong_factor": 0.0}
     return load_preset("tiny-cpu").replace(**{**defaults, **changes})
+
+
+def roll_out(plan: StepPlan, marks_by_uid) -> list[Group]:
+    """The generators' and verifiers' part of a round, by hand: `n` fresh rollouts per
+    planned question with the given marks; then the plan's replays join their groups."""
+    fresh = [fresh_group(p, [[100 + j, int(p.uid[1:]) % 7] for j in range(n)], marks_by_uid(p.uid, n))
+             for p, n in plan.requests]
+    return plan.complete(fresh)
 
 
 # ---------------------------------------------------------------------- GRPO
@@ -36,27 +50,75 @@ def base_cfg(**changes):
 def test_rewards_follow_the_style_and_overlong_shaping():
     cfg = base_cfg(**{"verifier.overlong_factor": 1.0, "verifier.overlong_buffer": 16,
                       "generator.max_response_tokens": 48})
-    algo = GRPO(cfg)
-    (group,) = algo.make_groups([prompt("q")], [[rollout([1] * 10), rollout([1] * 40), rollout([1] * 48)]], [[True, True, False]])
-    algo.score([group])
+    group = fresh_group(prompt("q"), [[1] * 10, [1] * 40, [1] * 48], [True, True, False])
+    scored = GRPO(cfg).score(group)
     # 40 tokens: (40 - 32) / 16 = half the ramp; 48 tokens: the full penalty.
-    assert group.rewards == pytest.approx([1.0, 1.0 - 0.5, -1.0 - 1.0])
+    assert scored.rewards == pytest.approx((1.0, 1.0 - 0.5, -1.0 - 1.0))
+    assert group.rewards == ()  # a new value; the input is untouched
     binary = GRPO(base_cfg(**{"verifier.reward_style": "binary"}))
-    (group,) = binary.make_groups([prompt("q")], [[rollout([1]), rollout([1])]], [[True, False]])
-    binary.score([group])
-    assert group.rewards == [1.0, 0.0]
+    assert binary.score(fresh_group(prompt("q"), [[1], [1]], [True, False])).rewards == (1.0, 0.0)
 
 
-def test_grpo_batch_has_one_row_per_answer_with_group_advantages():
+def test_grpo_batch_has_one_row_per_rollout_with_group_advantages():
     algo = GRPO(base_cfg())
-    groups = algo.make_groups([prompt("a"), prompt("b")], [[rollout([1, 2]), rollout([3])], [rollout([4]), rollout([5])]],
-                              [[True, False], [False, False]])
-    batch = algo.build_batch(groups)
+    groups = [fresh_group(prompt("a"), [[1, 2], [3]], [True, False]), fresh_group(prompt("b"), [[4], [5]], [False, False])]
+    step = algo.build(groups)
+    batch = step.batch
     std = math.sqrt(2.0)  # unbiased std of (+1, -1)
     assert batch.advantages.tolist() == pytest.approx([1 / (std + 1e-6), -1 / (std + 1e-6), 0.0, 0.0], abs=1e-5)
     assert batch.prompt_index.tolist() == [0, 0, 1, 1]
     assert batch.response_mask.sum(1).tolist() == [2, 1, 1, 1]
+    assert batch.old_logprobs[0][batch.response_mask[0]].tolist() == [-0.5, -0.5]
     assert batch.recompute_old.all() and not batch.replay_mask.any()
+    assert [g.rewards for g in step.groups] == [(1.0, -1.0), (-1.0, -1.0)]
+    assert step.metrics["groups_all_equal"] == 0.5 and step.metrics["reward_mean"] == -0.5
+    assert step.loss == algo.loss and step.metrics["replay_share"] == 0
+
+
+def test_grpo_plan_is_a_value_that_leaves_out_excluded_questions():
+    algo = GRPO(base_cfg())
+    plan = algo.plan([prompt("a"), prompt("b"), prompt("c")], exclude=frozenset({"b"}))
+    assert [(p.uid, n) for p, n in plan.requests] == [("a", 4), ("c", 4)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.requests = ()
+    with pytest.raises(ValueError, match="do not match the plan"):
+        plan.complete([fresh_group(prompt("c"), [[1]], [True])])
+
+
+def test_config_errors_of_the_loss_fail_when_the_algorithm_is_built():
+    with pytest.raises(ConfigError, match="loss_norm_constant"):
+        GRPO(base_cfg(**{"learner.loss_agg": "seq-mean-token-sum"}))
+
+
+# ---------------------------------------------------------------------- dynamic sampling
+
+
+def test_keep_informative_refills_with_other_questions_until_the_batch_is_full():
+    asked = []
+
+    def more(taken):
+        asked.append(set(taken))
+        n = len(asked)
+        # each round brings one informative and one uninformative new question
+        return [fresh_group(prompt(f"r{n}i"), [[1], [2]], [True, False]), fresh_group(prompt(f"r{n}u"), [[1], [2]], [True, True])]
+
+    first = [fresh_group(prompt("a"), [[1], [2]], [False, False]), fresh_group(prompt("b"), [[1], [2]], [True, False])]
+    kept, dropped, metrics = keep_informative(first, wanted=3, more=more)
+    assert [g.prompt.uid for g in kept] == ["b", "r1i", "r2i"]
+    assert sorted(g.prompt.uid for g in dropped) == ["a", "r1u", "r2u"]
+    assert asked == [{"a", "b"}, {"a", "b", "r1i", "r1u"}]  # questions already in the step stay out
+    assert metrics == {"dynamic_sampling_kept": 0.5, "dynamic_sampling_rounds": 2}
+    # Gives up after max_rounds; surplus informative groups are verified, not trained.
+    kept, dropped, metrics = keep_informative(first, wanted=10, more=more, max_rounds=1)
+    assert len(kept) == 2 and metrics["dynamic_sampling_rounds"] == 1
+    kept, dropped, _ = keep_informative(first + [fresh_group(prompt("c"), [[1], [2]], [False, True])], 1, more)
+    assert [g.prompt.uid for g in kept] == ["b"] and "c" in [g.prompt.uid for g in dropped]
+
+
+def test_a_replayed_success_makes_an_all_wrong_group_informative():
+    group = fresh_group(prompt("q"), [[1], [2]], [False, False])
+    assert not group.informative
+    assert group.with_replays([rollout([9])]).informative
 
 
 # ---------------------------------------------------------------------- RLEP
@@ -77,48 +139,57 @@ def rlep(pool_file, **changes):
     cfg = base_cfg(**{"algorithm.name": "rlep", "algorithm.rlep.pool": str(pool_file),
                       "algorithm.rlep.replays_per_group": 2, **changes})
     algo = RLEP(cfg, {f"q{i}": PROMPT_IDS for i in range(3)})
-    algo.attach(runtime=None)
+    algo.attach(ReplayBuffer(0, 64, seed=0), learners=None)
     return algo
 
 
 def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
     algo = rlep(pool_file)
-    prompts = [prompt(f"q{i}") for i in range(3)]
-    fresh = [[rollout([1]) for _ in range(4)] for _ in prompts]
-    groups = algo.make_groups(prompts, fresh, [[False] * 4 for _ in prompts])
+    plan = algo.plan([prompt(f"q{i}") for i in range(3)])
+    assert [n for _, n in plan.requests] == [4, 4, 4]  # G fresh each; replays are drawn now
+    groups = roll_out(plan, lambda uid, n: [False] * n)
     assert [g.size for g in groups] == [4, 5, 6]  # G + min(M, stored)
     assert [sum(g.replayed) for g in groups] == [0, 1, 2]
     assert groups[1].rollouts[4].response_ids == [50, 51]
     replayed_q2 = [tuple(r.response_ids) for r, rep in zip(groups[2].rollouts, groups[2].replayed) if rep]
     assert len(set(replayed_q2)) == 2 and all(ids[0] in range(60, 65) for ids in replayed_q2)
-    for group in groups:  # replayed answers are the verified successes, with their recorded log-probs
+    for group in groups:  # replayed rollouts are the verified successes, with their recorded log-probs
         for r, rep, ok in zip(group.rollouts, group.replayed, group.correct):
             if rep:
                 assert ok and r.logprobs == [-0.25] * len(r.response_ids) and r.version == 3
-    batch = algo.build_batch(groups)
-    # Advantages over all G' answers: q1 has 4 failures and 1 success.
-    q1 = batch.advantages[batch.prompt_index == 1]
+                assert r.prompt_ids == PROMPT_IDS
+    step = algo.build(groups)
+    # Advantages over all G' rollouts: q1 has 4 failures and 1 success.
+    q1 = step.batch.advantages[step.batch.prompt_index == 1]
     rewards = torch.tensor([-1.0, -1, -1, -1, 1])
     assert q1.tolist() == pytest.approx(((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist(), abs=1e-5)
-    assert batch.advantages[batch.prompt_index == 0].abs().max() == 0  # all fresh failures, nothing added
-    metrics = algo.after_update(1, groups)
-    assert metrics["replay_questions_short"] == 2 and metrics["replay_share"] == pytest.approx(3 / 15)
+    assert step.batch.advantages[step.batch.prompt_index == 0].abs().max() == 0  # all fresh failures, nothing added
+    assert step.metrics["replay_questions_short"] == 2 and step.metrics["replay_share"] == pytest.approx(3 / 15)
+    assert step.metrics["replayed_questions"] == 2 and step.batch.replay_mask.sum() == 3
 
 
 def test_rlep_old_logprob_modes(pool_file):
-    prompts = [prompt("q2")]
     for mode, expected in (("recompute", [True] * 6), ("recorded", [True] * 4 + [False] * 2)):
         algo = rlep(pool_file, **{"algorithm.rlep.old_logprobs": mode})
-        (group,) = algo.make_groups(prompts, [[rollout([1]) for _ in range(4)]], [[True, False, False, False]])
-        assert algo.recompute_old(group) == expected
+        step = algo.build(roll_out(algo.plan([prompt("q2")]), lambda uid, n: [True] + [False] * (n - 1)))
+        assert step.batch.recompute_old.tolist() == expected
 
 
-def test_rlep_optimizer_steps_do_not_depend_on_replays():
-    from rayrep.runtime import optimizer_steps_per_rollout
-
-    for m in (0, 2, 6):
-        cfg = base_cfg(**{"algorithm.rlep.replays_per_group": m})
-        assert optimizer_steps_per_rollout(cfg) == cfg.algorithm.prompts_per_step // cfg.learner.mini_batch_prompts
+@pytest.mark.parametrize("replays", [0, 2, 6])
+def test_rlep_optimizer_steps_do_not_depend_on_replays(pool_file, replays):
+    """The learner's mini-batches are whole questions with all of their G + M rollouts, so
+    RLEP takes as many optimizer steps per rollout as the baseline (the public code takes 9
+    where the baseline takes 8)."""
+    algo = rlep(pool_file, **{"algorithm.rlep.replays_per_group": replays, "algorithm.prompts_per_step": 6,
+                              "learner.mini_batch_prompts": 2})
+    questions = [prompt(f"q{i % 3}") for i in range(6)]
+    step = algo.build(roll_out(algo.plan(questions), lambda uid, n: [True, False] + [False] * (n - 2)))
+    batch = step.batch
+    steps = mini_batches(batch.num_prompts, algo.cfg.learner.mini_batch_prompts)
+    assert len(steps) == 6 // 2
+    rows_per_step = [int(((batch.prompt_index >= s.start) & (batch.prompt_index < s.stop)).sum()) for s in steps]
+    assert sum(rows_per_step) == len(batch.prompt_index)  # every rollout, replays included, is trained
+    assert rows_per_step == [step.groups[s.start].size + step.groups[s.start + 1].size for s in steps]
 
 
 def test_rlep_rejects_pools_that_do_not_match(pool_file, tmp_path):
@@ -141,27 +212,24 @@ def test_rlep_rejects_pools_that_do_not_match(pool_file, tmp_path):
 def exgrpo(**changes):
     cfg = base_cfg(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.prompts_per_step": 8,
                       "learner.mini_batch_prompts": 8, **changes})
-    algo = ExGRPO(cfg, [prompt(f"q{i}") for i in range(40)])
-    # No learners: these tests keep replay_ratio at 0 where a batch would need the entropy
+    prompts = [prompt(f"q{i}") for i in range(40)]
+    algo = ExGRPO(cfg, prompts, {p.uid: PROMPT_IDS for p in prompts})
+    # No learners: these tests keep replay_ratio at 0 where a plan would need the entropy
     # pass; tests/test_replay_runs.py runs ExGRPO with a real learner group.
-    algo.attach(type("Runtime", (), {"learners": None})())
+    algo.attach(ReplayBuffer(0, 64, seed=0), learners=None)
     return algo
 
 
 def step(algo, step_number, marks_by_uid, start=0):
-    """Plan, then pretend every question's fresh answers came back with the given marks."""
-    plan = algo.plan_rollouts([prompt(f"q{i}") for i in range(start, start + 8)])
-    prompts = [p for p, _ in plan]
-    answers = [[rollout([100 + j, int(p.uid[1:]) % 7]) for j in range(n)] for p, n in plan]
-    marks = [marks_by_uid(p.uid, n) for p, n in plan]
-    groups = algo.make_groups(prompts, answers, marks)
-    algo.build_batch(groups)
-    return plan, groups, algo.after_update(step_number, groups)
+    """Plan, roll out by hand with the given marks, build, and remember."""
+    plan = algo.plan([prompt(f"q{i}") for i in range(start, start + 8)])
+    built = algo.build(roll_out(plan, marks_by_uid))
+    return plan, built, algo.after_update(step_number, built)
 
 
 def test_exgrpo_needs_the_mean_only_advantage():
     with pytest.raises(ConfigError, match="std_normalize must be false"):
-        ExGRPO(base_cfg(**{"algorithm.name": "exgrpo"}), [])
+        ExGRPO(base_cfg(**{"algorithm.name": "exgrpo"}), [], {})
 
 
 def test_exgrpo_collects_nothing_before_the_pass_rate_switch():
@@ -192,7 +260,23 @@ def test_exgrpo_retires_all_correct_questions_and_dedups_answers():
     assert metrics["buffer_questions"] == 0 and metrics["buffer_stored"] == 0
 
 
-def test_mean_token_entropy_uses_each_rows_own_tokens():
-    entropy = torch.tensor([[9.0, 1.0, 3.0, 0.0], [9.0, 9.0, 2.0, 4.0]])
-    mask = torch.tensor([[False, True, True, False], [False, False, True, True]])
-    assert mean_token_entropy(entropy, mask).tolist() == [2.0, 3.0]
+def test_exgrpo_bookkeeping_sees_groups_that_dynamic_sampling_dropped():
+    algo = exgrpo(**{"algorithm.exgrpo.start_pass_rate": 0.0, "algorithm.exgrpo.replay_ratio": 0.0})
+    plan = algo.plan([prompt(f"q{i}") for i in range(8)])
+    groups = roll_out(plan, lambda uid, n: [True] * n if uid in ("q0", "q1") else [True, False, False, False])
+    kept, dropped, _ = keep_informative(groups, 8, more=lambda taken: [])
+    built = algo.build(kept, dropped)
+    assert len(built.groups) == 6 and len(built.dropped) == 2
+    metrics = algo.after_update(1, built)
+    assert metrics["buffer_retired"] == 2 and metrics["buffer_questions"] == 6  # the all-correct ones retire
+
+
+def test_exgrpo_loss_switches_to_the_mixed_policy_loss_when_a_step_replays():
+    algo = exgrpo()
+    fresh = [fresh_group(prompt("q0"), [[1], [2]], [True, False])]
+    assert algo.build(fresh).loss == algo.loss
+    mixed = algo.build([fresh[0].with_replays([rollout([3])])])
+    assert (mixed.loss.replay_loss, mixed.loss.clip_fresh, mixed.loss.replay_beta) == ("shaped", False, 0.1)
+    assert mixed.batch.recompute_old.tolist() == [True, True, False]  # w = pi_theta / pi_recorded
+    paper = exgrpo(**{"algorithm.exgrpo.clip_fresh_in_mixed": True}).build([fresh[0].with_replays([rollout([3])])])
+    assert paper.loss.clip_fresh is True

@@ -4,7 +4,6 @@ from rayrep.config import (
     Config,
     ConfigError,
     LearnerConfig,
-    PRESET_DIR,
     _field_specs,
     from_dict,
     help_text,
@@ -12,14 +11,46 @@ from rayrep.config import (
     parse_cli,
     parse_job_args,
     job_parser,
+    preset_names,
 )
 
 
 def test_every_preset_loads_and_validates():
-    names = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
-    assert "tiny-cpu" in names and len(names) >= 3
+    names = preset_names()
+    assert {"tiny-cpu", "qwen2.5-math-7b-rlep", "qwen2.5-math-7b-exgrpo"} <= set(names)
     for name in names:
         assert isinstance(load_preset(name), Config)
+
+
+def test_presets_ship_inside_an_installed_wheel(tmp_path):
+    """Built as a wheel and imported from outside the source tree, the package still has its presets."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = tmp_path / "source"  # a copy: building in place would leave build/ in the checkout
+    shutil.copytree(root / "rayrep", source / "rayrep", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("rayrep-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path / "site")
+    code = ("import rayrep, rayrep.config as c; print(rayrep.__file__); print(*c.preset_names()); "
+            "print(c.load_preset('qwen2.5-math-7b-rlep').learner.num_workers)")
+    # The editable install's import hook would find the source tree first: -I ignores it
+    # (no site-packages), PYTHONPATH-free; the wheel's contents are put on sys.path by hand.
+    done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path / 'site')!r}); {code}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    where, names, workers = done.stdout.splitlines()
+    assert where.startswith(str(tmp_path / "site"))
+    assert {"tiny-cpu", "qwen2.5-math-7b-rlep", "qwen2.5-math-7b-exgrpo"} <= set(names.split()) and workers == "64"
 
 
 def test_paper_presets_hold_the_papers_hyperparameters():
@@ -89,8 +120,19 @@ def test_bad_toml_files_name_the_file(tmp_path):
     unknown.write_text("[learner]\nlearning_rate = 1e-6\n")
     with pytest.raises(ConfigError, match="unknown config field learner.learning_rate"):
         parse_cli(["--config", str(unknown)])
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="config file .*missing.toml does not exist"):
         parse_cli(["--config", str(tmp_path / "missing.toml")])
+    # Not a TOML file: say so, instead of looking it up as a preset name.
+    rows = tmp_path / "my.jsonl"
+    rows.write_text('{"prompt": "1+1"}\n')
+    with pytest.raises(ConfigError, match=r"config file .*my.jsonl: not a TOML file \(a config file ends in .toml\)"):
+        parse_cli(["--config", str(rows)])
+    with pytest.raises(ConfigError, match="config file .*folder.toml is not a file"):
+        (tmp_path / "folder.toml").mkdir()
+        parse_cli(["--config", str(tmp_path / "folder.toml")])
+    # A preset given as a path is a config file too.
+    with pytest.raises(ConfigError, match="config file .*missing.toml does not exist"):
+        parse_cli(["--preset", str(tmp_path / "missing.toml")])
 
 
 def test_direct_construction_is_validated_too():

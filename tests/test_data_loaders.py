@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -389,7 +388,8 @@ def test_non_utf8_jsonl(tmp_path):
 # ----------------------------------------------------------------------------- scale
 
 
-def test_dapo_sized_parquet_loads_fast(tmp_path):
+def test_dapo_sized_parquet_loads(tmp_path):
+    """All 17k rows of a DAPO-Math-17k-sized file (how fast: bench/inputs.py)."""
     n = 17_000
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
     table = pa.table({
@@ -402,12 +402,10 @@ def test_dapo_sized_parquet_loads_fast(tmp_path):
     })
     path = tmp_path / "dapo-math-17k.parquet"
     pq.write_table(table, path)
-    start = time.perf_counter()
     prompts = load_prompts(path)
-    elapsed = time.perf_counter() - start
     assert len(prompts) == n
     assert prompts[-1].uid == f"{n - 1:08x}-uuid" and prompts[-1].ground_truth == str(n - 1)
-    assert elapsed < 2.0, f"17k rows took {elapsed:.2f}s"
+    assert prompts[123].messages == ({"role": "user", "content": "Question 123: " + "x" * 300},)
 
 
 def test_prompt_file_error_is_a_plain_value_error_without_a_location():

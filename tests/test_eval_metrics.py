@@ -153,7 +153,7 @@ def test_maj_at_k_without_answers_does_not_vote():
 def test_maj_at_k_survives_a_pathological_answer():
     start = time.monotonic()
     assert maj_at_k([r"\boxed{9^{9^{9^{9}}}}", r"\boxed{4}", r"\boxed{4}"], "4") == 1.0
-    assert time.monotonic() - start < 4.0  # one comparison against the tower times out
+    assert time.monotonic() - start < 10.0  # one comparison against the tower times out (limit 1 s)
 
 
 def test_maj_at_k_bad_arguments():

@@ -1,4 +1,4 @@
-"""policy_loss: clip boundaries, dual clip, replay shaping, aggregation, micro-batching."""
+"""policy_loss: clip boundaries, dual clip, replay shaping, aggregation, entropy bonus, micro-batching."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import math
 import pytest
 import torch
 
-from rayrep.learner.loss import AGGREGATIONS, loss_denominator, policy_loss
+from rayrep.learner.loss import Totals, mini_batch_totals, policy_loss
+from rayrep.types import AGGREGATIONS, LossSpec
+
+DEFAULT = LossSpec()
 
 
-def one_token(ratio: float, advantage: float, *, replayed: bool = False, **kwargs):
+def one_token(ratio: float, advantage: float, *, replayed: bool = False, **spec):
     """Loss, d loss / d logp and metrics for a batch of one valid token with ratio `ratio`."""
     logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
     old_logp = torch.zeros(1, 1, dtype=torch.float64)
@@ -19,8 +22,8 @@ def one_token(ratio: float, advantage: float, *, replayed: bool = False, **kwarg
         old_logp,
         torch.tensor([advantage], dtype=torch.float64),
         torch.ones(1, 1, dtype=torch.bool),
+        LossSpec(**spec),
         replay_mask=torch.tensor([replayed]),
-        **kwargs,
     )
     loss.backward()
     return loss.item(), logp.grad.item(), metrics
@@ -76,8 +79,8 @@ def test_custom_clip_range():
 @pytest.mark.parametrize(
     ("ratio", "advantage"), [(1.5, 1.0), (0.5, -1.0), (20.0, -1.0), (0.1, 1.0)]
 )
-def test_clip_false_is_plain_importance_weighting(ratio, advantage):
-    value, gradient, metrics = one_token(ratio, advantage, clip=False)
+def test_unclipped_fresh_tokens_are_plain_importance_weighting(ratio, advantage):
+    value, gradient, metrics = one_token(ratio, advantage, clip_fresh=False)
     assert value == pytest.approx(-advantage * ratio)
     assert gradient == pytest.approx(-advantage * ratio)
     assert metrics["fresh_clip_frac"] == 0 and metrics["dual_clip_frac"] == 0
@@ -91,7 +94,7 @@ def test_clip_false_is_plain_importance_weighting(ratio, advantage):
 def test_replay_shaping_value_and_gradient(w, advantage):
     beta = 0.1
     value, gradient, metrics = one_token(
-        w, advantage, replayed=True, replay_shaping=True, replay_beta=beta
+        w, advantage, replayed=True, replay_loss="shaped", replay_beta=beta
     )
     assert value == pytest.approx(-advantage * w / (w + beta), rel=1e-9)
     # d f(w) / d logp = f'(w) * w = beta * w / (w + beta)^2
@@ -102,11 +105,11 @@ def test_replay_shaping_value_and_gradient(w, advantage):
 
 def test_replay_shaping_limits():
     # w -> 0: f(w) ~ w / beta, the gradient of a nearly impossible success is ~ w / beta.
-    value, gradient, _ = one_token(1e-6, 1.0, replayed=True, replay_shaping=True)
+    value, gradient, _ = one_token(1e-6, 1.0, replayed=True, replay_loss="shaped")
     assert value == pytest.approx(-1e-5, rel=1e-4)
     assert gradient == pytest.approx(-1e-5, rel=1e-4)
     # w >> 1: f -> 1 and the gradient vanishes like beta / w, where PPO would clip.
-    value, gradient, _ = one_token(1e4, 1.0, replayed=True, replay_shaping=True)
+    value, gradient, _ = one_token(1e4, 1.0, replayed=True, replay_loss="shaped")
     assert value == pytest.approx(-1.0, abs=1e-4)
     assert gradient == pytest.approx(-1e-5, rel=1e-3)
 
@@ -120,6 +123,15 @@ def test_replayed_tokens_without_shaping_follow_ppo():
     assert metrics["dual_clip_frac"] == 1 and metrics["replay_clip_frac"] == 0
 
 
+def test_clip_fresh_applies_to_fresh_tokens_only():
+    # Fresh tokens unclipped; replayed tokens under PPO keep their clip.
+    value, gradient, metrics = one_token(1.5, 1.0, clip_fresh=False)
+    assert (value, gradient) == (pytest.approx(-1.5), pytest.approx(-1.5))
+    value, gradient, metrics = one_token(1.5, 1.0, replayed=True, clip_fresh=False)
+    assert (value, gradient) == (pytest.approx(-1.28), 0.0)
+    assert metrics["replay_clip_frac"] == 1
+
+
 def test_fresh_and_replayed_rows_in_one_batch():
     # Row 0 fresh with ratio 1.5 (clipped), row 1 replayed with ratio 1.5 (shaped).
     logp = torch.full((2, 2), math.log(1.5), dtype=torch.float64, requires_grad=True)
@@ -128,8 +140,8 @@ def test_fresh_and_replayed_rows_in_one_batch():
         torch.zeros(2, 2, dtype=torch.float64),
         torch.tensor([1.0, 1.0], dtype=torch.float64),
         torch.tensor([[1, 1], [1, 0]]),
+        LossSpec(replay_loss="shaped"),
         replay_mask=torch.tensor([False, True]),
-        replay_shaping=True,
     )
     loss.backward()
     shaped = 1.5 / 1.6
@@ -142,7 +154,7 @@ def test_fresh_and_replayed_rows_in_one_batch():
 
 # ---- aggregation --------------------------------------------------------------------------
 
-# Ratio 1 and clip=False make the token loss -A_t, so each mode's value is plain arithmetic.
+# Ratio 1 and clip_fresh=False make the token loss -A_t, so each mode's value is plain arithmetic.
 AGG_ADVANTAGES = torch.tensor(
     [[3.0, 9.0, 9.0], [1.0, 2.0, 3.0], [5.0, 5.0, 5.0]], dtype=torch.float64
 )
@@ -170,25 +182,22 @@ def test_aggregation_modes(agg):
         torch.zeros(3, 3, dtype=torch.float64),
         AGG_ADVANTAGES,
         AGG_MASK,
-        agg=agg,
-        clip=False,
-        **extra,
+        LossSpec(agg=agg, clip_fresh=False, **extra),
     )
     loss.backward()
     assert loss.item() == pytest.approx(expected_loss)
     torch.testing.assert_close(logp.grad, torch.tensor(expected_grad, dtype=torch.float64))
 
 
-def test_aggregation_errors():
-    logp, mask = torch.zeros(1, 2), torch.ones(1, 2)
+def test_aggregation_errors_fail_when_the_spec_is_built():
     with pytest.raises(ValueError, match="'seq-mean'"):
-        policy_loss(logp, logp, torch.ones(1), mask, agg="seq-mean")
+        LossSpec(agg="seq-mean")
     with pytest.raises(ValueError, match="norm_constant is required"):
-        policy_loss(logp, logp, torch.ones(1), mask, agg="seq-mean-token-sum")
+        LossSpec(agg="seq-mean-token-sum")
     with pytest.raises(ValueError, match="norm_constant only applies"):
-        policy_loss(logp, logp, torch.ones(1), mask, norm_constant=8192)
+        LossSpec(norm_constant=8192)
     with pytest.raises(ValueError, match="norm_constant"):
-        policy_loss(logp, logp, torch.ones(1), mask, agg="seq-mean-token-sum", norm_constant=0)
+        LossSpec(agg="seq-mean-token-sum", norm_constant=0)
 
 
 # ---- empty masks and garbage in padding ---------------------------------------------------
@@ -199,7 +208,7 @@ def test_all_zero_mask_gives_zero_loss_with_a_graph(agg):
     extra = {"norm_constant": 8192} if agg == "seq-mean-token-sum" else {}
     logp = torch.full((2, 3), -math.inf, requires_grad=True)  # padding may hold anything
     loss, metrics = policy_loss(
-        logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3), agg=agg, **extra
+        logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3), LossSpec(agg=agg, **extra)
     )
     assert loss.item() == 0.0
     assert loss.grad_fn is not None
@@ -214,7 +223,7 @@ def test_padding_values_never_leak_into_loss_or_gradient():
     old_logp = torch.tensor([[-0.5, -math.inf, 0.0], [-0.1, -0.2, 0.0]])
     advantages = torch.tensor([[1.0, math.nan, math.nan], [-1.0, -1.0, math.nan]])
     mask = torch.tensor([[1, 0, 0], [1, 1, 0]])
-    loss, metrics = policy_loss(logp, old_logp, advantages, mask)
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, DEFAULT)
     loss.backward()
     # ratio 1 everywhere valid: loss = (-1 + 1 + 1) / 3
     assert loss.item() == pytest.approx(1 / 3)
@@ -225,7 +234,7 @@ def test_padding_values_never_leak_into_loss_or_gradient():
 def test_extreme_log_ratio_stays_finite():
     logp = torch.tensor([[200.0, -200.0]], requires_grad=True)
     advantages = torch.tensor([[1.0, -1.0]])
-    loss, metrics = policy_loss(logp, torch.zeros(1, 2), advantages, torch.ones(1, 2), clip=False)
+    loss, metrics = policy_loss(logp, torch.zeros(1, 2), advantages, torch.ones(1, 2), LossSpec(clip_fresh=False))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert all(math.isfinite(value) for value in metrics.values())
@@ -233,13 +242,13 @@ def test_extreme_log_ratio_stays_finite():
 
 def test_bfloat16_inputs_are_computed_in_float32():
     logp = torch.zeros(1, 2, dtype=torch.bfloat16, requires_grad=True)
-    loss, _ = policy_loss(logp, logp.detach(), torch.ones(1), torch.ones(1, 2))
+    loss, _ = policy_loss(logp, logp.detach(), torch.ones(1), torch.ones(1, 2), DEFAULT)
     assert loss.dtype == torch.float32
     loss.backward()
     assert logp.grad.dtype == torch.bfloat16
 
 
-# ---- micro-batches and the global denominator ------------------------------------------
+# ---- micro-batches and the mini-batch totals --------------------------------------------
 
 
 def _mixed_batch(seed: int = 0):
@@ -264,24 +273,30 @@ def _mixed_batch(seed: int = 0):
     return logp, old_logp, advantages, mask, replay_mask
 
 
+def _entropy_of(logp: torch.Tensor) -> torch.Tensor:
+    """A per-token "entropy" that depends on logp, so that the bonus has a gradient to check."""
+    return (logp - 1.0) ** 2
+
+
 @pytest.mark.parametrize("agg", AGGREGATIONS)
-@pytest.mark.parametrize("replay_shaping", [False, True])
-def test_micro_batches_with_global_denominator_match_full_batch(agg, replay_shaping):
+@pytest.mark.parametrize("replay_loss", ["ppo", "shaped"])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_micro_batches_with_mini_batch_totals_match_full_batch(agg, replay_loss, entropy_coef):
     extra = {"norm_constant": 6.0} if agg == "seq-mean-token-sum" else {}
     logp, old_logp, advantages, mask, replay_mask = _mixed_batch()
-    options = dict(agg=agg, replay_shaping=replay_shaping, **extra)
+    spec = LossSpec(agg=agg, replay_loss=replay_loss, entropy_coef=entropy_coef, **extra)
 
     full_logp = logp.clone().requires_grad_()
     full_loss, full_metrics = policy_loss(
-        full_logp, old_logp, advantages, mask, replay_mask=replay_mask, **options
+        full_logp, old_logp, advantages, mask, spec, replay_mask=replay_mask, entropy=_entropy_of(full_logp)
     )
     full_loss.backward()
     # the batch does exercise both clips
     assert full_metrics["fresh_clip_frac"] > 0 and full_metrics["dual_clip_frac"] > 0
 
     halves = [slice(0, 2), slice(2, 4)]
-    global_count = sum(loss_denominator(mask[rows], agg) for rows in halves)
-    assert global_count == (13 if agg == "token-mean" else 4)
+    totals = mini_batch_totals(mask, agg)
+    assert totals == Totals(units=13 if agg == "token-mean" else 4, tokens=13)
 
     micro_logp = logp.clone().requires_grad_()
     summed_loss = 0.0
@@ -291,9 +306,10 @@ def test_micro_batches_with_global_denominator_match_full_batch(agg, replay_shap
             old_logp[rows],
             advantages[rows],
             mask[rows],
+            spec,
             replay_mask=replay_mask[rows],
-            denominator=global_count,
-            **options,
+            entropy=_entropy_of(micro_logp[rows]),
+            totals=totals,
         )
         loss.backward()  # gradients accumulate in micro_logp.grad, as in a training loop
         summed_loss += loss.item()
@@ -306,24 +322,63 @@ def test_token_mean_micro_batches_without_global_denominator_differ():
     # The control for the test above: averaging local token means weighs the 6-token
     # half's tokens more than the 7-token half's, which is not the batch's token mean.
     logp, old_logp, advantages, mask, _ = _mixed_batch()
-    full_loss, _ = policy_loss(logp, old_logp, advantages, mask)
+    full_loss, _ = policy_loss(logp, old_logp, advantages, mask, DEFAULT)
     local_means = [
-        policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows])[0]
+        policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows], DEFAULT)[0]
         for rows in (slice(0, 2), slice(2, 4))
     ]
     assert (sum(local_means) / 2).item() != pytest.approx(full_loss.item(), rel=1e-6)
 
 
-def test_denominator_smaller_than_local_count_is_rejected():
+def test_totals_smaller_than_the_local_counts_are_rejected():
     logp, old_logp, advantages, mask, _ = _mixed_batch()
-    with pytest.raises(ValueError, match="GLOBAL"):
-        policy_loss(logp, old_logp, advantages, mask, denominator=5)
+    with pytest.raises(ValueError, match="WHOLE mini-batch"):
+        policy_loss(logp, old_logp, advantages, mask, DEFAULT, totals=Totals(units=5, tokens=13))
+    with pytest.raises(ValueError, match="WHOLE mini-batch"):
+        policy_loss(logp, old_logp, advantages, mask, DEFAULT, totals=Totals(units=13, tokens=5))
 
 
-def test_zero_global_denominator_gives_zero_loss():
+def test_zero_totals_give_zero_loss():
     logp = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.ones(1), torch.zeros(1, 2), denominator=0)
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.ones(1), torch.zeros(1, 2), DEFAULT, totals=Totals(0, 0))
     assert loss.item() == 0.0 and loss.grad_fn is not None
+
+
+# ---- entropy bonus ----------------------------------------------------------------------------
+
+
+def test_entropy_bonus_is_a_token_mean_whatever_the_aggregation():
+    # Ratio 1, clip off: the policy term is -A per token; the bonus subtracts coef x mean entropy.
+    logp = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    entropy = torch.tensor([[2.0, 4.0, 99.0], [6.0, 99.0, 99.0]], dtype=torch.float64, requires_grad=True)
+    spec = LossSpec(agg="seq-mean-token-sum", norm_constant=4.0, clip_fresh=False, entropy_coef=0.5)
+    loss, metrics = policy_loss(logp, torch.zeros(2, 3, dtype=torch.float64),
+                                torch.tensor([1.0, 2.0], dtype=torch.float64), mask, spec, entropy=entropy)
+    policy = (-2 / 4 + -2 / 4) / 2  # sequence sums over 4, averaged over 2 sequences
+    assert loss.item() == pytest.approx(policy - 0.5 * (2 + 4 + 6) / 3)
+    loss.backward()
+    # d loss / d entropy = -coef / tokens on valid tokens, 0 on padding
+    torch.testing.assert_close(entropy.grad, torch.tensor([[-1 / 6, -1 / 6, 0], [-1 / 6, 0, 0]], dtype=torch.float64))
+    assert metrics["fresh_entropy"] == pytest.approx(4.0)
+
+
+def test_entropy_is_only_reported_without_a_coefficient():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    entropy = torch.tensor([[1.0, 3.0]])  # detached: computed under no_grad
+    with_metric, metrics = policy_loss(logp, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), DEFAULT, entropy=entropy)
+    without, _ = policy_loss(logp, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), DEFAULT)
+    assert with_metric.item() == without.item()
+    assert metrics["fresh_entropy"] == 2.0 and "replay_entropy" not in metrics
+
+
+def test_an_entropy_bonus_needs_an_entropy_with_gradients():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    spec = LossSpec(entropy_coef=0.001)
+    with pytest.raises(ValueError, match="entropy is required"):
+        policy_loss(logp, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), spec)
+    with pytest.raises(ValueError, match="must carry gradients"):
+        policy_loss(logp, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), spec, entropy=torch.ones(1, 2))
 
 
 # ---- metrics --------------------------------------------------------------------------------
@@ -338,6 +393,7 @@ def test_metrics_by_hand():
         torch.zeros(2, 2, dtype=torch.float64),
         torch.tensor([1.0, -1.0], dtype=torch.float64),
         torch.tensor([[1, 1], [1, 0]]),
+        DEFAULT,
         replay_mask=torch.tensor([False, True]),
     )
     k3_two = 2 - 1 - log_two
@@ -364,7 +420,7 @@ def test_metrics_by_hand():
 
 
 def test_metrics_without_replay_have_no_replay_ratio():
-    _, metrics = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2))
+    _, metrics = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), DEFAULT)
     assert metrics["replay_tokens"] == 0 and metrics["replay_clip_frac"] == 0.0
     assert not any(key.startswith("replay_ratio") for key in metrics)
     assert metrics["fresh_ratio_mean"] == 1.0
@@ -381,24 +437,28 @@ def test_metrics_without_replay_have_no_replay_ratio():
         (dict(clip_high=-0.1), "clip_high"),
         (dict(dual_clip=1.0), "dual_clip"),
         (dict(replay_beta=0.0), "replay_beta"),
+        (dict(entropy_coef=-0.1), "entropy_coef"),
+        (dict(replay_loss="clipped"), "replay_loss"),
     ],
 )
-def test_hyperparameter_validation(kwargs, argument):
-    with pytest.raises(ValueError, match=argument):
-        policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), **kwargs)
+def test_hyperparameters_are_checked_when_the_spec_is_built(kwargs, argument):
+    with pytest.raises(ValueError, match=f"LossSpec.{argument}"):
+        LossSpec(**kwargs)
 
 
 def test_shape_and_mask_validation():
     logp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="old_logp"):
-        policy_loss(logp, torch.zeros(2, 2), torch.ones(2), torch.ones(2, 3))
+        policy_loss(logp, torch.zeros(2, 2), torch.ones(2), torch.ones(2, 3), DEFAULT)
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logp, logp, torch.ones(3), torch.ones(2, 3))
+        policy_loss(logp, logp, torch.ones(3), torch.ones(2, 3), DEFAULT)
     with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
-        policy_loss(logp, logp, torch.ones(2), torch.full((2, 3), 0.5))
+        policy_loss(logp, logp, torch.ones(2), torch.full((2, 3), 0.5), DEFAULT)
     with pytest.raises(ValueError, match="replay_mask"):
-        policy_loss(
-            logp, logp, torch.ones(2), torch.ones(2, 3), replay_mask=torch.ones(3, dtype=torch.bool)
-        )
+        policy_loss(logp, logp, torch.ones(2), torch.ones(2, 3), DEFAULT, replay_mask=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(logp, logp, torch.ones(2), torch.ones(2, 3), DEFAULT, entropy=torch.ones(2, 2))
     with pytest.raises(ValueError, match="logp must be"):
-        policy_loss(torch.zeros(3), torch.zeros(3), torch.ones(3), torch.ones(3))
+        policy_loss(torch.zeros(3), torch.zeros(3), torch.ones(3), torch.ones(3), DEFAULT)
+    with pytest.raises(TypeError, match="LossSpec"):
+        policy_loss(logp, logp, torch.ones(2), torch.ones(2, 3), {"agg": "token-mean"})

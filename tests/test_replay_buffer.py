@@ -26,7 +26,7 @@ from rayrep.buffer.files import (
     write_pool,
 )
 from rayrep.buffer.replay import ReplayBuffer, bucket_weights, shard_of
-from rayrep.buffer.shard import Answer, ReplayShard
+from rayrep.buffer.shard import Answer, PackedAnswers, ReplayShard
 from rayrep.data.loaders import PromptFileError
 
 K = 8
@@ -67,6 +67,18 @@ def assert_same_answer(a: Answer, b: Answer):
     # Bit patterns, so NaN log-probs compare equal and float32 values exactly.
     assert np.array_equal(a.logprobs.view(np.uint32), np.asarray(b.logprobs, np.float32).view(np.uint32))
     assert (a.reward, a.version, a.source, a.step) == (b.reward, b.version, b.source, b.step)
+
+
+def stored_of(buffer: ReplayBuffer, uids: list[str]) -> dict[str, tuple[np.ndarray, list[Answer]]]:
+    """(prompt ids, every stored answer, oldest first) of each question held, through the
+    buffer's own read of whole questions (what ExGRPO's entropy pass receives)."""
+    found = {}
+    for index, answers in buffer.stored_answers(uids):
+        packed = ray.get(answers) if isinstance(answers, ray.ObjectRef) else answers
+        assert [uid for uid, _ in index] == packed.uids and [n for _, n in index] == packed.counts.tolist()
+        for q, (uid, answers) in enumerate(packed.unpack().items()):
+            found[uid] = (packed.prompt(q), answers)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +217,7 @@ def test_sample_answers_across_ray_shards(buffers):
 
 
 def stored_first_tokens(buffer, uid):
-    return first_tokens(buffer.all_answers([uid])[uid][1])
+    return first_tokens(stored_of(buffer, [uid])[uid][1])
 
 
 def test_cap_keeps_the_newest_answers_in_order_and_counts_evictions():
@@ -220,7 +232,7 @@ def test_cap_keeps_the_newest_answers_in_order_and_counts_evictions():
         assert stored_first_tokens(one_by_one, "q") == list(range(max(0, i - 2), i + 1))
     assert one_by_one.stats()["evicted"] == 2
     # The kept answers are whole: token ids and log-probs of answers 2, 3, 4.
-    for got, source in zip(one_by_one.all_answers(["q"])["q"][1], answers_of(0, 5)[2:]):
+    for got, source in zip(stored_of(one_by_one, ["q"])["q"][1], answers_of(0, 5)[2:]):
         assert_same_answer(got, source)
 
 
@@ -230,7 +242,7 @@ def test_dedup_by_token_ids_also_within_one_add():
     a_again = make_answer([5, 6, 7], reward=0.5, logprobs=[0.0, 0.0, 0.0])  # same tokens, other metadata
     assert buffer.add([("q", prompt(0), [a, a_again, b])], dedup=True) == 2
     assert buffer.add([("q", prompt(0), [b, c, c])], dedup=True) == 1
-    got = buffer.all_answers(["q"])["q"][1]
+    got = stored_of(buffer, ["q"])["q"][1]
     assert [g.response_ids.tolist() for g in got] == [[5, 6, 7], [5, 6], [5, 6, 8]]
     assert_same_answer(got[0], a)  # the first copy is the one kept
     assert buffer.add([("q", prompt(0), [a])]) == 1  # without dedup duplicates are stored
@@ -244,13 +256,13 @@ def test_the_buffer_shares_no_arrays_with_its_callers():
     buffer.add([("q", prompt_ids, [answer])])
     prompt_ids[:] = 0
     answer.response_ids[:] = 0
-    stored_prompt, (stored,) = buffer.all_answers(["q"])["q"]
+    stored_prompt, (stored,) = stored_of(buffer, ["q"])["q"]
     assert stored_prompt.tolist() == [3, 4, 5] and stored.response_ids.tolist() == [9, 9]
     # What comes out is the caller's to change, too.
     (sampled,) = buffer.sample_answers([("q", 1)])["q"]
     for array in (stored_prompt, stored.response_ids, stored.logprobs, sampled.response_ids, sampled.logprobs):
         array[:] = 0
-    stored_prompt, (stored,) = buffer.all_answers(["q", "q"])["q"]
+    stored_prompt, (stored,) = stored_of(buffer, ["q", "q"])["q"]
     assert stored_prompt.tolist() == [3, 4, 5]
     assert_same_answer(stored, make_answer([9, 9]))
 
@@ -293,7 +305,7 @@ def test_retired_questions_lose_their_answers_and_take_no_more(buffers):
                      buckets={uid: 4 for uid in uids})
         stats = buffer.apply(retire=["r0", "r5"], buckets={"r0": 4})
         assert (stats["questions"], stats["answers"], stats["retired"]) == (10, 30, 2)
-        assert buffer.all_answers(["r0", "r5", "r1"]).keys() == {"r1"}
+        assert stored_of(buffer, ["r0", "r5", "r1"]).keys() == {"r1"}
         assert buffer.sample_answers([("r0", 2)]) == {"r0": []}
         assert buffer.add([("r0", prompt(0), answers_of(0, 2)), ("r1", prompt(1), [make_answer([1, 2])])]) == 1
         assert buffer.stats()["answers"] == 31
@@ -420,6 +432,29 @@ def test_sample_questions_across_ray_shards(buffers, shards):
     assert sorted(buffer.sample_questions(500, K, "code")) == sorted(buckets)
 
 
+@pytest.mark.parametrize("shards", [0, 2])
+def test_sample_questions_leaves_out_excluded_questions(buffers, shards):
+    buffer, buckets = bucketed_buffer(buffers(shards, seed=9), 3)  # 3 per bucket, 21 in all
+    excluded = frozenset(uid for uid in buckets if buckets[uid] in (3, 4))  # 6 questions
+    assert sum(sum(s.values()) for s in buffer.bucket_sizes(excluded)) == len(buckets) - 6
+    for _ in range(20):
+        drawn = buffer.sample_questions(8, K, "code", exclude=excluded)
+        assert len(drawn) == 8 and not set(drawn) & excluded
+    assert sorted(buffer.sample_questions(100, K, "code", exclude=excluded)) == sorted(set(buckets) - excluded)
+
+
+@pytest.mark.parametrize("shards", [0, 2])
+def test_answers_at_returns_the_chosen_stored_answers(buffers, shards):
+    buffer = buffers(shards)
+    contents = {f"p{q}": answers_of(q, 3 + q % 2) for q in range(6)}
+    buffer.add([(uid, prompt(q), answers) for q, (uid, answers) in enumerate(contents.items())])
+    picks = {"p0": 2, "p1": 0, "p3": 3, "p4": 1}
+    got = buffer.answers_at(picks)
+    assert got.keys() == picks.keys()
+    for uid, position in picks.items():
+        assert_same_answer(got[uid], contents[uid][position])
+
+
 # ---------------------------------------------------------------------- stats
 
 
@@ -477,7 +512,7 @@ def buffer_content(buffer: ReplayBuffer, uids):
     content = {
         uid: (p.tolist(), [(a.response_ids.tolist(), a.logprobs.tobytes(), a.reward, a.version, a.source, a.step)
                            for a in answers])
-        for uid, (p, answers) in buffer.all_answers(uids).items()
+        for uid, (p, answers) in stored_of(buffer, uids).items()
     }
     merged_buckets = Counter()
     for sizes in buffer.bucket_sizes():
@@ -768,7 +803,7 @@ def test_process_memory_growth_of_an_in_process_shard():
     try:
         before = tracemalloc.get_traced_memory()[0]
         for item in batches:
-            shard.add([item])
+            shard.add_packed(PackedAnswers.pack([item]))
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()

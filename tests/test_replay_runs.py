@@ -9,12 +9,12 @@ import torch
 from rayrep.algos.exgrpo import ExGRPO
 from rayrep.algos.rlep import collect_pool
 from rayrep.buffer.files import read_pool
+from rayrep.buffer.replay import ReplayBuffer
 from rayrep.buffer.shard import Answer
 from rayrep.learner.group import LearnerGroup
 from rayrep.metrics import read_metrics
 from rayrep.placement import Placement, make_plan
 from rayrep.train import train
-from rayrep.types import Rollout
 
 
 def small(cfg, tmp_path, **changes):
@@ -26,9 +26,17 @@ def small(cfg, tmp_path, **changes):
     return cfg.replace(**{**defaults, **changes})
 
 
-def test_collect_then_rlep_run_replays_the_pool(ray_cluster, tiny_cfg, tiny_policy, tmp_path):
-    cfg = small(tiny_cfg, tmp_path, **{"algorithm.rlep.collect_questions": 32, "algorithm.rlep.collect_samples": 8})
-    stats = collect_pool(cfg, tiny_policy, tmp_path / "pool.parquet", log=lambda _: None)
+@pytest.fixture(scope="module")
+def pool_stats(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory):
+    """An experience pool of the base policy over the first 32 questions a run visits."""
+    folder = tmp_path_factory.mktemp("pool")
+    cfg = small(tiny_cfg, folder, **{"algorithm.rlep.collect_questions": 32, "algorithm.rlep.collect_samples": 8})
+    return collect_pool(cfg, tiny_policy, folder / "pool.parquet", log=lambda _: None)
+
+
+def test_collect_then_rlep_run_replays_the_pool(ray_cluster, tiny_cfg, tiny_policy, tmp_path, pool_stats):
+    cfg = small(tiny_cfg, tmp_path)
+    stats = pool_stats
     pool = read_pool(stats["pool"])
     assert stats["questions"] == 32 and 0 < stats["kept_questions"] == len(pool) <= 32
     assert all(len(answers) >= 2 for _, answers in pool.values())  # min_successes
@@ -42,7 +50,7 @@ def test_collect_then_rlep_run_replays_the_pool(ray_cluster, tiny_cfg, tiny_poli
     assert len(records) == 2
     for record in records:
         assert record["replay_share"] > 0 and record["replay_tokens"] > 0
-        assert "replay_ratio_mean" in record and "entropy_replay" in record
+        assert "replay_ratio_mean" in record and "replay_entropy" in record
         assert record["optimizer_steps"] == 2  # 16 questions / 8 per mini-batch, whatever G'
     # The first questions of the run's order are the pooled ones: the first step replays them.
     assert records[0]["replay_questions_short"] < 16
@@ -56,14 +64,43 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
     })
     run = train(cfg, log=lambda _: None)
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
-    assert records[0]["exgrpo_collecting"] == 1.0 and records[0]["exgrpo_replayed_questions"] == 0
+    assert records[0]["exgrpo_collecting"] == 1.0 and records[0]["replayed_questions"] == 0
     assert records[0]["buffer_questions"] > 0
     later = records[1:]
-    assert all(r["exgrpo_replayed_questions"] > 0 and r["replay_tokens"] > 0 for r in later)
+    assert all(r["replayed_questions"] > 0 and r["replay_tokens"] > 0 for r in later)
+    assert all(r["time_select"] > 0 and r["exgrpo_selected_entropy"] > 0 for r in later)  # its own phase
     assert all(r["fresh_clip_frac"] == 0 for r in later)  # fresh tokens unclipped in the mixed phase
     assert all(r["optimizer_steps"] == 2 and r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in records)
     assert [r["policy_version"] for r in records] == [1, 2, 3]  # each step synced new weights
     assert (run.run_dir / "buffer" / "answers.parquet").exists()
+
+
+@pytest.mark.parametrize("name", ["grpo", "rlep", "exgrpo"])
+def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, tiny_policy, tmp_path, pool_stats, name):
+    """Refill rounds are planned as values of their own: no round's replays are lost, and the
+    filter sees every group whole (fresh and replayed rollouts)."""
+    changes = {"algorithm.name": name, "algorithm.dynamic_sampling": True, "run.steps": 3, "logging.run_name": name}
+    if name == "rlep":
+        changes["algorithm.rlep.pool"] = pool_stats["pool"]
+    if name == "exgrpo":
+        changes.update({"algorithm.std_normalize": False, "algorithm.exgrpo.start_pass_rate": 0.0})
+    cfg = small(tiny_cfg, tmp_path, **changes)
+    records = [r for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl") if r["step"] > 0]
+    K = cfg.algorithm.group_size
+    assert sum(r["dynamic_sampling_rounds"] for r in records) > 0  # refills did happen
+    for r in records:
+        assert r["groups_all_equal"] == 0  # every trained group carries a signal
+        assert r["optimizer_steps"] == 2
+    if name == "grpo":
+        assert all(r["group_size_min"] == r["group_size_max"] == K and r["replayed_questions"] == 0 for r in records)
+    if name == "rlep":
+        # Groups whose fresh rollouts all failed are kept when a pooled success gives them a signal.
+        assert any(r["groups_signal_from_replay"] > 0 for r in records)
+        assert all(r["group_size_max"] <= K + cfg.algorithm.rlep.replays_per_group for r in records)
+    if name == "exgrpo":
+        # Every replayed question trains with K - 1 fresh rollouts and its stored answer.
+        assert all(r["group_size_min"] == r["group_size_max"] == K for r in records)
+        assert all(r["replayed_questions"] > 0 and r["replay_tokens"] > 0 for r in records[1:])
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +120,17 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
     from rayrep.data import encode_prompts, load_split
 
     model = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
-    cfg = tiny_cfg.replace(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "replay.num_shards": 0})
+    cfg = tiny_cfg.replace(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False})
     prompts = load_split(cfg.data, "train")[:12]
-    algo = ExGRPO(cfg, prompts)
-    algo.attach(type("Runtime", (), {"learners": learners})())
-    rng = np.random.default_rng(0)
-    expected = {}
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_policy)
-    for prompt, ids in zip(prompts, encode_prompts(tokenizer, prompts, 80)):
+    encoded = encode_prompts(tokenizer, prompts, 80)
+    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)})
+    algo.attach(ReplayBuffer(2, 64), learners)  # two shard actors: the answers travel by ref
+    rng = np.random.default_rng(0)
+    expected, lowest = {}, []
+    for prompt, ids in zip(prompts, encoded):
         answers = []
         # The policy's own greedy answer (low entropy), random tokens (high), and mixtures.
         greedy = model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids):].tolist()
@@ -111,5 +149,8 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
             entropies.append(float(-(logp.exp() * logp).sum(-1).mean()))
         algo.buffer.add([(prompt.uid, np.array(ids, np.int32), answers)])
         expected[prompt.uid] = answers[int(np.argmin(entropies))].response_ids.tolist()
-    chosen = algo.lowest_entropy_answers([p.uid for p in prompts])
+        lowest.append(min(entropies))
+    chosen, mean_entropy = algo.lowest_entropy_answers([p.uid for p in prompts])
     assert {uid: a.response_ids.tolist() for uid, a in chosen.items()} == expected
+    assert mean_entropy == pytest.approx(sum(lowest) / len(lowest), rel=1e-4)
+    algo.buffer.shutdown()

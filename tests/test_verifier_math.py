@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -20,7 +19,11 @@ from rayrep.verifier.math import MathSandbox, SandboxError, Verdict, last_boxed_
 
 pytestmark = pytest.mark.timeout(120)
 
-WALL_LIMIT_S = 2.0  # the promise: any single call returns within this, pathological or not
+LIMIT_S = 1.0  # the per-item limit every check below runs with (the default)
+WALL_LIMIT_S = 6.0
+"""The promise checked here: any single call returns within a few seconds, pathological or
+not (math-verify alone takes minutes on some of these). Generous on purpose: a loaded CI
+machine may add seconds of scheduling delay; only a missing hard limit exceeds this."""
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +77,18 @@ def test_last_boxed_content_caps_length():
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "expected"),
     [
-        "\\boxed{" * 150_000,  # a million characters of boxes that never close
-        "\\boxed{" + "{" * 1_000_000,
-        "a" * 1_000_000 + r"\boxed{5}",
+        ("\\boxed{" * 150_000, None),  # a million characters of boxes that never close
+        ("\\boxed{" + "{" * 1_000_000, None),
+        ("a" * 1_000_000 + r"\boxed{5}", "5"),
+        (r"\boxed{4}" + "\\boxed{" * 150_000, "4"),
     ],
-    ids=["many-unclosed-boxes", "megabyte-of-braces", "megabyte-then-box"],
+    ids=["many-unclosed-boxes", "megabyte-of-braces", "megabyte-then-box", "box-then-unclosed-boxes"],
 )
-def test_extraction_is_fast_on_a_megabyte(text):
-    start = time.monotonic()
-    last_boxed_content(text, max_chars=vm.MAX_ANSWER_CHARS)
-    assert time.monotonic() - start < 1.0
+def test_extraction_of_a_megabyte(text, expected):
+    # How fast this runs (linear time) is measured by bench/verifier.py.
+    assert last_boxed_content(text, max_chars=vm.MAX_ANSWER_CHARS) == expected
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,8 +145,6 @@ def test_bad_arguments_raise():
         vm.verify(None, "1")
     with pytest.raises(ValueError, match="length"):
         vm.verify_batch(["a", "b"], ["1"])
-    with pytest.raises(ValueError, match="start_method"):
-        MathSandbox(start_method="fork")
 
 
 def test_guards_reject_before_the_sandbox(warm_default):
@@ -184,11 +185,9 @@ def test_pathological_inputs_return_quickly_one_after_another(warm_default):
 
 def test_soft_deadline_stops_slow_work_without_a_kill(sandbox):
     before = sandbox.child_pids()
-    start = time.monotonic()
-    verdict = sandbox.verify(r"\boxed{9^{9^{9^{9}}}}", "9", timeout_s=1.0)
-    assert time.monotonic() - start < 1.0
+    verdict = sandbox.verify(r"\boxed{9^{9^{9^{9}}}}", "9", timeout_s=LIMIT_S)
     assert verdict.status == "timeout" and "stopped in the sandbox" in verdict.detail
-    assert sandbox.child_pids() == before
+    assert sandbox.child_pids() == before  # the same child answers: nothing was killed
 
 
 def test_hard_kill_replaces_a_stuck_child_with_the_warm_spare(sandbox):
@@ -207,13 +206,9 @@ def test_hard_kill_replaces_a_stuck_child_with_the_warm_spare(sandbox):
         assert not _alive(active)
         assert sandbox.child_pids() == [spare]
         previous_spare = spare
-    # The next call runs on the spare at once: without one it would start a child now and
-    # wait ~0.5 s (more on a loaded machine) for the imports. The pause only lets the spare
-    # finish its own start-up on a busy machine; it does not help a missing spare.
-    time.sleep(1.0)
-    start = time.monotonic()
+    # The next call runs on the spare that was started before the kill, not on a child
+    # started afterwards.
     assert sandbox.verify(r"\boxed{68}", "68").correct
-    assert time.monotonic() - start < 0.4
     assert sandbox.child_pids()[0] == previous_spare
 
 
@@ -321,7 +316,6 @@ def test_close_leaves_no_child_processes():
     box.close()  # idempotent
     assert box.child_pids() == []
     assert not any(_alive(pid) for pid in pids)
-    assert not {p.pid for p in multiprocessing.active_children()} & set(pids)
     assert not {p.pid for p in psutil.Process().children(recursive=True)} & set(pids)
     with pytest.raises(RuntimeError, match="closed"):
         box.verify(r"\boxed{1}", "1")
@@ -355,6 +349,39 @@ def test_memory_limit_is_applied_in_the_child():
         MathSandbox(memory_limit_bytes=32 * 2**20, keep_spare=False).start()
 
 
-def test_forkserver_start_method():
-    with MathSandbox(start_method="forkserver", keep_spare=False) as box:
-        assert box.verify(r"\boxed{\frac{6}{4}}", "1.5").correct
+# ---------------------------------------------------------------------------------------
+# Any script can score: the sandbox never imports the caller's main module
+
+
+UNGUARDED = (
+    "from rayrep.verifier.math import score\n"
+    "print(score('\\\\boxed{42}', '42'), score('\\\\boxed{41}', '42', style='dapo'))\n"
+)
+
+
+def test_an_unguarded_script_scores(tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text(UNGUARDED)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1.0", "-1.0"]
+
+
+def test_python_dash_c_scores(tmp_path):
+    done = subprocess.run([sys.executable, "-c", UNGUARDED], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1.0", "-1.0"]
+
+
+def test_code_piped_on_stdin_scores(tmp_path):
+    done = subprocess.run([sys.executable, "-"], input=UNGUARDED, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1.0", "-1.0"]
+
+
+def test_a_module_in_the_callers_folder_cannot_shadow_the_childs_imports(tmp_path):
+    # The parent never imports math_verify (test_parent_does_not_import_math_verify); the child does.
+    (tmp_path / "math_verify.py").write_text("raise SystemExit('the user module math_verify.py was imported')\n")
+    done = subprocess.run([sys.executable, "-c", UNGUARDED], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1.0", "-1.0"]

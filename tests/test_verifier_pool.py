@@ -5,14 +5,14 @@ import time
 import pytest
 import ray
 
-from rayrep.generator.pool import RolloutChunk
+from rayrep.generator.pool import PendingRollouts
 from rayrep.types import Rollout
 from rayrep.verifier.pool import VerifierPool
 
 
 def chunk(texts_per_prompt, start=0):
-    groups = [[Rollout([1], [2], [0.0], text, "stop") for text in texts] for texts in texts_per_prompt]
-    return RolloutChunk(range(start, start + len(groups)), ray.put(groups))
+    rollouts = [[Rollout([1], [2], [0.0], text, "stop") for text in texts] for texts in texts_per_prompt]
+    return PendingRollouts(range(start, start + len(rollouts)), ray.put(rollouts))
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,16 @@ def test_scores_in_prompt_order_across_workers(pool):
     verdicts = pool.check(chunks, ["3", "10", "1/2"])
     assert verdicts.correct == [[True, False], [True], [False, True]]
     assert verdicts.statuses == {"ok": 4, "no_answer": 1}
+    assert verdicts.majority is None
+
+
+def test_majority_votes_are_judged_where_the_answers_are(pool):
+    # 3 vs 4 tie: the earliest answer's group wins; 0.5 and 1/2 are one answer (math-verify).
+    chunks = [chunk([["\\boxed{3}", "\\boxed{4}"], ["\\boxed{0.5}", "\\boxed{7}", "\\boxed{1/2}"]]),
+              chunk([["no answer", "\\boxed{9}", "\\boxed{8}", "\\boxed{8}"]], start=2)]
+    verdicts = pool.check(chunks, ["4", "1/2", "8"], majority=True)
+    assert verdicts.majority == [False, True, True]
+    assert verdicts.correct == [[False, True], [True, False, True], [False, False, True, True]]
 
 
 def test_a_hanging_input_costs_at_most_the_limit_and_is_counted(pool):
@@ -39,8 +49,8 @@ def test_a_hanging_input_costs_at_most_the_limit_and_is_counted(pool):
     assert verdicts.correct == [[False, True], [True, False]]
     assert verdicts.statuses["timeout"] == 2 and verdicts.statuses["ok"] == 2
     # Each pathological answer costs at most the 1 s limit (math-verify alone would take
-    # minutes on it); the bound leaves room for a busy machine.
-    assert elapsed < 5.0
+    # minutes on it); the bound is generous, for a busy machine.
+    assert elapsed < 15.0
 
 
 def test_zero_workers_score_in_process(ray_cluster):

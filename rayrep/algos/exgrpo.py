@@ -18,111 +18,108 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from rayrep.algos.batch import collate
 from rayrep.algos.grpo import GRPO
-from rayrep.buffer.replay import ReplayBuffer
 from rayrep.buffer.shard import Answer
 from rayrep.config import Config, ConfigError
-from rayrep.types import Group, LossSpec, Prompt, Rollout
+from rayrep.types import Group, LossSpec, Prompt, StepBatch, StepPlan
+
+if TYPE_CHECKING:
+    from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.learner.group import LearnerGroup
 
 
 class ExGRPO(GRPO):
     name = "exgrpo"
+    # Replayed answers keep their recorded behaviour log-probs: w = pi_theta / pi_recorded.
+    replay_old_logprobs = "recorded"
 
-    def __init__(self, cfg: Config, prompts: list[Prompt]):
+    def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]]):
         super().__init__(cfg)
         if cfg.algorithm.std_normalize:
             raise ConfigError("algorithm.std_normalize must be false for exgrpo: its advantage is r - mean(r) "
                               "(jobs/exgrpo.py sets it)")
         self.prompts = {p.uid: p for p in prompts}
+        self.prompt_ids = prompt_ids
         self.collecting = False
-        self.replay_uids: set[str] = set()
+        """The one-way switch; with the buffer, the only state that lives across steps."""
         self.buffer: ReplayBuffer | None = None
-        self.learners = None
+        self.learners: LearnerGroup | None = None
 
-    def attach(self, runtime) -> None:
-        replay = self.cfg.replay
-        self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, seed=self.cfg.run.seed)
-        self.learners = runtime.learners
-        self.buffer_questions = 0
+    def attach(self, buffer: ReplayBuffer | None, learners: LearnerGroup | None) -> None:
+        self.buffer, self.learners = buffer, learners
 
     # ------------------------------------------------------------------ the step
 
-    def plan_rollouts(self, fresh: list[Prompt]) -> list[tuple[Prompt, int]]:
+    def plan(self, prompts: Sequence[Prompt], exclude: frozenset[str] = frozenset()) -> StepPlan:
+        """rho x B questions from the buffer (K - 1 fresh rollouts plus their chosen stored
+        answer each), the rest fresh questions with K rollouts."""
         algo = self.cfg.algorithm
-        K, B = algo.group_size, len(fresh)
-        count = min(math.floor(algo.exgrpo.replay_ratio * B), self.buffer_questions)
-        uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma) if count else []
-        self.replay_uids = set(uids)
-        replayed = [self.prompts[uid] for uid in uids]
-        fresh = [p for p in fresh if p.uid not in self.replay_uids][: B - len(replayed)]
-        return [(p, K - 1) for p in replayed] + [(p, K) for p in fresh]
+        K, B = algo.group_size, len(prompts)
+        count = math.floor(algo.exgrpo.replay_ratio * B) if self.collecting else 0
+        uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma, exclude=exclude) if count else []
+        metrics: dict[str, float] = {}
+        replays = {}
+        if uids:
+            start = time.perf_counter()
+            chosen, entropy = self.lowest_entropy_answers(uids)
+            metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy}
+            replays = {uid: (chosen[uid].rollout(self.prompt_ids[uid]),) for uid in uids}
+        taken = exclude | set(uids)
+        fresh = [p for p in prompts if p.uid not in taken][: B - len(uids)]
+        requests = [(self.prompts[uid], K - 1) for uid in uids] + [(p, K) for p in fresh]
+        return StepPlan(tuple(requests), replays, metrics)
 
-    def make_groups(self, prompts: list[Prompt], rollouts: list[list[Rollout]], correct: list[list[bool]]) -> list[Group]:
-        groups = super().make_groups(prompts, rollouts, correct)
-        replay_groups = [g for g in groups if g.prompt.uid in self.replay_uids]
-        if replay_groups:
-            chosen = self.lowest_entropy_answers([g.prompt.uid for g in replay_groups])
-            for group in replay_groups:
-                answer = chosen[group.prompt.uid]
-                group.rollouts.append(Rollout(
-                    prompt_ids=group.rollouts[0].prompt_ids, response_ids=answer.response_ids.tolist(),
-                    logprobs=answer.logprobs.tolist(), text="", finish_reason="stop", version=answer.version,
-                ))
-                group.correct.append(True)
-                group.replayed.append(True)
-        return groups
+    def lowest_entropy_answers(self, uids: list[str]) -> tuple[dict[str, Answer], float]:
+        """Per question, its stored answer of lowest mean token entropy under the current
+        policy, and the mean of the chosen answers' entropies.
 
-    def lowest_entropy_answers(self, uids: list[str]) -> dict[str, Answer]:
-        """Per question, its stored answer of lowest mean token entropy under the current policy."""
-        stored = self.buffer.all_answers(uids)
-        candidates, owners = [], []
-        for uid in uids:
-            prompt_ids, answers = stored[uid]
-            for answer in answers:
-                rollout = Rollout(prompt_ids.tolist(), answer.response_ids.tolist(), answer.logprobs.tolist(), "", "stop")
-                candidates.append(Group(self.prompts[uid], [rollout], [True], [True]))
-                owners.append((uid, answer))
-        batch = collate(candidates, torch.zeros(len(candidates)), [False] * len(candidates), temperature=1.0)
-        _, entropy = self.learners.compute_logprobs(batch, with_entropy=True)
-        mean_entropy = mean_token_entropy(entropy, batch.response_mask)
-        best: dict[str, tuple[float, Answer]] = {}
-        for (uid, answer), value in zip(owners, mean_entropy.tolist()):
-            if uid not in best or value < best[uid][0]:
-                best[uid] = (value, answer)
-        self.selected_entropy = sum(v for v, _ in best.values()) / max(1, len(best))
-        return {uid: answer for uid, (_, answer) in best.items()}
+        The stored answers go from the shards to the learners as object refs; each learner
+        rank reduces its rows to one mean per answer over the answer's own response tokens,
+        and only the chosen answers come back here.
+        """
+        parts = self.buffer.stored_answers(uids)
+        means = self.learners.mean_entropies([ref for _, ref in parts])
+        picks: dict[str, int] = {}
+        lowest: list[float] = []
+        for (index, _), values in zip(parts, means):
+            row = 0
+            for uid, count in index:
+                own = values[row : row + count]
+                picks[uid] = int(own.argmin())  # the first (oldest) on a tie
+                lowest.append(float(own[picks[uid]]))
+                row += count
+        return self.buffer.answers_at(picks), sum(lowest) / max(1, len(lowest))
 
-    def recompute_old(self, group: Group) -> list[bool]:
-        # Replayed answers keep their recorded behaviour log-probs: w = pi_theta / pi_recorded.
-        return [not replayed for replayed in group.replayed]
-
-    def loss_spec(self) -> LossSpec:
-        spec = super().loss_spec()
-        if not self.replay_uids:
-            return spec
+    def loss_spec(self, groups: Sequence[Group]) -> LossSpec:
+        """The mixed-policy loss as soon as a step replays: shaped replayed tokens, and fresh
+        tokens unclipped (the code) or clipped (the paper's eq. 4)."""
+        if not any(any(g.replayed) for g in groups):
+            return self.loss
         exgrpo = self.cfg.algorithm.exgrpo
-        return LossSpec(**{**spec.__dict__, "clip": exgrpo.clip_fresh_in_mixed, "replay_shaping": True,
-                           "replay_beta": exgrpo.beta})
+        return dataclasses.replace(self.loss, clip_fresh=exgrpo.clip_fresh_in_mixed, replay_loss="shaped",
+                                   replay_beta=exgrpo.beta)
 
-    def after_update(self, step: int, groups: list[Group]) -> dict:
+    def after_update(self, step: int, batch: StepBatch) -> dict[str, float]:
+        """Every verified group of the step (trained or dropped) updates the buffer."""
         K = self.cfg.algorithm.group_size
-        fresh_marks = [ok for g in groups for ok, replayed in zip(g.correct, g.replayed) if not replayed]
+        seen = batch.seen
+        fresh_marks = [ok for g in seen for ok, replayed in zip(g.correct, g.replayed) if not replayed]
         pass_rate = sum(fresh_marks) / max(1, len(fresh_marks))
         if not self.collecting and pass_rate > self.cfg.algorithm.exgrpo.start_pass_rate:
             self.collecting = True  # one-way
-        metrics = {"exgrpo_collecting": float(self.collecting), "exgrpo_replayed_questions": len(self.replay_uids)}
-        if self.replay_uids:
-            metrics["exgrpo_selected_entropy"] = self.selected_entropy
+        metrics = {"exgrpo_collecting": float(self.collecting)}
         if not self.collecting:
             return metrics
         items, buckets, retire = [], {}, []
-        for group in groups:
+        for group in seen:
             k = sum(group.correct)
             uid = group.prompt.uid
             if k == K:
@@ -136,7 +133,6 @@ class ExGRPO(GRPO):
                 ]
                 items.append((uid, np.array(group.rollouts[0].prompt_ids, np.int32), new))
         stats = self.buffer.apply(items, dedup=True, buckets=buckets, retire=retire)
-        self.buffer_questions = stats["questions"]
         metrics.update({
             "buffer_questions": stats["questions"], "buffer_answers": stats["answers"],
             "buffer_retired": stats["retired"], "buffer_bytes": stats["bytes"], "buffer_stored": stats["stored"],
@@ -146,13 +142,3 @@ class ExGRPO(GRPO):
 
     def save(self, run_dir) -> None:
         self.buffer.snapshot(run_dir / "buffer")
-
-    def shutdown(self) -> None:
-        if self.buffer is not None:
-            self.buffer.shutdown()
-
-
-def mean_token_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[N] mean of each row's entropies over its own masked (response) positions."""
-    mask = mask.to(entropy.dtype)
-    return (entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)

@@ -1,56 +1,49 @@
-"""GRPO / DAPO, the baseline every replay method builds on.
+"""GRPO / DAPO, the baseline every replay method builds on, and DAPO's dynamic sampling.
 
 The RLEP paper's baseline "DAPO-nodyn-bs64": group-normalised advantages, token-mean
 loss, clip-higher (0.2 / 0.28) with dual clip, overlong reward shaping, no KL, no entropy
 bonus; dynamic sampling is an option (off).
 
-An algorithm answers four questions for the driver: which questions to roll out and how
-many answers each gets (`plan_rollouts`), what groups to train on once they are verified
-(`make_groups`), the loss to train with (`loss_spec`), and what to remember afterwards
-(`after_update`). GRPO trains on fresh groups only; RLEP and ExGRPO (rlep.py, exgrpo.py)
-override what they change.
+An algorithm is a pair of step functions over values, plus what it remembers:
+- `plan(prompts, exclude) -> StepPlan`: which questions to roll out, how many fresh
+  rollouts each gets, and which stored answers join which group (read from the buffer
+  now, before anything is generated);
+- `build(groups, dropped) -> StepBatch`: the verified groups (fresh + planned replays)
+  scored, their advantages, the learner's batch and the loss to train it with;
+- `after_update(step, batch)`: what enters and leaves the replay buffer.
+Nothing one of them needs from another travels in an attribute: it is in the plan or the
+batch. GRPO trains on fresh groups only; RLEP and ExGRPO (rlep.py, exgrpo.py) override
+what they change.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from rayrep.algos.advantages import group_advantages, overlong_penalty
-from rayrep.algos.batch import collate
+from rayrep.algos.advantages import group_advantages
 from rayrep.config import Config
-from rayrep.types import Group, LossSpec, Prompt, Rollout, TrainBatch
+from rayrep.types import Group, LossSpec, Prompt, StepBatch, StepPlan, TrainBatch
+from rayrep.verifier.reward import rewards
+
+if TYPE_CHECKING:
+    from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.learner.group import LearnerGroup
 
 
 class GRPO:
     name = "grpo"
+    replay_old_logprobs: Literal["recompute", "recorded"] = "recompute"
+    """Replayed rollouts' old log-probs: recomputed by the learner (ratio starts at 1) or the
+    recorded behaviour ones. Fresh rollouts are always recomputed."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-
-    def attach(self, runtime) -> None:
-        """Called once the actors are up (replay methods start their buffer shards here)."""
-
-    def save(self, run_dir) -> None:
-        """Persist what a resumed run would need besides the weights (the replay buffer)."""
-
-    def shutdown(self) -> None:
-        pass
-
-    # ------------------------------------------------------------------ the driver's questions
-
-    def plan_rollouts(self, fresh: list[Prompt]) -> list[tuple[Prompt, int]]:
-        """(question, number of fresh answers) to sample this step."""
-        return [(prompt, self.cfg.algorithm.group_size) for prompt in fresh]
-
-    def make_groups(self, prompts: list[Prompt], rollouts: list[list[Rollout]], correct: list[list[bool]]) -> list[Group]:
-        return [
-            Group(prompt, list(answers), list(marks), [False] * len(answers))
-            for prompt, answers, marks in zip(prompts, rollouts, correct)
-        ]
-
-    def loss_spec(self) -> LossSpec:
-        learner = self.cfg.learner
-        return LossSpec(
+        learner = cfg.learner
+        # Built (and so checked) now, before any actor starts.
+        self.loss = LossSpec(
             clip_low=learner.clip_low,
             clip_high=learner.clip_high,
             dual_clip=learner.dual_clip or None,
@@ -59,33 +52,103 @@ class GRPO:
             entropy_coef=learner.entropy_coef,
         )
 
-    def after_update(self, step: int, groups: list[Group]) -> dict:
+    def attach(self, buffer: ReplayBuffer | None, learners: LearnerGroup | None) -> None:
+        """Called once the actors are up, with the run's replay buffer (None for GRPO) and learners."""
+
+    def save(self, run_dir: Path) -> None:
+        """Persist what a resumed run would need besides the weights (the replay buffer)."""
+
+    # ------------------------------------------------------------------ the step
+
+    def plan(self, prompts: Sequence[Prompt], exclude: frozenset[str] = frozenset()) -> StepPlan:
+        """G fresh rollouts for each question not in `exclude` (questions already in this step)."""
+        group_size = self.cfg.algorithm.group_size
+        return StepPlan(tuple((p, group_size) for p in prompts if p.uid not in exclude))
+
+    def build(self, groups: Sequence[Group], dropped: Sequence[Group] = ()) -> StepBatch:
+        """Score the groups, take advantages over each whole group (fresh and replayed
+        rollouts together), and collate the learner's batch. `dropped`: groups verified but
+        not trained on (dynamic sampling), scored for the record."""
+        trained = [self.score(g) for g in groups]
+        left_out = [self.score(g) for g in dropped]
+        algo = self.cfg.algorithm
+        index = [i for i, g in enumerate(trained) for _ in g.rollouts]
+        advantages = group_advantages(
+            [r for g in trained for r in g.rewards], index, std_normalize=algo.std_normalize, eps=algo.advantage_eps
+        )
+        rows = [(rollout, replayed) for g in trained for rollout, replayed in zip(g.rollouts, g.replayed)]
+        recompute_replays = self.replay_old_logprobs == "recompute"
+        batch = TrainBatch.of_sequences(
+            [r.prompt_ids for r, _ in rows],
+            [r.response_ids for r, _ in rows],
+            index,
+            logprobs=[r.logprobs for r, _ in rows],
+            advantages=advantages,
+            recompute_old=[recompute_replays or not replayed for _, replayed in rows],
+            replayed=[replayed for _, replayed in rows],
+            temperature=self.cfg.generator.temperature,
+        )
+        return StepBatch(batch, self.loss_spec(trained), tuple(trained), tuple(left_out),
+                         self.step_metrics(trained, left_out))
+
+    def after_update(self, step: int, batch: StepBatch) -> dict[str, float]:
         return {}
 
-    def recompute_old(self, group: Group) -> list[bool]:
-        """Per answer: whether the learner recomputes its old log-prob (fresh ones always do)."""
-        return [True] * group.size
+    # ------------------------------------------------------------------ parts of build
 
-    # ------------------------------------------------------------------ shared by every algorithm
+    def score(self, group: Group) -> Group:
+        """The group with its rewards: the verdict (+1/-1 or 1/0) plus DAPO's overlong shaping."""
+        verifier = self.cfg.verifier
+        values = rewards(
+            group.correct, [len(r.response_ids) for r in group.rollouts], style=verifier.reward_style,
+            max_len=self.cfg.generator.max_response_tokens, overlong_buffer=verifier.overlong_buffer,
+            overlong_factor=verifier.overlong_factor,
+        )
+        return dataclasses.replace(group, rewards=tuple(values))
 
-    def score(self, groups: list[Group]) -> None:
-        """Rewards: the verifier's verdict (+1/-1 or 1/0) plus DAPO's overlong shaping."""
-        verifier, limit = self.cfg.verifier, self.cfg.generator.max_response_tokens
-        high, low = (1.0, -1.0) if verifier.reward_style == "dapo" else (1.0, 0.0)
-        for group in groups:
-            base = torch.tensor([high if ok else low for ok in group.correct])
-            if verifier.overlong_factor > 0:
-                lengths = torch.tensor([len(r.response_ids) for r in group.rollouts])
-                base = base + overlong_penalty(lengths, limit, verifier.overlong_buffer, verifier.overlong_factor)
-            group.rewards = base.tolist()
+    def loss_spec(self, groups: Sequence[Group]) -> LossSpec:
+        """The loss of a step with these groups (ExGRPO switches to its mixed-policy loss)."""
+        return self.loss
 
-    def build_batch(self, groups: list[Group]) -> TrainBatch:
-        """Advantages over each whole group (fresh and replayed answers together), then the batch."""
-        self.score(groups)
-        rewards = [r for g in groups for r in g.rewards]
-        index = [i for i, g in enumerate(groups) for _ in g.rollouts]
-        algo = self.cfg.algorithm
-        advantages = group_advantages(rewards, index, std_normalize=algo.std_normalize, eps=algo.advantage_eps)
-        recompute = [flag for g in groups for flag in self.recompute_old(g)]
-        return collate(groups, advantages, recompute, temperature=self.cfg.generator.temperature)
+    def step_metrics(self, trained: Sequence[Group], dropped: Sequence[Group]) -> dict[str, float]:
+        fresh_rewards = [r for g in (*trained, *dropped) for r, replayed in zip(g.rewards, g.replayed) if not replayed]
+        answers = sum(g.size for g in trained)
 
+        def signal_from_replay_only(g: Group) -> bool:
+            fresh_marks = {ok for ok, replayed in zip(g.correct, g.replayed) if not replayed}
+            return g.informative and len(fresh_marks) <= 1
+
+        return {
+            "reward_mean": sum(fresh_rewards) / max(1, len(fresh_rewards)),
+            "groups_all_equal": sum(len(set(g.rewards)) == 1 for g in trained) / max(1, len(trained)),
+            "replay_share": sum(sum(g.replayed) for g in trained) / max(1, answers),
+            "replayed_questions": sum(any(g.replayed) for g in trained),
+            # Groups whose fresh rollouts agree (all wrong, or all right) and whose signal
+            # comes from the replayed ones alone: what replay adds that sampling did not.
+            "groups_signal_from_replay": sum(map(signal_from_replay_only, trained)) / max(1, len(trained)),
+            "group_size_min": min((g.size for g in trained), default=0),
+            "group_size_max": max((g.size for g in trained), default=0),
+        }
+
+
+def keep_informative(
+    groups: list[Group], wanted: int, more: Callable[[frozenset[str]], list[Group]], max_rounds: int = 4
+) -> tuple[list[Group], list[Group], dict[str, float]]:
+    """DAPO's dynamic sampling, over complete groups (fresh rollouts and planned replays):
+    keep the groups whose rollouts are neither all right nor all wrong, and ask `more` for
+    another round (given the questions already in this step, to leave out) until `wanted`
+    groups are kept or `max_rounds` extra rounds ran; then train on what there is.
+
+    Returns (the kept groups, at most `wanted`; every other verified group; metrics).
+    """
+    kept = [g for g in groups if g.informative]
+    dropped = [g for g in groups if not g.informative]
+    metrics = {"dynamic_sampling_kept": len(kept) / max(1, len(groups))}
+    rounds = 0
+    while len(kept) < wanted and rounds < max_rounds:
+        rounds += 1
+        new = more(frozenset(g.prompt.uid for g in kept + dropped))
+        kept += [g for g in new if g.informative]
+        dropped += [g for g in new if not g.informative]
+    metrics["dynamic_sampling_rounds"] = rounds
+    return kept[:wanted], dropped + kept[wanted:], metrics

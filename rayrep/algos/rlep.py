@@ -17,17 +17,21 @@ advantages are taken over all G' = G + M answers. Unlike the public code:
 
 from __future__ import annotations
 
-import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
 from rayrep.buffer.files import BufferFileError, read_pool, write_pool
-from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config, ConfigError
-from rayrep.types import Group, Prompt, Rollout
+from rayrep.types import Group, Prompt, StepPlan
+
+if TYPE_CHECKING:
+    from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.learner.group import LearnerGroup
 
 
 class RLEP(GRPO):
@@ -38,49 +42,34 @@ class RLEP(GRPO):
         settings = cfg.algorithm.rlep
         if not settings.pool:
             raise ConfigError("algorithm.rlep.pool: RLEP needs an experience pool (jobs/collect.py writes one)")
-        self.pool = read_pool(settings.pool)
+        self.pool: dict | None = read_pool(settings.pool)
         check_pool(self.pool, prompt_ids, settings.pool, settings.old_logprobs)
+        self.prompt_ids = prompt_ids
+        self.replay_old_logprobs = settings.old_logprobs
         self.buffer: ReplayBuffer | None = None
 
-    def attach(self, runtime) -> None:
-        replay = self.cfg.replay
-        self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, seed=self.cfg.run.seed)
+    def attach(self, buffer: ReplayBuffer | None, learners: LearnerGroup | None) -> None:
+        self.buffer = buffer
         self.buffer.add([(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in self.pool.items()])
         self.pool = None  # the shards hold it now
 
-    def make_groups(self, prompts: list[Prompt], rollouts: list[list[Rollout]], correct: list[list[bool]]) -> list[Group]:
-        groups = super().make_groups(prompts, rollouts, correct)
+    def plan(self, prompts: Sequence[Prompt], exclude: frozenset[str] = frozenset()) -> StepPlan:
+        """G fresh rollouts per question, and up to M of its pooled successes, drawn now."""
+        fresh = super().plan(prompts, exclude)
         wanted = self.cfg.algorithm.rlep.replays_per_group
-        replays = self.buffer.sample_answers([(p.uid, wanted) for p in prompts])
-        self.short = 0
-        for group in groups:
-            stored = replays.get(group.prompt.uid, [])
-            self.short += len(stored) < wanted
-            for answer in stored:
-                group.rollouts.append(Rollout(
-                    prompt_ids=group.rollouts[0].prompt_ids,
-                    response_ids=answer.response_ids.tolist(),
-                    logprobs=answer.logprobs.tolist(),
-                    text="",  # the verdict was taken when the pool was built
-                    finish_reason="stop",
-                    version=answer.version,
-                ))
-                group.correct.append(True)
-                group.replayed.append(True)
-        return groups
+        drawn = self.buffer.sample_answers([(p.uid, wanted) for p in fresh.prompts]) if wanted else {}
+        replays = {
+            uid: tuple(answer.rollout(self.prompt_ids[uid]) for answer in answers)
+            for uid, answers in drawn.items() if answers
+        }
+        return StepPlan(fresh.requests, replays)
 
-    def recompute_old(self, group: Group) -> list[bool]:
-        recompute_replays = self.cfg.algorithm.rlep.old_logprobs == "recompute"
-        return [recompute_replays or not replayed for replayed in group.replayed]
-
-    def after_update(self, step: int, groups: list[Group]) -> dict:
-        answers = sum(g.size for g in groups)
-        replayed = sum(sum(g.replayed) for g in groups)
-        return {"replay_share": replayed / max(1, answers), "replay_questions_short": self.short}
-
-    def shutdown(self) -> None:
-        if self.buffer is not None:
-            self.buffer.shutdown()
+    def step_metrics(self, trained: Sequence[Group], dropped: Sequence[Group]) -> dict[str, float]:
+        wanted = self.cfg.algorithm.rlep.replays_per_group
+        return {
+            **super().step_metrics(trained, dropped),
+            "replay_questions_short": sum(sum(g.replayed) < wanted for g in trained),
+        }
 
 
 def check_pool(pool: dict, prompt_ids: dict[str, list[int]], path: str, old_logprobs: str) -> None:
@@ -139,15 +128,15 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
         size = max(64, 8 * len(runtime.generators.workers))
         for begin in range(0, len(prompts), size):
             part, ids = prompts[begin : begin + size], prompt_ids[begin : begin + size]
-            chunks = runtime.generators.generate(
+            pending = runtime.generators.generate(
                 ids, n=settings.collect_samples, temperature=settings.collect_temperature,
                 top_p=settings.collect_top_p, max_tokens=cfg.generator.max_response_tokens,
             )
-            answers = runtime.generators.gather(chunks)
-            correct = runtime.verifiers.check(chunks, [p.ground_truth for p in part]).correct
-            for prompt, group, marks in zip(part, answers, correct):
-                samples += len(group)
-                successes = [r for r, ok in zip(group, marks) if ok]
+            rollouts = runtime.generators.gather(pending)
+            correct = runtime.verifiers.check(pending, [p.ground_truth for p in part]).correct
+            for prompt, sampled, marks in zip(part, rollouts, correct):
+                samples += len(sampled)
+                successes = [r for r, ok in zip(sampled, marks) if ok]
                 if len(successes) < settings.min_successes:
                     continue
                 kept_questions += 1

@@ -20,12 +20,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rayrep.buffer.shard import SOURCES, Answer, PackedAnswers, QuestionAnswers
+from rayrep.config import InputError
 
 SNAPSHOT_VERSION = 1
 POOL_VERSION = 1
 
 
-class BufferFileError(ValueError):
+class BufferFileError(InputError):
     """A snapshot or pool file is missing, malformed, or of an unknown schema version."""
 
 

@@ -2,8 +2,10 @@
 
 Questions are routed to shards by a stable hash of their id (the same shard on every run
 and machine, whatever Python's hash seed). Every operation groups its work by shard and
-makes at most one call per shard, all shards in parallel. With zero shards the buffer
-keeps one `ReplayShard` in-process (unit tests follow the same code).
+makes at most one call per shard, all shards in parallel, each shard method called by
+name. With zero shards the buffer keeps one `ReplayShard` in-process (unit tests follow
+the same code). In a run, the shards are placed and started with the other roles
+(`rayrep.runtime.Runtime`) and stopped with them.
 
 Snapshots are Parquet files (schema version in the file metadata): `answers.parquet`
 holds one row per stored answer, `questions.parquet` one row per question (bucket,
@@ -15,12 +17,17 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 
 from rayrep.buffer.shard import Answer, PackedAnswers, RemoteReplayShard, ReplayShard
+
+if TYPE_CHECKING:
+    from rayrep.placement import Placement
 
 SNAPSHOT_SCHEMA_VERSION = 1
 
@@ -42,29 +49,40 @@ def bucket_weights(K: int, scale: str) -> dict[int, float]:
 
 
 class ReplayBuffer:
-    def __init__(self, num_shards: int, max_answers_per_question: int, seed: int = 0, placement_options: dict | None = None):
+    """The client of S shard actors (or, with S = 0, of one in-process shard)."""
+
+    def __init__(self, num_shards: int, max_answers_per_question: int, seed: int = 0,
+                 placement: Placement | None = None):
+        """`placement`: shards go into its "replay" bundles (the run's plan); without one
+        they ask for no CPU of their own (they hold memory, not compute)."""
         self.num_shards = num_shards
         self.rng = random.Random(seed)
         if num_shards == 0:
-            self.local = ReplayShard(max_answers_per_question, seed)
-            self.shards = []
+            self.shards: list = [ReplayShard(max_answers_per_question, seed)]
         else:
-            self.local = None
-            # Shards hold memory, not compute: they ask for no CPU of their own.
-            options = placement_options or {"num_cpus": 0}
             self.shards = [
-                RemoteReplayShard.options(**options).remote(max_answers_per_question, seed * 1000 + i)
+                RemoteReplayShard.options(**(placement.options("replay", i) if placement else {"num_cpus": 0})).remote(
+                    max_answers_per_question, seed * 1000 + i
+                )
                 for i in range(num_shards)
             ]
 
     # ------------------------------------------------------------------ plumbing
 
-    def _call(self, method: str, per_shard_args: dict[int, tuple]) -> dict[int, object]:
-        """Call `method` once on each shard that has work, in parallel; results by shard."""
-        if self.local is not None:
-            return {0: getattr(self.local, method)(*args) for args in per_shard_args.values()}
-        refs = {i: getattr(self.shards[i], method).remote(*args) for i, args in per_shard_args.items()}
-        return dict(zip(refs, ray.get(list(refs.values()))))
+    @property
+    def in_process(self) -> bool:
+        return self.num_shards == 0
+
+    def _start(self, call: Callable, *args) -> object:
+        """Start `call` (a shard method, named at the call site) with `args`: an actor
+        method returns a ref at once, an in-process one its result."""
+        return call(*args) if self.in_process else call.remote(*args)
+
+    def _gather(self, started: dict[int, object]) -> dict[int, object]:
+        """Results of calls started on several shards, by shard, waiting on all together."""
+        if self.in_process:
+            return started
+        return dict(zip(started, ray.get(list(started.values()))))
 
     def _route(self, uid: str) -> int:
         return shard_of(uid, self.num_shards) if self.num_shards else 0
@@ -75,28 +93,35 @@ class ReplayBuffer:
             grouped.setdefault(self._route(key(item)), []).append(item)
         return grouped
 
+    @property
+    def _all(self) -> range:
+        return range(len(self.shards))
+
     # ------------------------------------------------------------------ writes
 
     def add(self, items: list[tuple[str, np.ndarray, list[Answer]]], dedup: bool = False) -> int:
         """Store (question id, prompt ids, answers) items; returns how many answers were stored."""
-        packed = {s: (PackedAnswers.pack(group), dedup) for s, group in self._by_shard(items).items()}
-        results = self._call("add_packed", packed)
-        return sum(results.values())
+        stored = self._gather({
+            s: self._start(self.shards[s].add_packed, PackedAnswers.pack(group), dedup)
+            for s, group in self._by_shard(items).items()
+        })
+        return sum(stored.values())
 
     def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=()) -> dict:
         """A step's writes in one call per shard: add answers, set buckets, retire questions.
 
         Returns the merged stats of every shard.
         """
-        work: dict[int, dict] = {s: {"items": [], "buckets": {}, "retire": []} for s in range(max(1, self.num_shards))}
+        work: dict[int, dict] = {s: {"items": [], "buckets": {}, "retire": []} for s in self._all}
         for item in items:
             work[self._route(item[0])]["items"].append(item)
         for uid, k in (buckets or {}).items():
             work[self._route(uid)]["buckets"][uid] = k
         for uid in retire:
             work[self._route(uid)]["retire"].append(uid)
-        results = self._call("apply", {
-            s: (PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"]) for s, w in work.items()
+        results = self._gather({
+            s: self._start(self.shards[s].apply, PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"])
+            for s, w in work.items()
         })
         return merge_stats(list(results.values()))
 
@@ -105,8 +130,9 @@ class ReplayBuffer:
     def sample_answers(self, requests: list[tuple[str, int]]) -> dict[str, list[Answer]]:
         """Up to `count` stored answers of each question, uniformly without replacement (RLEP)."""
         seeds = self.rng.getrandbits(63)
-        results = self._call("sample_packed", {
-            s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s)
+        results = self._gather({
+            s: self._start(self.shards[s].sample_packed, [uid for uid, _ in group],
+                           np.array([count for _, count in group], np.int64), seeds + s)
             for s, group in self._by_shard(requests).items()
         })
         merged: dict[str, list[Answer]] = {}
@@ -114,28 +140,54 @@ class ReplayBuffer:
             merged.update(part.unpack())
         return merged
 
-    def all_answers(self, uids: list[str]) -> dict[str, tuple[np.ndarray, list[Answer]]]:
-        groups = self._by_shard(uids, key=lambda u: u)
-        results = self._call("all_answers_packed", {s: (group,) for s, group in groups.items()})
-        merged: dict = {}
-        for part in results.values():
-            merged.update(part.unpack_with_prompts())
-        return merged
+    def stored_answers(self, uids: list[str]) -> list[tuple[list[tuple[str, int]], ray.ObjectRef | PackedAnswers]]:
+        """Every stored answer of the questions `uids`, left where it is.
 
-    def bucket_sizes(self) -> list[dict[int, int]]:
-        """Questions per bucket, shard by shard."""
-        results = self._call("bucket_sizes", {s: () for s in range(max(1, self.num_shards))})
-        return [results[s] for s in sorted(results)]
+        Per shard holding any of them: ((question id, number of answers) in order, the
+        answers packed with their prompts, `PackedAnswers`: a ref to the shard's result, or
+        the value itself for an in-process buffer). The refs go on to other actors
+        (ExGRPO's entropy pass on the learners) without passing through this process.
+        """
+        parts = []
+        for s, group in self._by_shard(uids, key=lambda u: u).items():
+            if self.in_process:
+                parts.append(self.shards[s].stored_answers(group))
+            else:
+                parts.append(self.shards[s].stored_answers.options(num_returns=2).remote(group))
+        if not self.in_process:
+            indexes = ray.get([index for index, _ in parts])
+            parts = [(index, ref) for index, (_, ref) in zip(indexes, parts)]
+        return [(index, answers) for index, answers in parts if index]
 
-    def sample_questions(self, count: int, K: int, scale: str, shard_buckets: list[dict[int, int]] | None = None) -> list[str]:
-        """`count` questions (or all there are) drawn by ExGRPO's bucketed scheme.
+    def answers_at(self, picks: dict[str, int]) -> dict[str, Answer]:
+        """The stored answer at position `picks[uid]` (oldest first) of each question."""
+        results = self._gather({
+            s: self._start(self.shards[s].answers_at, [uid for uid, _ in group], [i for _, i in group])
+            for s, group in self._by_shard(list(picks.items())).items()
+        })
+        return {uid: answers[0] for part in results.values() for uid, answers in part.unpack().items()}
+
+    def _excluded(self, exclude: frozenset[str]) -> dict[int, list[str]]:
+        return {s: self._by_shard(sorted(exclude), key=lambda u: u).get(s, []) for s in self._all}
+
+    def bucket_sizes(self, exclude: frozenset[str] = frozenset()) -> list[dict[int, int]]:
+        """Questions per bucket, shard by shard (questions in `exclude` not counted)."""
+        excluded = self._excluded(exclude)
+        results = self._gather({s: self._start(self.shards[s].bucket_sizes, excluded[s]) for s in self._all})
+        return [results[s] for s in self._all]
+
+    def sample_questions(self, count: int, K: int, scale: str, shard_buckets: list[dict[int, int]] | None = None,
+                         exclude: frozenset[str] = frozenset()) -> list[str]:
+        """`count` questions (or all there are) drawn by ExGRPO's bucketed scheme, none of
+        them in `exclude` (questions already in this step).
 
         Each draw picks a bucket with probability proportional to its weight (among
         buckets with questions left), then a question of that bucket uniformly without
         replacement, whichever shard holds it. The draws are planned here from the shards'
         bucket sizes, then each shard is asked once for its share.
         """
-        shard_buckets = shard_buckets if shard_buckets is not None else self.bucket_sizes()
+        excluded = self._excluded(exclude)
+        shard_buckets = shard_buckets if shard_buckets is not None else self.bucket_sizes(exclude)
         weights = bucket_weights(K, scale)
         left = {(s, k): n for s, sizes in enumerate(shard_buckets) for k, n in sizes.items() if k in weights and n > 0}
         plan: dict[int, dict[int, int]] = {}
@@ -155,11 +207,14 @@ class ReplayBuffer:
             if left[(s, k)] == 0:
                 del left[(s, k)]
         seeds = self.rng.getrandbits(63)
-        results = self._call("sample_questions", {s: (per_bucket, seeds + s) for s, per_bucket in plan.items()})
+        results = self._gather({
+            s: self._start(self.shards[s].sample_questions, per_bucket, seeds + s, excluded[s])
+            for s, per_bucket in plan.items()
+        })
         return [uid for s in sorted(results) for uid in results[s]]
 
     def stats(self, now_step: int | None = None) -> dict:
-        results = self._call("stats", {s: (now_step,) for s in range(max(1, self.num_shards))})
+        results = self._gather({s: self._start(self.shards[s].stats, now_step) for s in self._all})
         return merge_stats(list(results.values()))
 
     # ------------------------------------------------------------------ snapshot
@@ -168,25 +223,26 @@ class ReplayBuffer:
         """Write every shard's content to Parquet files in `directory` (atomically replaced)."""
         from rayrep.buffer.files import write_snapshot
 
-        parts = self._call("export", {s: () for s in range(max(1, self.num_shards))})
-        return write_snapshot([parts[s] for s in sorted(parts)], Path(directory))
+        parts = self._gather({s: self._start(self.shards[s].export) for s in self._all})
+        return write_snapshot([parts[s] for s in self._all], Path(directory))
 
     def restore(self, directory: str | Path) -> None:
         """Load a snapshot, routing each question to its shard under this buffer's shard count."""
         from rayrep.buffer.files import read_snapshot
 
         questions, retired, evicted = read_snapshot(Path(directory))
-        work: dict[int, tuple[list, list, int]] = {s: ([], [], 0) for s in range(max(1, self.num_shards))}
+        work: dict[int, tuple[list, list, int]] = {s: ([], [], 0) for s in self._all}
         for uid, entry in questions:
             work[self._route(uid)][0].append((uid, entry))
         for uid in retired:
             work[self._route(uid)][1].append(uid)
         work[0] = (work[0][0], work[0][1], evicted)
-        self._call("restore", work)
+        self._gather({s: self._start(self.shards[s].restore, *args) for s, args in work.items()})
 
     def shutdown(self) -> None:
-        for shard in self.shards:
-            ray.kill(shard)
+        if not self.in_process:
+            for shard in self.shards:
+                ray.kill(shard)
 
 
 def merge_stats(parts: list[dict]) -> dict:

@@ -10,7 +10,7 @@ arrays per call), never as two small arrays per answer: Ray spends tens of micro
 on each array it (de)serializes, which made sampling 512 questions' replays take 40 ms.
 
 It serves both replay methods:
-- RLEP: `sample_answers` draws M stored successes of given questions uniformly without
+- RLEP: `sample_packed` draws M stored successes of given questions uniformly without
   replacement (what it has when a question has fewer than M: never placeholders).
 - ExGRPO: questions carry the latest number of correct answers k out of K (their
   bucket); `sample_questions` takes given numbers of questions per bucket, uniformly
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import ray
+
+from rayrep.types import Rollout
 
 SOURCES = ("pool", "online")
 """Where an answer came from: an offline experience pool (RLEP) or this run (ExGRPO)."""
@@ -42,6 +44,17 @@ class Answer:
     source: str = "online"
     step: int = 0
     """Training step (or pool id) at which it entered the buffer."""
+
+    def rollout(self, prompt_ids: list[int]) -> Rollout:
+        """This answer replayed: a rollout of the question whose prompt tokens are `prompt_ids`."""
+        return Rollout(
+            prompt_ids=list(prompt_ids),
+            response_ids=self.response_ids.tolist(),
+            logprobs=self.logprobs.tolist(),
+            text="",  # replayed answers were verified when they were stored
+            finish_reason="stop",
+            version=self.version,
+        )
 
 
 @dataclass
@@ -101,8 +114,12 @@ class PackedAnswers:
         """Answers by question; their arrays are views of the packed ones, never of a shard's storage."""
         return {uid: answers for _, uid, answers in self._groups()}
 
-    def unpack_with_prompts(self) -> dict[str, tuple[np.ndarray, list[Answer]]]:
-        return {uid: (self.prompt(q), answers) for q, uid, answers in self._groups()}
+    def sequences(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(prompt ids, response ids) of every answer, in order (packed with prompts): what a
+        forward pass over the stored answers needs."""
+        prompts = [self.prompt(q) for q, count in enumerate(self.counts.tolist()) for _ in range(count)]
+        responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.rewards))]
+        return prompts, responses
 
     def _groups(self):
         offsets, rewards, versions = self.offsets.tolist(), self.rewards.tolist(), self.versions.tolist()
@@ -177,21 +194,12 @@ class QuestionAnswers:
     def __len__(self) -> int:
         return len(self.rewards)
 
-    def answer(self, i: int) -> Answer:
-        start, end = self.offsets[i], self.offsets[i + 1]
-        return Answer(self.tokens[start:end].copy(), self.logprobs[start:end].copy(), float(self.rewards[i]),
-                      int(self.versions[i]), SOURCES[self.sources[i]], int(self.steps[i]))
-
     def contains(self, response_ids: np.ndarray) -> bool:
         lengths = np.diff(self.offsets)
         for i in np.nonzero(lengths == len(response_ids))[0]:
             if np.array_equal(self.tokens[self.offsets[i] : self.offsets[i + 1]], response_ids):
                 return True
         return False
-
-    def extend(self, answers: list[Answer], cap: int) -> int:
-        """Append answers, then evict the oldest beyond `cap`; returns how many were evicted."""
-        return self.extend_rows(PackedAnswers.pack([("", None, answers)]), range(len(answers)), cap)
 
     def extend_rows(self, batch: PackedAnswers, rows: range | list[int], cap: int) -> int:
         """Append the given answers (rows) of a packed batch, then evict the oldest beyond `cap`.
@@ -243,16 +251,12 @@ class ReplayShard:
 
     # ------------------------------------------------------------------ writes
 
-    def add(self, items: list[tuple[str, np.ndarray, list[Answer]]], dedup: bool = False) -> int:
-        """Store answers: items of (question id, prompt ids, answers). Returns answers stored.
+    def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
+        """Store answers packed with their prompts; returns how many were stored.
 
         Retired questions take nothing. With `dedup`, an answer whose token ids are already
         stored under its question is skipped.
         """
-        return self.add_packed(PackedAnswers.pack(items), dedup)
-
-    def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
-        """`add`, for answers packed with their prompts (what the client sends)."""
         stored, first = 0, 0
         for q, (uid, count) in enumerate(zip(batch.uids, batch.counts.tolist())):
             rows, first = range(first, first + count), first + count
@@ -289,27 +293,21 @@ class ReplayShard:
             self.retired.add(uid)
         return removed
 
-    def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=()) -> dict:
+    def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
         """One round trip for a step's writes: add, then set buckets, then retire; returns stats."""
-        if isinstance(items, PackedAnswers):
-            stored = self.add_packed(items, dedup)
-        else:
-            stored = self.add(list(items), dedup) if items else 0
-        self.set_buckets(buckets or {})
+        stored = self.add_packed(items, dedup)
+        self.set_buckets(buckets)
         self.retire(list(retire))
         return {"stored": stored, **self.stats()}
 
     # ------------------------------------------------------------------ reads
 
-    def sample_answers(self, requests: list[tuple[str, int]], seed: int | None = None) -> dict[str, list[Answer]]:
-        """Up to `count` stored answers per question, uniformly without replacement."""
-        return self.sample_packed([uid for uid, _ in requests], [count for _, count in requests], seed).unpack()
-
     def sample_packed(self, uids: list[str], wanted, seed: int | None = None) -> PackedAnswers:
-        """`sample_answers` of `wanted[q]` answers of question `uids[q]`, packed.
+        """Up to `wanted[q]` stored answers of question `uids[q]`, uniformly without
+        replacement (what it has when a question has fewer: never placeholders), packed.
 
-        What the client calls: ids and counts as a list of strings and an array cross a Ray
-        call about three times faster than a list of (id, count) tuples."""
+        Ids and counts as a list of strings and an array cross a Ray call about three times
+        faster than a list of (id, count) tuples."""
         rng = np.random.default_rng(seed if seed is not None else self.rng.getrandbits(63))
         entries = [self.questions.get(uid) for uid in uids]
         sizes = np.array([0 if entry is None else len(entry) for entry in entries], np.int64)
@@ -325,29 +323,37 @@ class ReplayShard:
         picks = [(entries[q], i) for q, i in zip(kept.tolist(), (order[keep] - starts[kept]).tolist())]
         return PackedAnswers.gather(uids, counts, picks)
 
-    def all_answers(self, uids: list[str]) -> dict[str, tuple[np.ndarray, list[Answer]]]:
-        """(prompt ids, every stored answer) of each question (ExGRPO's entropy selection)."""
-        return self.all_answers_packed(uids).unpack_with_prompts()
-
-    def all_answers_packed(self, uids: list[str]) -> PackedAnswers:
-        present = [uid for uid in uids if uid in self.questions]
+    def stored_answers(self, uids: list[str]) -> tuple[list[tuple[str, int]], PackedAnswers]:
+        """((question id, answer count) of those held here, in order; all their answers packed
+        with their prompts). Two values so that a caller can read the small index and pass
+        the answers on by reference (`.options(num_returns=2)`)."""
+        present = [uid for uid in dict.fromkeys(uids) if uid in self.questions]
         entries = [self.questions[uid] for uid in present]
         picks = [(entry, i) for entry in entries for i in range(len(entry))]
-        return PackedAnswers.gather(present, [len(e) for e in entries], picks, prompts=[e.prompt_ids for e in entries])
+        packed = PackedAnswers.gather(present, [len(e) for e in entries], picks, prompts=[e.prompt_ids for e in entries])
+        return [(uid, len(entry)) for uid, entry in zip(present, entries)], packed
 
-    def bucket_sizes(self) -> dict[int, int]:
+    def answers_at(self, uids: list[str], positions: list[int]) -> PackedAnswers:
+        """Answer `positions[q]` (oldest first) of question `uids[q]`, packed."""
+        entries = [self.questions[uid] for uid in uids]
+        return PackedAnswers.gather(uids, [1] * len(uids), list(zip(entries, positions)))
+
+    def bucket_sizes(self, exclude: list[str] = ()) -> dict[int, int]:
+        """Questions per bucket (those in `exclude` not counted)."""
+        left_out = set(exclude)
         sizes: dict[int, int] = {}
-        for entry in self.questions.values():
-            if entry.bucket >= 0:
+        for uid, entry in self.questions.items():
+            if entry.bucket >= 0 and uid not in left_out:
                 sizes[entry.bucket] = sizes.get(entry.bucket, 0) + 1
         return sizes
 
-    def sample_questions(self, per_bucket: dict[int, int], seed: int | None = None) -> list[str]:
-        """`per_bucket[k]` questions of bucket k each, uniformly without replacement."""
+    def sample_questions(self, per_bucket: dict[int, int], seed: int | None = None, exclude: list[str] = ()) -> list[str]:
+        """`per_bucket[k]` questions of bucket k each, uniformly without replacement, none in `exclude`."""
         rng = random.Random(seed) if seed is not None else self.rng
+        left_out = set(exclude)
         members: dict[int, list[str]] = {}
         for uid, entry in self.questions.items():
-            if entry.bucket in per_bucket:
+            if entry.bucket in per_bucket and uid not in left_out:
                 members.setdefault(entry.bucket, []).append(uid)
         chosen = []
         for k in sorted(per_bucket):

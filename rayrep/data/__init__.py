@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from rayrep.config import DataConfig
+from rayrep.config import DataConfig, InputError
 from rayrep.types import Prompt
 
 
-class PromptTooLong(ValueError):
-    pass
+class PromptTooLong(InputError):
+    """A prompt renders to more tokens than `data.max_prompt_tokens`."""
 
 
 def load_split(data: DataConfig, split: Literal["train", "test"]) -> list[Prompt]:

@@ -38,6 +38,7 @@ import math
 import os
 from pathlib import Path
 
+from rayrep.config import InputError
 from rayrep.types import Prompt
 
 ROLES = ("system", "user", "assistant")
@@ -47,7 +48,7 @@ _SUFFIX_LIST = ", ".join(SUFFIXES)
 _CORE_FIELDS = ("data_source", "prompt", "reward_model")
 
 
-class PromptFileError(ValueError):
+class PromptFileError(InputError):
     """A prompt file that cannot be read, or a row in it that is not a valid prompt.
 
     `PromptFileError("text")` works like any ValueError. Given `path` (and `row`, 1-based,

@@ -85,19 +85,3 @@ def sample(
             )
         groups.append(group)
     return groups
-
-
-def score_sequences(llm, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-    """Log-prob of each response token given everything before it, under the engine's weights."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-    requests = [TokensPrompt(prompt_token_ids=p + r) for p, r in zip(prompt_ids, response_ids)]
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    scored = []
-    for prompt, response, output in zip(prompt_ids, response_ids, outputs):
-        # prompt_logprobs[i] holds the log-prob of token i given tokens < i (None for i = 0).
-        positions = output.prompt_logprobs[len(prompt) : len(prompt) + len(response)]
-        scored.append([step[token].logprob for step, token in zip(positions, response)])
-    return scored

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import ray
-
 from dataclasses import dataclass
 
+import ray
+
+from rayrep.config import Config
+from rayrep.placement import Placement
 from rayrep.types import Rollout
 
 
 @dataclass(frozen=True)
-class RolloutChunk:
-    """One worker's share of a generate call: which prompts, and the ref to their rollout groups."""
+class PendingRollouts:
+    """One worker's share of a generate call: which prompts, and the ref that resolves to
+    their rollouts (one list per prompt) once the worker is done."""
 
     indices: range
     ref: ray.ObjectRef
@@ -29,11 +32,11 @@ def split_evenly(count: int, parts: int) -> list[range]:
 
 
 class GeneratorPool:
-    def __init__(self, workers: list):
+    def __init__(self, workers: list[ray.actor.ActorHandle]):
         self.workers = workers
 
     @staticmethod
-    def create(cfg, model_path: str, placement) -> "GeneratorPool":
+    def create(cfg: Config, model_path: str, placement: Placement) -> "GeneratorPool":
         from rayrep.generator.worker import RemoteGeneratorWorker
 
         threads = placement.plan.threads["generator"]
@@ -46,33 +49,25 @@ class GeneratorPool:
 
     def generate(
         self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int
-    ) -> list[RolloutChunk]:
-        """Start sampling `n` answers per prompt (`n` may differ per prompt) across the workers.
+    ) -> list[PendingRollouts]:
+        """Start sampling `n` rollouts per prompt (`n` may differ per prompt) across the workers.
 
-        Returns at once; each chunk's ref resolves to that chunk's list[list[Rollout]].
+        Returns at once; each share's ref resolves to its prompts' rollouts.
         """
         counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
-        chunks = []
+        shares = []
         for worker, indices in zip(self.workers, split_evenly(len(prompt_ids), len(self.workers))):
             if len(indices):
                 ref = worker.generate.remote(
                     [prompt_ids[i] for i in indices], [counts[i] for i in indices], temperature, top_p, max_tokens
                 )
-                chunks.append(RolloutChunk(indices, ref))
-        return chunks
+                shares.append(PendingRollouts(indices, ref))
+        return shares
 
     @staticmethod
-    def gather(chunks: list[RolloutChunk]) -> list[list[Rollout]]:
-        """Rollout groups in prompt order."""
-        return [group for part in ray.get([c.ref for c in chunks]) for group in part]
-
-    def sequence_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        refs = [
-            worker.sequence_logprobs.remote([prompt_ids[i] for i in chunk], [response_ids[i] for i in chunk])
-            for worker, chunk in zip(self.workers, split_evenly(len(prompt_ids), len(self.workers)))
-            if len(chunk)
-        ]
-        return [row for chunk in ray.get(refs) for row in chunk]
+    def gather(pending: list[PendingRollouts]) -> list[list[Rollout]]:
+        """Every prompt's rollouts, in prompt order (waits for the workers)."""
+        return [rollouts for part in ray.get([p.ref for p in pending]) for rollouts in part]
 
     def versions(self) -> list[int]:
         return ray.get([worker.policy_version.remote() for worker in self.workers])

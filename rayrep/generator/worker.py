@@ -9,6 +9,7 @@ from __future__ import annotations
 import ray
 
 from rayrep.config import Config
+from rayrep.sync.collective import WeightManifest
 from rayrep.types import Rollout
 
 
@@ -37,16 +38,11 @@ class GeneratorWorker:
             self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, version=self.version
         )
 
-    def sequence_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        """Log-probs the current weights give each response token (teacher forcing)."""
-        from rayrep.generator.engine import score_sequences
-
-        return score_sequences(self.llm, prompt_ids, response_ids)
-
-    def join_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str) -> None:
+    def join_weight_group(self, host: str, port: int, world_size: int, rank: int) -> None:
+        backend = self.cfg.placement.collective_backend
         self.llm.collective_rpc("rayrep_join_weight_group", args=(host, port, world_size, rank, backend))
 
-    def receive_weights(self, manifest, version: int) -> int:
+    def receive_weights(self, manifest: WeightManifest, version: int) -> int:
         loaded = self.llm.collective_rpc("rayrep_receive_weights", args=(manifest,))[0]
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()

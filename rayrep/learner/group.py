@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ray
 import torch
 
 from rayrep.config import Config
 from rayrep.learner.worker import RemoteLearnerWorker
 from rayrep.metrics import MetricSums
+from rayrep.placement import Placement
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 
+if TYPE_CHECKING:
+    from rayrep.buffer.shard import PackedAnswers
+
+
+def as_ref(value: object) -> ray.ObjectRef:
+    """One object-store copy that every worker reads, however many workers there are."""
+    return value if isinstance(value, ray.ObjectRef) else ray.put(value)
+
 
 class LearnerGroup:
-    def __init__(self, cfg: Config, model_path: str, placement, total_optimizer_steps: int):
+    def __init__(self, cfg: Config, model_path: str, placement: Placement, total_optimizer_steps: int):
         count = cfg.learner.num_workers
         threads = placement.plan.threads["learner"]
         self.workers = [
@@ -24,22 +35,24 @@ class LearnerGroup:
         ray.get([w.setup.remote(model_path, master_addr, master_port, total_optimizer_steps) for w in self.workers])
         self.base_model_path = model_path
 
-    def compute_logprobs(self, batch: TrainBatch | ray.ObjectRef, with_entropy: bool = False):
-        """Per-token log-probs [N, L] (and entropies, or None) of every row under the current weights."""
-        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        shares = ray.get([w.compute_logprobs.remote(ref, with_entropy) for w in self.workers])
-        rows = torch.cat([s["rows"] for s in shares])
-        logprobs = torch.empty(len(rows), shares[0]["logprobs"].shape[1])
-        logprobs[rows] = torch.cat([s["logprobs"] for s in shares])
-        entropy = None
-        if with_entropy:
-            entropy = torch.empty_like(logprobs)
-            entropy[rows] = torch.cat([s["entropy"] for s in shares])
-        return logprobs, entropy
+    def mean_entropies(self, answers: list[ray.ObjectRef | PackedAnswers]) -> list[torch.Tensor]:
+        """Per set of packed stored answers (`PackedAnswers`, or a ref to one, as the replay
+        buffer returns them), [N] mean token entropy of each answer over its own response
+        tokens, under the current weights. Each rank reduces its rows: only N numbers per
+        set come back."""
+        refs = [as_ref(a) for a in answers]  # one copy in the object store, read by every rank
+        pending = [[w.mean_entropies.remote(ref) for w in self.workers] for ref in refs]
+        means = []
+        for shares in (ray.get(p) for p in pending):
+            rows = torch.cat([rows for rows, _ in shares])
+            values = torch.empty(len(rows))
+            values[rows] = torch.cat([v for _, v in shares])
+            means.append(values)
+        return means
 
     def update(self, batch: TrainBatch | ray.ObjectRef, loss: LossSpec) -> dict[str, float]:
         """Run the mini-batch updates of one rollout batch; returns merged metrics."""
-        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+        ref = as_ref(batch)
         merged = MetricSums()
         for state in ray.get([w.update.remote(ref, loss) for w in self.workers]):
             merged.merge(MetricSums(state))
@@ -59,17 +72,13 @@ class LearnerGroup:
         """Rank 0's node address and a free port there: the weight group's rendezvous."""
         return ray.get(self.workers[0].address.remote())
 
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> list[ray.ObjectRef]:
+    def join_weight_group(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef]:
         """Rank 0 joins as group rank 0; returns refs to wait on with the generators' joins."""
-        return [self.workers[0].join_weight_group.remote(host, port, world_size, backend)]
+        return [self.workers[0].join_weight_group.remote(host, port, world_size)]
 
     def broadcast_weights(self, manifest: WeightManifest) -> list[ray.ObjectRef]:
         """Every rank gathers, rank 0 broadcasts; returns refs (wait on them with the receivers')."""
         return [w.broadcast_weights.remote(manifest) for w in self.workers]
-
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """Full CPU state dict, gathered from the shards (for checks and small models)."""
-        return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 
     def save(self, path: str) -> str:
         return ray.get([w.save.remote(path, self.base_model_path) for w in self.workers])[0]

@@ -13,10 +13,32 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
 from rayrep.config import Config
+
+
+class Sharding(Protocol):
+    """What a learner rank needs of a sharding strategy; the worker's loop is written once against it."""
+
+    model: torch.nn.Module
+    """The module to call (and `.train()` / `.eval()`): the sharded model or its engine."""
+    module: torch.nn.Module
+    """The Hugging Face model inside, for parameter names and global shapes."""
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        """Accumulate the gradient of `loss`; reduce across ranks on a mini-batch's last micro-batch."""
+
+    def step(self) -> tuple[float, bool]:
+        """Clip and apply the accumulated gradient: (global grad norm, whether the step was applied)."""
+
+    def last_lr(self) -> float:
+        """The learning rate the next `step` applies."""
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of every parameter; every rank must iterate together."""
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config, total_optimizer_steps: int):
@@ -131,6 +153,8 @@ class DeepSpeedSharding:
             yield name, param.detach()
 
 
-def make_sharding(strategy: str, model, cfg: Config, world_size: int, device, total_optimizer_steps: int):
-    kinds = {"fsdp2": FSDP2Sharding, "deepspeed": DeepSpeedSharding}
+def make_sharding(
+    strategy: str, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device, total_optimizer_steps: int
+) -> Sharding:
+    kinds: dict[str, type[Sharding]] = {"fsdp2": FSDP2Sharding, "deepspeed": DeepSpeedSharding}
     return kinds[strategy](model, cfg, world_size, device, total_optimizer_steps)

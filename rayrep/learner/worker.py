@@ -14,15 +14,29 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING, Literal
 
 import ray
 import torch
 import torch.distributed as dist
 
 from rayrep.config import Config
-from rayrep.learner.loss import loss_denominator, policy_loss
+from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.metrics import MetricSums
+from rayrep.sync.collective import WeightGroup, WeightManifest
 from rayrep.types import LossSpec, TrainBatch
+
+if TYPE_CHECKING:
+    from rayrep.buffer.shard import PackedAnswers
+
+Entropy = Literal["none", "detached", "grad"]
+"""Whether a forward pass also returns per-token entropies, and whether they keep a graph."""
+
+
+def mini_batches(num_prompts: int, mini_batch_prompts: int) -> list[range]:
+    """The questions of each optimizer step: whole questions, with all their answers
+    (G fresh + M replayed), so the number of steps depends on questions, never on answers."""
+    return [range(start, min(start + mini_batch_prompts, num_prompts)) for start in range(0, num_prompts, mini_batch_prompts)]
 
 
 def rows_per_rank(prompt_index: torch.Tensor, prompts: range, world_size: int) -> list[torch.Tensor]:
@@ -37,7 +51,7 @@ def rows_per_rank(prompt_index: torch.Tensor, prompts: range, world_size: int) -
 
 def micro_batches(rows: torch.Tensor, count: int) -> list[torch.Tensor]:
     """`rows` in `count` near-equal chunks (some empty when rows are fewer than count)."""
-    return [chunk for chunk in torch.tensor_split(rows, count)]
+    return list(torch.tensor_split(rows, count))
 
 
 class LearnerWorker:
@@ -47,7 +61,7 @@ class LearnerWorker:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         on_gpu = cfg.placement.device == "gpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.weight_group = None
+        self.weight_group: WeightGroup | None = None
 
     def address(self) -> tuple[str, int]:
         """This worker's node address and a port free on it (rank 0 hosts the rendezvous)."""
@@ -63,7 +77,7 @@ class LearnerWorker:
 
         cfg, rank, world_size = self.cfg, self.rank, self.world_size
         dist.init_process_group(
-            "nccl" if cfg.placement.device == "gpu" else "gloo",
+            cfg.placement.collective_backend,
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
@@ -74,106 +88,111 @@ class LearnerWorker:
         model.config.use_cache = False
         self.tied_embedding = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
         self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device, total_optimizer_steps)
-        self.model = self.sharding.model
-        self.model.train()
+        self.sharding.model.train()
 
     # ------------------------------------------------------------------ forward passes
 
-    def _token_logprobs(self, batch: TrainBatch, rows: torch.Tensor, with_entropy: bool):
-        """Log-prob (and entropy) of every token of `rows` under the current weights: [n, L'] each.
+    def _forward(self, batch: TrainBatch, rows: torch.Tensor, entropy: Entropy):
+        """Log-prob (and entropy) of every token of `rows` under the current weights.
 
-        L' is the longest row of the chunk. An empty chunk runs one dummy row so that every
+        Returns ([n, W] log-probs, [n, W] entropies or None, W, dummy) with W the longest
+        row of the chunk. An empty chunk runs one dummy row (`dummy` True) so that every
         rank takes part in the gradient collectives the same number of times.
         """
-        if len(rows) == 0:
+        dummy = len(rows) == 0
+        if dummy:
             rows = torch.zeros(1, dtype=torch.long)
-            dummy = True
-        else:
-            dummy = False
         width = int(batch.lengths[rows].max())
         ids = batch.input_ids[rows, :width].to(self.device)
         attention = (torch.arange(width)[None, :] < batch.lengths[rows, None]).to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=attention.long()).logits.float()
-        logits = logits[:, :-1] / batch.temperature
-        log_probs = torch.log_softmax(logits, dim=-1)
+        logits = self.sharding.model(input_ids=ids, attention_mask=attention.long()).logits.float()
+        log_probs = torch.log_softmax(logits[:, :-1] / batch.temperature, dim=-1)
         token_logp = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
         token_logp[:, 1:] = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        entropy = None
-        if with_entropy:
-            entropy = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-            entropy[:, 1:] = -(log_probs.exp() * log_probs).sum(-1)
-        return token_logp, entropy, width, dummy
+        token_entropy = None
+        if entropy != "none":
+            # Without a coefficient the entropy is only a metric: keeping its graph would
+            # hold another [n, W, V] tensor for backward (about 10 GB at paper scale).
+            with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                token_entropy = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+                token_entropy[:, 1:] = -(log_probs.exp() * log_probs).sum(-1)
+        return token_logp, token_entropy, width, dummy
+
+    def _micro_chunks(self, shares: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's rows of a mini-batch in micro-batches; every rank gets the same count."""
+        count = max(1, max(math.ceil(len(r) / self.cfg.learner.micro_batch_size) for r in shares))
+        return micro_batches(shares[self.rank], count)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> dict:
-        """This rank's share of per-token log-probs (and entropies) of every row of `batch`.
-
-        Returns {"rows": [n] row indices, "logprobs": [n, L], "entropy": [n, L] or None}.
-        """
-        mine = rows_per_rank(batch.prompt_index, range(batch.num_prompts), self.world_size)
-        return self._logprobs_of(batch, mine, with_entropy)
-
-    def _logprobs_of(self, batch: TrainBatch, rows_of_rank: list[torch.Tensor], with_entropy: bool) -> dict:
-        size = self.cfg.learner.micro_batch_size
-        count = max(1, max(math.ceil(len(r) / size) for r in rows_of_rank))
-        mine = rows_of_rank[self.rank]
-        out_logp = torch.zeros(len(mine), batch.input_ids.shape[1])
-        out_entropy = torch.zeros_like(out_logp) if with_entropy else None
+    def _old_logprobs(self, batch: TrainBatch, shares: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, [n, L] log-probs) of this rank's share under the current weights."""
+        mine = shares[self.rank]
+        out = torch.zeros(len(mine), batch.input_ids.shape[1])
         position = 0
-        self.model.eval()
-        for chunk in micro_batches(mine, count):
-            logp, entropy, width, dummy = self._token_logprobs(batch, chunk, with_entropy)
+        self.sharding.model.eval()
+        for chunk in self._micro_chunks(shares):
+            logp, _, width, dummy = self._forward(batch, chunk, "none")
             if not dummy:
-                out_logp[position : position + len(chunk), :width] = logp.cpu()
-                if with_entropy:
-                    out_entropy[position : position + len(chunk), :width] = entropy.cpu()
+                out[position : position + len(chunk), :width] = logp.cpu()
                 position += len(chunk)
-        self.model.train()
-        return {"rows": mine, "logprobs": out_logp, "entropy": out_entropy}
+        self.sharding.model.train()
+        return mine, out
+
+    @torch.no_grad()
+    def mean_entropies(self, answers: PackedAnswers) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, [n] mean token entropy of each answer over its own response tokens) for
+        this rank's share of `answers`; reduced here, so only n numbers travel back.
+
+        `answers` arrive packed, as the replay shard sent them (a ref resolved by Ray); only
+        their (prompt, response) token ids are read.
+        """
+        prompts, responses = answers.sequences()
+        batch = TrainBatch.of_sequences(prompts, responses, range(len(responses)))
+        shares = rows_per_rank(batch.prompt_index, range(batch.num_prompts), self.world_size)
+        means = []
+        self.sharding.model.eval()
+        for chunk in self._micro_chunks(shares):
+            _, entropy, width, dummy = self._forward(batch, chunk, "detached")
+            if not dummy:
+                mask = batch.response_mask[chunk, :width].to(self.device)
+                means.append(((entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)).cpu())
+        self.sharding.model.train()
+        return shares[self.rank], torch.cat(means) if means else torch.zeros(0)
 
     # ------------------------------------------------------------------ training
 
     def update(self, batch: TrainBatch, loss: LossSpec) -> dict:
         """Mini-batch policy-gradient updates over `batch`; returns metric sums to merge across ranks."""
         learner = self.cfg.learner
-        num_prompts = batch.num_prompts
-        minibatches = [
-            range(start, min(start + learner.mini_batch_prompts, num_prompts))
-            for start in range(0, num_prompts, learner.mini_batch_prompts)
-        ]
+        steps = mini_batches(batch.num_prompts, learner.mini_batch_prompts)
         sums = MetricSums()
         old_logprobs = batch.old_logprobs.clone()
         start = time.perf_counter()
-        if batch.recompute_old.any() and len(minibatches) * learner.epochs > 1:
+        if batch.recompute_old.any() and len(steps) * learner.epochs > 1:
             # Later mini-batches see updated weights, so "old" must be taken before any update.
             # (With a single optimizer step, the first forward pass is the old policy.)
-            for prompts in minibatches:
-                shares = rows_per_rank(batch.prompt_index, prompts, self.world_size)
-                with torch.no_grad():
-                    result = self._logprobs_of(batch, shares, with_entropy=False)
-                recompute = batch.recompute_old[result["rows"]]
-                old_logprobs[result["rows"][recompute]] = result["logprobs"][recompute]
+            for prompts in steps:
+                rows, recomputed = self._old_logprobs(batch, rows_per_rank(batch.prompt_index, prompts, self.world_size))
+                recompute = batch.recompute_old[rows]
+                old_logprobs[rows[recompute]] = recomputed[recompute]
             single_pass_old = False
         else:
             single_pass_old = True
         if self.rank == 0:
             sums.count("time_old_logprobs", time.perf_counter() - start)
         for _ in range(learner.epochs):
-            for prompts in minibatches:
+            for prompts in steps:
                 self._step(batch, prompts, old_logprobs, single_pass_old, loss, sums)
         return sums.state()
 
-    def _step(self, batch, prompts, old_logprobs, single_pass_old, loss: LossSpec, sums: MetricSums) -> None:
-        learner = self.cfg.learner
+    def _step(self, batch, prompts: range, old_logprobs, single_pass_old: bool, loss: LossSpec, sums: MetricSums) -> None:
         shares = rows_per_rank(batch.prompt_index, prompts, self.world_size)
-        all_rows = torch.cat(shares)
-        # The global count over every rank and micro-batch of this mini-batch.
-        denominator = loss_denominator(batch.response_mask[all_rows], loss.agg)
-        token_count = max(1, int(batch.response_mask[all_rows].sum()))
-        count = max(1, max(math.ceil(len(r) / learner.micro_batch_size) for r in shares))
-        chunks = micro_batches(shares[self.rank], count)
+        # The counts over every rank and micro-batch of this mini-batch.
+        totals = mini_batch_totals(batch.response_mask[torch.cat(shares)], loss.agg)
+        chunks = self._micro_chunks(shares)
+        entropy_mode: Entropy = "grad" if loss.entropy_coef else "detached"
         for index, chunk in enumerate(chunks):
-            logp, entropy, width, dummy = self._token_logprobs(batch, chunk, with_entropy=True)
+            logp, entropy, width, dummy = self._forward(batch, chunk, entropy_mode)
             rows = chunk if not dummy else torch.zeros(1, dtype=torch.long)
             mask = batch.response_mask[rows, :width].to(self.device)
             if dummy:
@@ -182,32 +201,14 @@ class LearnerWorker:
             if single_pass_old:
                 recompute = batch.recompute_old[rows].to(self.device)[:, None]
                 old = torch.where(recompute, logp.detach(), old)
-            replay = batch.replay_mask[rows].to(self.device)
             value, metrics = policy_loss(
-                logp,
-                old,
-                batch.advantages[rows].to(self.device),
-                mask,
-                clip_low=loss.clip_low,
-                clip_high=loss.clip_high,
-                dual_clip=loss.dual_clip,
-                agg=loss.agg,
-                replay_mask=replay,
-                replay_shaping=loss.replay_shaping,
-                replay_beta=loss.replay_beta,
-                clip=loss.clip,
-                norm_constant=loss.norm_constant,
-                denominator=max(1, denominator),
+                logp, old, batch.advantages[rows].to(self.device), mask, loss,
+                replay_mask=batch.replay_mask[rows].to(self.device), entropy=entropy, totals=totals,
             )
-            if loss.entropy_coef:
-                value = value - loss.entropy_coef * (entropy * mask).sum() / token_count
             # Gradients are averaged over ranks; the loss is already a global mean.
             self.sharding.backward(value * self.world_size, last_micro_batch=index == len(chunks) - 1)
             if not dummy:
                 sums.add_policy_metrics(metrics)
-                for kind, rows_of_kind in (("fresh", ~replay), ("replay", replay)):
-                    kind_mask = mask & rows_of_kind[:, None]
-                    sums.add(f"entropy_{kind}", float((entropy.detach() * kind_mask).sum()), float(kind_mask.sum()))
             # Each micro-batch's value is its share of the mini-batch loss: they sum to it.
             sums.count("loss_sum", float(value.detach()))
         lr = self.sharding.last_lr()  # the rate this step applies (the scheduler moves on in step())
@@ -230,13 +231,13 @@ class LearnerWorker:
     def tied_embedding_name(self) -> str | None:
         return self.tied_embedding
 
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def join_weight_group(self, host: str, port: int, world_size: int) -> None:
         from rayrep.sync.collective import open_group
 
         if self.rank == 0:
-            self.weight_group = open_group(host, port, world_size, 0, backend, self.device)
+            self.weight_group = open_group(host, port, world_size, 0, self.cfg.placement.collective_backend, self.device)
 
-    def broadcast_weights(self, manifest) -> float:
+    def broadcast_weights(self, manifest: WeightManifest) -> float:
         """Gather full tensors (all ranks) and broadcast them from rank 0; returns seconds spent."""
         from rayrep.sync.collective import send_buckets
 

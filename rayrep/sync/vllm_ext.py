@@ -59,11 +59,5 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=weights())
         return loaded
 
-    def rayrep_leave_weight_group(self) -> None:
-        group = getattr(self, "_rayrep_group", None)
-        if group is not None:
-            group.close()
-            self._rayrep_group = None
-
     def _rayrep_device(self) -> torch.device:
         return torch.device("cpu") if self.device_config.device_type == "cpu" else self.device

@@ -8,24 +8,30 @@ bucket by bucket and broadcasts each bucket; generators load everything in one
 
 from __future__ import annotations
 
+from __future__ import annotations
+
 import time
+from typing import TYPE_CHECKING
 
 import ray
 
 from rayrep.config import Config
 
+if TYPE_CHECKING:
+    from rayrep.generator.pool import GeneratorPool
+    from rayrep.learner.group import LearnerGroup
+
 
 class WeightSync:
-    def __init__(self, cfg: Config, learners, generators):
+    def __init__(self, cfg: Config, learners: LearnerGroup, generators: GeneratorPool):
         self.learners, self.generators = learners, generators
         self.manifest = learners.weight_manifest(int(cfg.sync.bucket_mb * 2**20))
-        backend = "nccl" if cfg.placement.device == "gpu" else "gloo"
         host, port = learners.rendezvous_address()
         world = 1 + len(generators.workers)
         # Every member's join must be in flight together: the rendezvous waits for all.
         ray.get(
-            learners.join_weight_group(host, port, world, backend)
-            + [g.join_weight_group.remote(host, port, world, rank + 1, backend) for rank, g in enumerate(generators.workers)]
+            learners.join_weight_group(host, port, world)
+            + [g.join_weight_group.remote(host, port, world, rank + 1) for rank, g in enumerate(generators.workers)]
         )
         self.version = 0
 

@@ -1,0 +1,89 @@
+"""The comparison pipeline behind `jobs/rlep.py` and `jobs/exgrpo.py`: a replay method
+against the GRPO/DAPO baseline on the same budget.
+
+1. the baseline trains from the base policy (or a finished baseline run is reused);
+2. for RLEP, the baseline's final checkpoint samples the experience pool (or a pool is given);
+3. the replay method trains from the base policy with the same budget;
+4. both runs' test accuracy curves go into a plot, a JSON file and a table: each run's
+   peak and final test pass@1, and the step at which the method first reaches the
+   baseline's peak.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Literal
+
+from rayrep.config import Config
+from rayrep.eval import evaluate_checkpoint
+from rayrep.metrics import compare_runs, comparison_table, plot_curves
+
+Method = Literal["rlep", "exgrpo"]
+LABELS = {"rlep": "RLEP", "exgrpo": "ExGRPO"}
+
+
+def checkpoint_evals(checkpoint: str, cfg: Config) -> list[dict]:
+    """The test-set eval curve of the run that wrote `checkpoint` (its `evals.json`), or, for
+    a checkpoint from elsewhere, one evaluation of it (a curve of one point)."""
+    evals_file = Path(checkpoint).resolve().parents[1] / "evals.json"
+    if evals_file.is_file():
+        return json.loads(evals_file.read_text())
+    metrics = evaluate_checkpoint(cfg, checkpoint)
+    return [{"step": cfg.run.steps, **{f"test_{k}": v for k, v in metrics.items() if "@" in k}}]
+
+
+def compare_with_baseline(
+    cfg: Config,
+    method: Method,
+    out: Path,
+    baseline_checkpoint: str | None = None,
+    pool: str | None = None,
+    log=print,
+) -> dict:
+    """Run the pipeline into `out` and return the comparison (also written to
+    `out/comparison.json`, with the plot beside it). `cfg` holds the method's settings;
+    the baseline run takes the same config with `algorithm.name = "grpo"` (and, against
+    ExGRPO, DAPO's std-normalised advantage)."""
+    from rayrep.algos.rlep import collect_pool
+    from rayrep.train import train
+
+    start = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = cfg.replace(**{"logging.out_dir": str(out)})
+    label = LABELS[method]
+    stages = 4 if method == "rlep" else 3
+    if baseline_checkpoint:
+        checkpoint, base_evals = baseline_checkpoint, checkpoint_evals(baseline_checkpoint, cfg)
+    else:
+        log(f"== 1/{stages} baseline (GRPO/DAPO) ==")
+        baseline_cfg = {"algorithm.name": "grpo", "logging.run_name": "baseline"}
+        if method == "exgrpo":  # ExGRPO's mean-only advantage is its own; the baseline keeps DAPO's
+            baseline_cfg["algorithm.std_normalize"] = True
+        baseline = train(cfg.replace(**baseline_cfg), log=log)
+        checkpoint, base_evals = baseline.final_checkpoint, baseline.evals
+
+    method_cfg = cfg.replace(**{"algorithm.name": method, "logging.run_name": method})
+    comparison: dict = {}
+    if method == "rlep":
+        if not pool:
+            log(f"== 2/{stages} experience pool from {checkpoint} ==")
+            stats = collect_pool(cfg, checkpoint, out / "pool.parquet", log=log)
+            pool = stats["pool"]
+            (out / "pool.json").write_text(json.dumps(stats, indent=2))
+        method_cfg = method_cfg.replace(**{"algorithm.rlep.pool": str(pool)})
+        comparison["pool"] = str(pool)
+
+    log(f"== {stages - 1}/{stages} {label} from the base policy ==")
+    run = train(method_cfg, log=log)
+
+    log(f"== {stages}/{stages} comparison ==")
+    comparison.update(compare_runs(base_evals, run.evals))
+    plot = plot_curves({"baseline (GRPO/DAPO)": base_evals, label: run.evals}, out / "comparison.png",
+                       title=f"{label} vs baseline, {cfg.model.path} policy")
+    comparison.update({"plot": str(plot), "minutes": round((time.monotonic() - start) / 60, 1)})
+    (out / "comparison.json").write_text(json.dumps(comparison, indent=2))
+    log(comparison_table(("baseline", label), comparison))
+    log(f"plot: {plot}\npipeline folder: {out} ({comparison['minutes']} min)")
+    return comparison

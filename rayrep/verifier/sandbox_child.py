@@ -1,0 +1,166 @@
+"""The math sandbox's child process: math-verify behind a pipe, one item at a time.
+
+Started by `rayrep.verifier.sandbox.MathSandbox` as its own interpreter:
+
+    python -m rayrep.verifier.sandbox_child FD MEMORY_LIMIT_BYTES
+
+never through multiprocessing, whose spawn re-imports the caller's main module (a script
+that scores at import time, `python -c`, code piped on stdin would all break). FD is
+this process's end of a socket pair; messages are pickled by
+`multiprocessing.connection.Connection`. Each item runs under a soft deadline (SIGALRM,
+on this process's main thread); the parent kills us when even that does not end it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections import OrderedDict
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rayrep.verifier.answers import BOXED, MAX_ANSWER_CHARS, Item
+
+
+class _SoftDeadline(BaseException):
+    """Raised by SIGALRM inside the child. A BaseException, so that the `except Exception`
+    blocks all over math-verify and sympy let it through."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _SoftDeadline()
+
+
+def _limit_address_space(limit_bytes: int) -> None:
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit_bytes = min(limit_bytes, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, hard))
+
+
+class _ChildWorker:
+    """Parses and compares inside the child; holds the cache of parsed references."""
+
+    CACHE_SIZE = 4096
+
+    def __init__(self) -> None:
+        from math_verify import parse, verify
+
+        self._parse = parse
+        self._verify = verify
+        self._references: OrderedDict[str, list] = OrderedDict()
+
+    def run(self, item: Item, soft_s: float) -> tuple[bool, str, str | None, str]:
+        """(correct, status, answer, detail) for one item, within soft_s seconds."""
+        import signal
+
+        try:
+            # We are on the child's main thread, so an interval timer works here. math-verify's
+            # own timeouts are off: they count whole seconds and would reset this timer.
+            signal.setitimer(signal.ITIMER_REAL, soft_s)
+            try:
+                return self._handle(*item)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _SoftDeadline:
+            return False, "timeout", None, f"stopped in the sandbox after {soft_s:.2f}s"
+        except MemoryError:
+            return False, "error", None, "memory limit of the sandbox reached"
+        except RecursionError:
+            return False, "error", None, "expression nested too deeply"
+        except Exception as exc:  # a bug or an exotic input: report it, keep serving
+            return False, "error", None, f"{type(exc).__name__} in math-verify"
+
+    def _handle(self, kind: str, prediction: str, reference: str) -> tuple[bool, str, str | None, str]:
+        if kind == "answer":
+            predicted = self._parse_reference(prediction)
+        else:
+            predicted = self._parse_text(prediction)
+        if not predicted:
+            return False, "no_answer", None, "math-verify found no answer"
+        if kind == "answer":
+            answer = prediction.strip()
+        else:
+            # parse() returns [expression, the text it came from]: report and vote on the text.
+            answer = next((p for p in reversed(predicted) if isinstance(p, str)), None) or str(predicted[0])
+            if len(answer) > MAX_ANSWER_CHARS:
+                return False, "error", None, f"extracted answer longer than {MAX_ANSWER_CHARS} characters"
+        if kind == "extract":
+            return False, "ok", answer, ""
+        gold = self._parse_reference(reference)
+        if not gold:
+            return False, "error", answer, "math-verify could not parse the reference"
+        return self._matches(gold, predicted), "ok", answer, ""
+
+    def _parse_text(self, text: str) -> list:
+        return self._parse(text, parsing_timeout=None, raise_on_error=True)
+
+    def _parse_reference(self, reference: str) -> list:
+        """Parse a bare answer ("1/2", "\\sqrt{8}"): math-verify only reads LaTeX inside
+        delimiters, so it is boxed first; plain parsing is the fallback."""
+        cached = self._references.get(reference)
+        if cached is not None:
+            self._references.move_to_end(reference)
+            return cached
+        parsed = self._parse_text(reference if BOXED in reference else f"{BOXED}{{{reference}}}")
+        if not parsed and BOXED not in reference:
+            parsed = self._parse_text(reference)
+        self._references[reference] = parsed
+        if len(self._references) > self.CACHE_SIZE:
+            self._references.popitem(last=False)
+        return parsed
+
+    def _matches(self, gold: list, predicted: list) -> bool:
+        for g in gold:
+            for p in predicted:
+                try:
+                    if self._verify(g, p, timeout_seconds=None, raise_on_error=True):
+                        return True
+                except (MemoryError, RecursionError):
+                    raise
+                except Exception:
+                    # math-verify's own convention: a comparison that fails is not a match.
+                    continue
+        return False
+
+
+def _sandbox_main(conn: Any, memory_limit_bytes: int | None) -> None:
+    """Entry point of the child: import, warm up, say ready, then serve batches."""
+    import signal
+
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides our fate.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        if memory_limit_bytes:
+            _limit_address_space(memory_limit_bytes)
+        for name in ("math_verify", "latex2sympy2_extended"):
+            # Its warnings ("timeout is disabled", parse failures) would flood the job's log.
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        worker = _ChildWorker()
+        # The first parse compiles regexes and loads the ANTLR grammar: pay for it before
+        # any call's clock runs. It doubles as a check of the install (an ANTLR runtime
+        # that does not match latex2sympy makes every LaTeX answer silently wrong).
+        correct, status, _, detail = worker.run(("answer", "\\frac{1}{2}", "0.5"), 30.0)
+        if not correct:
+            conn.send(("failed", f"math-verify self-check 1/2 == 0.5 failed ({status} {detail})".rstrip()))
+            return
+    except BaseException as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    try:
+        conn.send(("ready", os.getpid()))
+        while True:
+            items, soft_s = conn.recv()
+            for item in items:
+                conn.send(worker.run(item, soft_s))
+    except (EOFError, OSError):
+        return  # the parent closed the pipe or died: nobody is waiting for answers
+
+
+if __name__ == "__main__":
+    fd, memory_limit = int(sys.argv[1]), int(sys.argv[2])
+    _sandbox_main(Connection(fd), memory_limit or None)
