@@ -66,7 +66,7 @@ def _actor_memory(shard) -> tuple[int, int]:
 
 def held_memory(buffer: ReplayBuffer) -> np.ndarray:
     """(RSS, USS) of whatever holds the shards, summed over processes."""
-    if not buffer.shards:
+    if buffer.in_process:
         return np.array(memory())
     return np.sum(ray.get([shard.__ray_call__.remote(_actor_memory) for shard in buffer.shards]), axis=0)
 

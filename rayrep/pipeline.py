@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from rayrep.config import Config
+from rayrep.config import Config, InputError
 from rayrep.eval import evaluate_checkpoint
 from rayrep.metrics import compare_runs, comparison_table, plot_curves
 
@@ -47,8 +47,14 @@ def compare_with_baseline(
     the baseline run takes the same config with `algorithm.name = "grpo"` (and, against
     ExGRPO, DAPO's std-normalised advantage)."""
     from rayrep.algos.rlep import collect_pool
+    from rayrep.buffer.files import check_pool_file
     from rayrep.train import train
 
+    # What is given on the command line is checked before any stage starts.
+    if baseline_checkpoint and not (Path(baseline_checkpoint) / "config.json").is_file():
+        raise InputError(f"baseline checkpoint {baseline_checkpoint}: not a checkpoint folder (no config.json in it)")
+    if pool:
+        check_pool_file(pool)
     start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(**{"logging.out_dir": str(out)})

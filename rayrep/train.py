@@ -48,12 +48,10 @@ def timed(record: dict, phase: str) -> Iterator[None]:
 
 
 def train(cfg: Config, log=print) -> RunResult:
-    run_dir = run_dir_for(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.to_json())
     model_path = resolve_policy(cfg, log=log)
 
-    # Everything that can be wrong with the data fails here, before any actor starts.
+    # Everything that can be wrong with the data (or an experience pool) fails here,
+    # before any actor starts and before the run's folder is written.
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -63,12 +61,14 @@ def train(cfg: Config, log=print) -> RunResult:
     test_ids = encode_prompts(tokenizer, test_prompts, cfg.data.max_prompt_tokens)
     algorithm = make_algorithm(cfg, train_prompts, prompt_ids)
 
-    runtime = Runtime.start(cfg, model_path)
-    algorithm.attach(runtime.buffer, runtime.learners)
-    metrics = MetricsLog(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_project)
+    run_dir = run_dir_for(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.to_json())
     sampler = PromptSampler(train_prompts, seed=cfg.data.shuffle_seed)
     questions = cfg.algorithm.prompts_per_step
     result = RunResult(run_dir, final_checkpoint="")
+    runtime = Runtime.start(cfg, model_path)
+    metrics = MetricsLog(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_project)
 
     def evaluation(step: int) -> dict:
         start = time.perf_counter()
@@ -79,6 +79,7 @@ def train(cfg: Config, log=print) -> RunResult:
         return record
 
     try:
+        algorithm.attach(runtime.buffer, runtime.learners)
         metrics.log(evaluation(step=0))
         log(progress_line(result.evals[-1]))
         for step in range(1, cfg.run.steps + 1):

@@ -34,7 +34,7 @@ def test_rollouts_are_consistent_with_a_transformers_forward_pass(pool, tiny_pol
     assert [c.indices for c in chunks] == [range(0, 3), range(3, 6)]  # both workers used
     groups = generators.gather(chunks)
     assert [len(g) for g in groups] == counts
-    assert generators.versions() == [0, 0]
+    assert ray.get([w.policy_version.remote() for w in generators.workers]) == [0, 0]
     model = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
     for ids, group in zip(prompt_ids, groups):
         for rollout in group:

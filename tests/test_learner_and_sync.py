@@ -116,7 +116,7 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
             learners.update(batch, LossSpec())
             stats = sync.push()
             assert stats["policy_version"] == version and stats["sync_bytes"] == sync.manifest.total_bytes
-            assert generators.versions() == [version]
+            assert ray.get([w.policy_version.remote() for w in generators.workers]) == [version]
             trained = model_with(tiny_policy, full_state(learners))
             assert worst_gap(trained) < 1e-3, version
         # the weights really moved: the original weights no longer explain the samples

@@ -1,7 +1,5 @@
 """RLEP and ExGRPO on a real local Ray cluster: real learners, vLLM generators, buffer shard actors."""
 
-import json
-
 import numpy as np
 import pytest
 import torch

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -336,6 +335,12 @@ def write_pool(rows: list[dict], path: Path, source_checkpoint: str) -> Path:
     )
     _write_atomic(path, table.schema, [table])
     return Path(path)
+
+
+def check_pool_file(path: str | Path) -> None:
+    """Fail now, naming the file, unless `path` is a readable experience pool of a known
+    schema version (its rows are checked when it is read)."""
+    _open(Path(path), "experience-pool", POOL_VERSION)
 
 
 def read_pool(path: str | Path) -> dict[str, tuple[np.ndarray, list[Answer]]]:

@@ -66,14 +66,14 @@ def sample(
         for count in counts
     ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
-    groups = []
+    per_prompt = []
     for ids, output in zip(prompt_ids, outputs):
-        group = []
+        rollouts = []
         for completion in output.outputs:
             response = list(completion.token_ids)
             # logprobs=0 returns exactly the sampled token's log-prob at each position.
             logprobs = [step[token].logprob for step, token in zip(completion.logprobs, response)]
-            group.append(
+            rollouts.append(
                 Rollout(
                     prompt_ids=list(ids),
                     response_ids=response,
@@ -83,5 +83,5 @@ def sample(
                     version=version,
                 )
             )
-        groups.append(group)
-    return groups
+        per_prompt.append(rollouts)
+    return per_prompt

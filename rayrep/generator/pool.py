@@ -68,6 +68,3 @@ class GeneratorPool:
     def gather(pending: list[PendingRollouts]) -> list[list[Rollout]]:
         """Every prompt's rollouts, in prompt order (waits for the workers)."""
         return [rollouts for part in ray.get([p.ref for p in pending]) for rollouts in part]
-
-    def versions(self) -> list[int]:
-        return ray.get([worker.policy_version.remote() for worker in self.workers])

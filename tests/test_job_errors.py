@@ -1,0 +1,56 @@
+"""Bad input stops a job before anything starts, with one line naming the file, row, field
+or value, exit status 2, and nothing written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_job(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args, "--logging.out_dir", str(cwd / "runs")],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, expected: str) -> None:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].endswith(expected), done.stderr
+
+
+def test_a_bad_row_of_a_prompt_file_is_named_in_one_line(tmp_path, tiny_policy):
+    rows = [{"prompt": "1+1?", "reward_model": {"ground_truth": "2"}}, {"prompt": "2+2?", "reward_model": {}}]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    done = run_job("grpo.py", "--data.train_files", str(data), cwd=tmp_path)
+    assert_one_line_error(done, f"grpo.py: {data}, row 2: field 'reward_model.ground_truth' is missing")
+    assert not (tmp_path / "runs").exists()  # no run folder, nothing half-written
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--config", "my.jsonl"), "config file my.jsonl: not a TOML file (a config file ends in .toml)"),
+        (("--config", "missing.toml"), "config file missing.toml does not exist"),
+        (("--preset", "huge-gpu"), "known presets: qwen2.5-math-7b-exgrpo, qwen2.5-math-7b-rlep, tiny-cpu"),
+    ],
+)
+def test_config_file_errors_say_what_is_wrong_with_the_file(tmp_path, args, expected):
+    (tmp_path / "my.jsonl").write_text('{"prompt": "1+1?"}\n')
+    done = run_job("rlep.py", *args, cwd=tmp_path)
+    assert_one_line_error(done, expected)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_pipeline_inputs_are_checked_before_any_stage(tmp_path, tiny_policy):
+    pool = tmp_path / "nowhere.parquet"
+    done = run_job("rlep.py", "--baseline-checkpoint", tiny_policy, "--pool", str(pool), cwd=tmp_path)
+    assert_one_line_error(done, f"rlep.py: {pool}: no such file")
+    done = run_job("exgrpo.py", "--baseline-checkpoint", str(tmp_path), cwd=tmp_path)
+    assert_one_line_error(done, f"baseline checkpoint {tmp_path}: not a checkpoint folder (no config.json in it)")
+    assert not (tmp_path / "runs").exists()
