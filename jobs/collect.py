@@ -27,11 +27,14 @@ def main(argv: list[str]) -> dict:
 
         from rayrep.buffer.files import import_text_pool
 
-        path, count = import_text_pool(args.import_text, AutoTokenizer.from_pretrained(args.checkpoint), args.out,
-                                       max_response_tokens=cfg.generator.max_response_tokens)
-        print(f"imported {count} candidate answers into {path}. Text carries no behaviour log-probs: "
-              f"replay recomputes them (algorithm.rlep.old_logprobs = 'recompute').")
-        return {"pool": str(path), "successes": count}
+        imported = import_text_pool(args.import_text, AutoTokenizer.from_pretrained(args.checkpoint), args.out,
+                                    max_response_tokens=cfg.generator.max_response_tokens)
+        print(f"imported {imported.candidates} candidate answers of {imported.questions - imported.questions_without} "
+              f"questions into {imported.path}; {imported.questions_without} of the {imported.questions} questions had "
+              f"none (null or empty candidates) and are left out. Text carries no behaviour log-probs: replay "
+              f"recomputes them (algorithm.rlep.old_logprobs = 'recompute').")
+        return {"pool": str(imported.path), "successes": imported.candidates, "questions": imported.questions,
+                "questions_without_candidates": imported.questions_without}
     stats = collect_pool(cfg, args.checkpoint, args.out)
     print(json.dumps(stats, indent=2))
     return stats

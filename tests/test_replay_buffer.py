@@ -731,8 +731,9 @@ def test_import_text_pool_tokenizes_candidates_with_eos_and_nan_logprobs(tmp_pat
     tokenizer = build_char_tokenizer()
     candidates = [["2", "so it is 2"], ["The answer is 4.", "4", "ünï"]]
     write_dapo_rows(tmp_path / "dapo.parquet", candidates)
-    path, count = import_text_pool(tmp_path / "dapo.parquet", tokenizer, tmp_path / "pool.parquet")
-    assert count == 5
+    imported = import_text_pool(tmp_path / "dapo.parquet", tokenizer, tmp_path / "pool.parquet")
+    assert (imported.candidates, imported.questions, imported.questions_without) == (5, 2, 0)
+    path = imported.path
     pool = read_pool(path)
     assert list(pool) == ["dapo-0", "dapo-1"]
     for i, uid in enumerate(pool):
@@ -751,19 +752,30 @@ def test_import_text_pool_tokenizes_candidates_with_eos_and_nan_logprobs(tmp_pat
     table = pq.read_table(path)
     assert table.column("text").to_pylist() == [c for row in candidates for c in row]
     assert table.column("source_checkpoint").to_pylist()[0] == "imported:dapo.parquet"
-    _, short = import_text_pool(tmp_path / "dapo.parquet", tokenizer, tmp_path / "short.parquet", max_response_tokens=3)
+    short = import_text_pool(tmp_path / "dapo.parquet", tokenizer, tmp_path / "short.parquet", max_response_tokens=3)
     lengths = [len(a.response_ids) for _, answers in read_pool(tmp_path / "short.parquet").values() for a in answers]
-    assert short == 5 and lengths == [2, 3, 3, 2, 3]
+    assert short.candidates == 5 and lengths == [2, 3, 3, 2, 3]
+
+
+def test_import_text_pool_takes_null_candidates_as_no_successes(tmp_path):
+    """Rows in the released pool's shape: DAPO-Math rows whose `reward_model.candidates` is a
+    list of strings, or null for a question without successes."""
+    from rayrep.models.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    write_dapo_rows(tmp_path / "released.parquet", [["1"], None, ["3", "three"], []])
+    imported = import_text_pool(tmp_path / "released.parquet", tokenizer, tmp_path / "pool.parquet")
+    assert (imported.candidates, imported.questions, imported.questions_without) == (3, 4, 2)
+    assert list(read_pool(imported.path)) == ["dapo-0", "dapo-2"]
+    write_dapo_rows(tmp_path / "empty.parquet", [None, []])
+    with pytest.raises(PromptFileError, match="empty.parquet: none of its 2 questions has a candidate answer"):
+        import_text_pool(tmp_path / "empty.parquet", tokenizer, tmp_path / "out.parquet")
 
 
 def test_import_text_pool_rejects_rows_without_string_candidates(tmp_path):
     from rayrep.models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    write_dapo_rows(tmp_path / "missing.parquet", [["1"], None, ["3"]])
-    message = r"missing.parquet, row 2: field 'reward_model.candidates' must be a list of strings"
-    with pytest.raises(PromptFileError, match=message):
-        import_text_pool(tmp_path / "missing.parquet", tokenizer, tmp_path / "out.parquet")
     write_dapo_rows(tmp_path / "numbers.parquet", [[1, 2]], candidate_type=pa.list_(pa.int64()))
     with pytest.raises(PromptFileError, match=r"numbers.parquet, row 1: field 'reward_model.candidates'"):
         import_text_pool(tmp_path / "numbers.parquet", tokenizer, tmp_path / "out.parquet")

@@ -8,6 +8,7 @@ carries a schema version in its metadata; a reader refuses a version it does not
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import math
 import os
 import tempfile
@@ -358,25 +359,45 @@ def read_pool(path: str | Path) -> dict[str, tuple[np.ndarray, list[Answer]]]:
     return pool
 
 
-def import_text_pool(path: str | Path, tokenizer, out_path: str | Path, reward: float = 1.0, max_response_tokens: int | None = None) -> tuple[Path, int]:
+@dataclass(frozen=True)
+class ImportedPool:
+    """What `import_text_pool` wrote."""
+
+    path: Path
+    candidates: int
+    """Candidate answers stored."""
+    questions: int
+    """Rows (questions) in the imported file."""
+    questions_without: int
+    """Rows whose `reward_model.candidates` is null or empty: no successes to replay."""
+
+
+def import_text_pool(path: str | Path, tokenizer, out_path: str | Path, reward: float = 1.0,
+                     max_response_tokens: int | None = None) -> ImportedPool:
     """Convert a public RLEP pool (verl/DAPO rows with `reward_model.candidates`, text only)
     into a rayrep pool by tokenizing: the prompt with the chat template, each candidate as
     the policy would have emitted it (text then end-of-sequence).
 
-    Text carries no behaviour log-probs: they are stored as NaN, and replay must recompute
-    them (`algorithm.rlep.old_logprobs = "recompute"`, the default). Returns the written
-    path and the number of candidates.
+    As in the RLEP code's reader, a null `candidates` means the question has no successes:
+    it is left out of the pool (and counted). Text carries no behaviour log-probs: they are
+    stored as NaN, and replay must recompute them (`algorithm.rlep.old_logprobs =
+    "recompute"`, the default).
     """
     from rayrep.data import encode_prompts
     from rayrep.data.loaders import PromptFileError, load_prompts
 
     prompts = load_prompts(path)
-    rows = []
+    rows, without = [], 0
     prompt_ids = encode_prompts(tokenizer, prompts, max_tokens=10**9)
     for number, (prompt, ids) in enumerate(zip(prompts, prompt_ids), start=1):
+        # The loader drops null keys of `reward_model`: a null list arrives as a missing key.
         candidates = (prompt.extra.get("reward_model") or {}).get("candidates")
+        if candidates is None:
+            candidates = []
         if not isinstance(candidates, list) or not all(isinstance(c, str) for c in candidates):
-            raise PromptFileError(f"{path}, row {number}: field 'reward_model.candidates' must be a list of strings")
+            raise PromptFileError(f"{path}, row {number}: field 'reward_model.candidates' must be a list of strings "
+                                  f"or null, got {type(candidates).__name__}")
+        without += not candidates
         for text in candidates:
             response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             if max_response_tokens:
@@ -386,4 +407,7 @@ def import_text_pool(path: str | Path, tokenizer, out_path: str | Path, reward: 
                 "data_source": prompt.data_source, "prompt_ids": ids, "response_ids": response,
                 "logprobs": [math.nan] * len(response), "text": text, "reward": reward, "version": 0,
             })
-    return write_pool(rows, Path(out_path), source_checkpoint=f"imported:{Path(path).name}"), len(rows)
+    if not rows:
+        raise PromptFileError(f"{path}: none of its {len(prompts)} questions has a candidate answer")
+    written = write_pool(rows, Path(out_path), source_checkpoint=f"imported:{Path(path).name}")
+    return ImportedPool(written, len(rows), len(prompts), without)
