@@ -55,7 +55,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     path: str = option("tiny", "Hugging Face checkpoint directory of the base policy; 'tiny': the embedded tiny policy")
-    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "parameter dtype for rollouts and training")
+    dtype: Literal["float32", "bfloat16"] = option("float32", "compute dtype of rollouts and training; the learner keeps fp32 master weights and optimizer state")
     cache_dir: str = option("", "where the embedded tiny policy is built and cached; empty: $RAYREP_CACHE_DIR or ~/.cache/rayrep")
     tiny_hidden_size: int = option(128, "hidden size of the embedded tiny policy", min=32)
     tiny_layers: int = option(4, "transformer layers of the embedded tiny policy", min=1)
@@ -138,8 +138,8 @@ class LearnerConfig:
     num_workers: int = option(1, "learner actors forming one data-parallel group", min=1)
     strategy: Literal["fsdp2", "deepspeed"] = option("fsdp2", "sharding: torch FSDP2, or DeepSpeed ZeRO-2")
     lr: float = option(1e-6, "peak learning rate", min=0.0)
-    lr_schedule: Literal["constant", "cosine"] = option("constant", "after warm-up: constant or cosine decay to 0")
-    warmup_steps: int = option(10, "optimizer steps of linear warm-up", min=0)
+    lr_schedule: Literal["constant", "cosine"] = option("constant", "after warm-up: constant, or cosine decay to 0 at run.steps")
+    warmup_steps: int = option(10, "rollout steps of linear learning-rate warm-up (the scheduler counts rollouts, as the RLEP code does)", min=0)
     weight_decay: float = option(0.1, "AdamW weight decay", min=0.0)
     grad_clip: float = option(1.0, "max global grad norm (0 disables)", min=0.0)
     skip_grad_norm_above: float = option(0.0, "skip an optimizer step whose grad norm exceeds this (0 disables; ExGRPO: 500)", min=0.0)

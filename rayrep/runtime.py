@@ -38,11 +38,6 @@ def connect_ray(plan: Plan) -> bool:
     return True
 
 
-def optimizer_steps_per_rollout(cfg: Config) -> int:
-    """Mini-batches are whole questions, so this depends on questions, never on answers per question."""
-    return math.ceil(cfg.algorithm.prompts_per_step / cfg.learner.mini_batch_prompts) * cfg.learner.epochs
-
-
 @dataclass
 class Runtime:
     placement: Placement
@@ -64,7 +59,7 @@ class Runtime:
         verifiers = VerifierPool.create(cfg, placement)
         learners = sync = buffer = None
         if train:
-            learners = LearnerGroup(cfg, model_path, placement, cfg.run.steps * optimizer_steps_per_rollout(cfg))
+            learners = LearnerGroup(cfg, model_path, placement)
             sync = WeightSync(cfg, learners, generators)
             if cfg.algorithm.uses_replay:
                 replay = cfg.replay

@@ -24,7 +24,7 @@ def as_ref(value: object) -> ray.ObjectRef:
 
 
 class LearnerGroup:
-    def __init__(self, cfg: Config, model_path: str, placement: Placement, total_optimizer_steps: int):
+    def __init__(self, cfg: Config, model_path: str, placement: Placement):
         count = cfg.learner.num_workers
         threads = placement.plan.threads["learner"]
         self.workers = [
@@ -32,7 +32,7 @@ class LearnerGroup:
             for rank in range(count)
         ]
         master_addr, master_port = ray.get(self.workers[0].address.remote())
-        ray.get([w.setup.remote(model_path, master_addr, master_port, total_optimizer_steps) for w in self.workers])
+        ray.get([w.setup.remote(model_path, master_addr, master_port) for w in self.workers])
         self.base_model_path = model_path
 
     def mean_entropies(self, answers: list[ray.ObjectRef | PackedAnswers]) -> list[torch.Tensor]:

@@ -21,12 +21,19 @@ from rayrep.config import Config
 
 
 class Sharding(Protocol):
-    """What a learner rank needs of a sharding strategy; the worker's loop is written once against it."""
+    """What a learner rank needs of a sharding strategy; the worker's loop is written once against it.
+
+    Parameters and optimizer state are fp32 (the master weights); forward and backward
+    run in `model.dtype` (bf16 on the paper presets), gradients are reduced in fp32.
+    """
 
     model: torch.nn.Module
     """The module to call (and `.train()` / `.eval()`): the sharded model or its engine."""
     module: torch.nn.Module
     """The Hugging Face model inside, for parameter names and global shapes."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    """Counts rollout steps (the worker steps it once per `update`), not optimizer steps."""
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         """Accumulate the gradient of `loss`; reduce across ranks on a mini-batch's last micro-batch."""
@@ -34,25 +41,25 @@ class Sharding(Protocol):
     def step(self) -> tuple[float, bool]:
         """Clip and apply the accumulated gradient: (global grad norm, whether the step was applied)."""
 
-    def last_lr(self) -> float:
-        """The learning rate the next `step` applies."""
-
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of every parameter; every rank must iterate together."""
+        """(name, full fp32 master tensor) of every parameter; every rank must iterate together."""
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Config, total_optimizer_steps: int):
-    """AdamW with linear warm-up, then a constant or cosine learning rate."""
+def make_optimizer(model: torch.nn.Module, cfg: Config):
+    """AdamW over the fp32 parameters, and its learning-rate schedule in ROLLOUT steps: linear
+    warm-up, then constant or cosine decay to 0 at `run.steps`. The RLEP code (a verl fork)
+    steps its scheduler once per rollout, so the paper's 10 warm-up steps are 10 rollouts,
+    however many optimizer steps each rollout takes."""
     learner = cfg.learner
     optimizer = torch.optim.AdamW(model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda=lambda step: lr_factor(step, learner.warmup_steps, total_optimizer_steps, learner.lr_schedule)
+        optimizer, lr_lambda=lambda rollout: lr_factor(rollout, learner.warmup_steps, cfg.run.steps, learner.lr_schedule)
     )
     return optimizer, scheduler
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Linear warm-up over `warmup` optimizer steps, then constant or cosine decay to 0 at `total`."""
+    """Linear warm-up over `warmup` rollout steps, then constant or cosine decay to 0 at `total`."""
     if warmup and step < warmup:
         return (step + 1) / warmup
     if schedule == "cosine":
@@ -61,19 +68,29 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 1.0
 
 
-class FSDP2Sharding:
-    """Parameters, gradients and optimizer state sharded with `fully_shard` (per layer and root)."""
+def compute_dtype(cfg: Config) -> torch.dtype:
+    return getattr(torch, cfg.model.dtype)
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device, total_optimizer_steps: int):
+
+class FSDP2Sharding:
+    """Parameters, gradients and optimizer state sharded with `fully_shard` (per layer and root).
+
+    Mixed precision: the sharded parameters stay fp32 (so are AdamW's moments); each
+    all-gather casts them to the compute dtype for forward and backward, and gradients are
+    reduce-scattered in fp32. At lr 1e-6 a bf16 parameter would round most updates away.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (world_size,))
+        precision = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=precision)
+        fully_shard(model, mesh=mesh, mp_policy=precision)
         self.model = self.module = model
-        self.optimizer, self.scheduler = make_optimizer(model, cfg, total_optimizer_steps)
+        self.optimizer, self.scheduler = make_optimizer(model, cfg)
         self.grad_clip = cfg.learner.grad_clip
         self.skip_above = cfg.learner.skip_grad_norm_above
 
@@ -88,12 +105,8 @@ class FSDP2Sharding:
         stepped = math.isfinite(grad_norm) and not (self.skip_above and grad_norm > self.skip_above)
         if stepped:
             self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, stepped
-
-    def last_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
@@ -107,25 +120,27 @@ class DeepSpeedSharding:
     The worker has already joined the process group, so DeepSpeed reuses it. Our own
     scheduler drives the learning rate (the same schedule as FSDP2), and each mini-batch's
     micro-batches accumulate with `scale_wrt_gas=False`: the loss is already normalised.
-    A step whose gradient norm is not finite is skipped by DeepSpeed itself.
+    A step whose gradient norm is not finite is skipped by DeepSpeed itself. With a bf16
+    compute dtype, DeepSpeed's bf16 mode keeps fp32 master weights in the optimizer's
+    partitions and bf16 copies in the module.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device, total_optimizer_steps: int):
+    def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device):
         # Ray gives each learner actor its own device, so the local rank is always 0; the
         # accelerator follows the configured device, not whatever DeepSpeed detects.
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ["DS_ACCELERATOR"] = "cuda" if device.type == "cuda" else "cpu"
         import deepspeed
 
-        optimizer, self.scheduler = make_optimizer(model, cfg, total_optimizer_steps)
+        optimizer, self.scheduler = make_optimizer(model, cfg)
+        self.bf16 = cfg.model.dtype == "bfloat16"
         config = {
             "train_micro_batch_size_per_gpu": 1,  # unused: the worker forms its own micro-batches
             "gradient_accumulation_steps": 1,  # the worker marks accumulation boundaries itself
             "gradient_clipping": cfg.learner.grad_clip,
             "zero_optimization": {"stage": 2},
             "zero_allow_untested_optimizer": True,  # torch AdamW
-            "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
-            "fp16": {"enabled": cfg.model.dtype == "float16"},
+            "bf16": {"enabled": self.bf16},
             "steps_per_print": 2**62,
         }
         self.model, self.optimizer, _, _ = deepspeed.initialize(
@@ -142,19 +157,16 @@ class DeepSpeedSharding:
         # Computed on every step (we never turn `compute_grad_norm` off); inf when DeepSpeed
         # found a non-finite gradient and skipped the step.
         grad_norm = float(self.model.get_global_grad_norm())
-        self.scheduler.step()
         return grad_norm, math.isfinite(grad_norm)
 
-    def last_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
         for name, param in self.module.named_parameters():
-            yield name, param.detach()
+            # The fp32 master (gathered from the optimizer's partitions), not the bf16 copy.
+            yield name, (safe_get_full_fp32_param(param) if self.bf16 else param).detach()
 
 
-def make_sharding(
-    strategy: str, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device, total_optimizer_steps: int
-) -> Sharding:
+def make_sharding(strategy: str, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device) -> Sharding:
     kinds: dict[str, type[Sharding]] = {"fsdp2": FSDP2Sharding, "deepspeed": DeepSpeedSharding}
-    return kinds[strategy](model, cfg, world_size, device, total_optimizer_steps)
+    return kinds[strategy](model, cfg, world_size, device)

@@ -69,8 +69,12 @@ class LearnerWorker:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, model_path: str, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
-        """Join the data-parallel group, load and shard the policy, build the optimizer."""
+    def setup(self, model_path: str, master_addr: str, master_port: int) -> None:
+        """Join the data-parallel group, load and shard the policy, build the optimizer.
+
+        The weights load in fp32 whatever `model.dtype` is: they are the master weights that
+        the optimizer updates; the sharding computes in `model.dtype` (mixed precision).
+        """
         from transformers import AutoModelForCausalLM
 
         from rayrep.learner.sharding import make_sharding
@@ -83,11 +87,10 @@ class LearnerWorker:
             world_size=world_size,
             timeout=timedelta(minutes=30),
         )
-        dtype = getattr(torch, cfg.model.dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         model.config.use_cache = False
         self.tied_embedding = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
-        self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device, total_optimizer_steps)
+        self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device)
         self.sharding.model.train()
 
     # ------------------------------------------------------------------ forward passes
@@ -180,9 +183,11 @@ class LearnerWorker:
             single_pass_old = True
         if self.rank == 0:
             sums.count("time_old_logprobs", time.perf_counter() - start)
+            sums.add("lr", self.sharding.scheduler.get_last_lr()[0], 1.0)  # the rate of every step of this rollout
         for _ in range(learner.epochs):
             for prompts in steps:
                 self._step(batch, prompts, old_logprobs, single_pass_old, loss, sums)
+        self.sharding.scheduler.step()  # the schedule counts rollouts, not optimizer steps
         return sums.state()
 
     def _step(self, batch, prompts: range, old_logprobs, single_pass_old: bool, loss: LossSpec, sums: MetricSums) -> None:
@@ -211,22 +216,19 @@ class LearnerWorker:
                 sums.add_policy_metrics(metrics)
             # Each micro-batch's value is its share of the mini-batch loss: they sum to it.
             sums.count("loss_sum", float(value.detach()))
-        lr = self.sharding.last_lr()  # the rate this step applies (the scheduler moves on in step())
         grad_norm, stepped = self.sharding.step()
         if self.rank == 0:  # the same on every rank: count it once
             sums.count("optimizer_steps")
             sums.count("skipped_steps", 0.0 if stepped else 1.0)
             sums.add("grad_norm", grad_norm, 1.0)
             sums.extreme("grad_norm_max", grad_norm)
-            sums.add("lr", lr, 1.0)
 
     # ------------------------------------------------------------------ weights out
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
-        return [
-            (name, tuple(param.shape), str(param.dtype).removeprefix("torch."))
-            for name, param in self.sharding.module.named_parameters()
-        ]
+        """(name, global shape, dtype) of what a sync sends: the compute dtype (bf16 on the
+        paper presets), which the generators run in; the fp32 masters stay here."""
+        return [(name, tuple(param.shape), self.cfg.model.dtype) for name, param in self.sharding.module.named_parameters()]
 
     def tied_embedding_name(self) -> str | None:
         return self.tied_embedding
@@ -252,16 +254,17 @@ class LearnerWorker:
                     pass
         return time.perf_counter() - start
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full state dict on CPU at rank 0 (None elsewhere); every rank must call it."""
-        state = {name: tensor.cpu().clone() for name, tensor in self.sharding.full_tensors()}
+    def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor] | None:
+        """The full weights on CPU at rank 0 (None elsewhere), the fp32 masters unless `dtype`
+        says otherwise; every rank must call it."""
+        state = {name: tensor.to("cpu", dtype, copy=True) for name, tensor in self.sharding.full_tensors()}
         return state if self.rank == 0 else None
 
     def save(self, path: str, base_model_path: str) -> str | None:
-        """Save a Hugging Face checkpoint directory (rank 0 writes; every rank must call)."""
+        """Save a Hugging Face checkpoint directory in `model.dtype` (rank 0 writes; every rank must call)."""
         from rayrep.models.checkpoint import save_checkpoint
 
-        state = self.full_state_dict()
+        state = self.full_state_dict(getattr(torch, self.cfg.model.dtype))
         if self.rank == 0:
             return save_checkpoint(state, base_model_path, path)
         return None
