@@ -47,9 +47,9 @@ class DataConfig:
     arithmetic_levels: tuple[str, ...] = option(("add2", "sub2", "mix3"), "difficulty levels of the embedded arithmetic task")
     arithmetic_train_size: int = option(20000, "train questions of the embedded task", min=1)
     arithmetic_test_size: int = option(500, "test questions of the embedded task", min=1)
-    arithmetic_seed: int = option(0, "seed of the embedded task's splits")
+    arithmetic_seed: int = option(0, "seed of the embedded task's splits (defines the task itself, not a run: left out of run.seed)")
     max_prompt_tokens: int = option(1024, "prompts longer than this are rejected when the prompt set is loaded", min=1)
-    shuffle_seed: int = option(0, "seed of the order in which training questions are visited")
+    shuffle_seed: int = option(-1, "seed of the order in which training questions are visited; -1: derived from run.seed", min=-1)
 
 
 @dataclass
@@ -76,7 +76,7 @@ class GeneratorConfig:
     gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take (GPU only)", min=0.05, max=1.0)
     cpu_kv_cache_gib: float = option(1.0, "KV-cache size of a CPU vLLM engine in GiB (CPU only)", min=0.1)
     enforce_eager: bool = option(True, "run vLLM without CUDA graphs / compilation (fast start, needed on CPU)")
-    seed: int = option(0, "base seed of the generators' sampling")
+    seed: int = option(-1, "base seed of the generators' sampling (worker i uses seed + i); -1: derived from run.seed", min=-1)
 
 
 @dataclass
@@ -185,7 +185,7 @@ class RunConfig:
     steps: int = option(400, "rollout steps", min=0)
     eval_every: int = option(20, "evaluate on the test set every this-many steps (0: only at the start and end)", min=0)
     save_every: int = option(0, "save a checkpoint every this-many steps (0: only at the end)", min=0)
-    seed: int = option(0, "global seed")
+    seed: int = option(0, "the run's seed: every other seed (data order, sampling, replay draws, learner init) derives from it unless set explicitly", min=0)
 
 
 @dataclass
@@ -205,6 +205,14 @@ class Config:
     def __post_init__(self):
         validate(self)
 
+    def seed(self, role: Literal["generator", "data"], index: int = 0) -> int:
+        """The seed of one consumer: its explicit field when set (>= 0; plus `index`), else
+        derived from `run.seed`, so that one number changes or repeats a whole run."""
+        explicit = {"generator": self.generator.seed, "data": self.data.shuffle_seed}[role]
+        if explicit >= 0:
+            return explicit + index
+        return derive_seed(self.run.seed, role, index)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -217,6 +225,15 @@ class Config:
         for key, value in dotted.items():
             _set_dotted(data, key, value)
         return from_dict(data)
+
+
+def derive_seed(run_seed: int, role: str, index: int = 0) -> int:
+    """A 31-bit seed for (`role`, `index`) of the run seeded `run_seed`: stable across
+    machines and Python versions, unrelated between roles and indices."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{run_seed}/{role}/{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
 # ---------------------------------------------------------------- building and checking

@@ -64,7 +64,7 @@ def train(cfg: Config, log=print) -> RunResult:
     run_dir = run_dir_for(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
-    sampler = PromptSampler(train_prompts, seed=cfg.data.shuffle_seed)
+    sampler = PromptSampler(train_prompts, seed=cfg.seed("data"))
     questions = cfg.algorithm.prompts_per_step
     result = RunResult(run_dir, final_checkpoint="")
     runtime = Runtime.start(cfg, model_path)

@@ -99,7 +99,7 @@ def questions_to_collect(cfg: Config, prompts: list[Prompt]) -> list[Prompt]:
     limit = cfg.algorithm.rlep.collect_questions
     if not limit or limit >= len(prompts):
         return list(prompts)
-    sampler = PromptSampler(prompts, seed=cfg.data.shuffle_seed)
+    sampler = PromptSampler(prompts, seed=cfg.seed("data"))
     seen, ordered = set(), []
     while len(ordered) < limit:
         for prompt in sampler.next(cfg.algorithm.prompts_per_step):

@@ -22,7 +22,8 @@ def configure_vllm_env(cfg: Config) -> None:
 
 
 def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_extension_cls: str | None = None):
-    """A vLLM `LLM` for the policy at `model_path`, sized by the generator config."""
+    """A vLLM `LLM` for the policy at `model_path`, sized by the generator config; `seed`: of
+    its sampling (the config's generator seed, worker 0's, by default)."""
     configure_vllm_env(cfg)
     from vllm import LLM
 
@@ -31,7 +32,7 @@ def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_ex
         model=model_path,
         dtype=cfg.model.dtype,
         enforce_eager=gen.enforce_eager,
-        seed=gen.seed if seed is None else seed,
+        seed=cfg.seed("generator") if seed is None else seed,
         max_model_len=cfg.data.max_prompt_tokens + gen.max_response_tokens,
         # Per-token log-probs of the sampling distribution (after temperature / top-p): the
         # behaviour policy that importance ratios are taken against.

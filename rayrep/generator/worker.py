@@ -25,7 +25,7 @@ class GeneratorWorker:
         self.llm = make_engine(
             cfg,
             model_path,
-            seed=cfg.generator.seed + worker_index,
+            seed=cfg.seed("generator", worker_index),
             worker_extension_cls="rayrep.sync.vllm_ext.WeightSyncExtension",
         )
 
