@@ -4,8 +4,9 @@
     python jobs/exgrpo.py --baseline-checkpoint runs/p/baseline/checkpoints/final   # reuse a baseline run
 
 ExGRPO's advantage is the group mean subtracted with no std scaling; this job sets
-`algorithm.std_normalize = false` for the ExGRPO run unless the command line says
-otherwise explicitly (the baseline keeps its std-normalised advantage).
+`algorithm.std_normalize = false` unless the command line says otherwise explicitly, for
+both runs: the baseline is the paper's on-policy one (the same advantage, loss and
+schedule), so that the comparison isolates replay.
 """
 
 import time

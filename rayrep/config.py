@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rayrep.types import Aggregation
+from rayrep.types import TOKEN_SUM_AGGREGATIONS, Aggregation
 
 DEFAULT_PRESET = "tiny-cpu"
 
@@ -56,6 +56,8 @@ class DataConfig:
 class ModelConfig:
     path: str = option("tiny", "Hugging Face checkpoint directory of the base policy; 'tiny': the embedded tiny policy")
     dtype: Literal["float32", "bfloat16"] = option("float32", "compute dtype of rollouts and training; the learner keeps fp32 master weights and optimizer state")
+    rope_theta: float = option(0.0, "override the checkpoint's RoPE base (ExGRPO: 40000, with a longer context); 0: keep it", min=0.0)
+    max_position_embeddings: int = option(0, "override the checkpoint's positions (ExGRPO: 16384); 0: keep it", min=0)
     cache_dir: str = option("", "where the embedded tiny policy is built and cached; empty: $RAYREP_CACHE_DIR or ~/.cache/rayrep")
     tiny_hidden_size: int = option(128, "hidden size of the embedded tiny policy", min=32)
     tiny_layers: int = option(4, "transformer layers of the embedded tiny policy", min=1)
@@ -92,7 +94,7 @@ class VerifierConfig:
 class ReplayConfig:
     num_shards: int = option(2, "replay buffer shard actors; questions are routed by a stable hash of their id (0: in-process)", min=0)
     cpus_per_shard: float = option(0.5, "CPUs each shard's bundle reserves (shards hold memory and answer a few calls per step)", min=0.01)
-    max_answers_per_question: int = option(64, "cap on stored answers per question; the oldest is evicted", min=1)
+    max_answers_per_question: int = option(0, "cap on stored answers per question, the oldest evicted beyond it; 0: no cap (the ExGRPO code keeps them all)", min=0)
 
 
 @dataclass
@@ -144,13 +146,13 @@ class LearnerConfig:
     grad_clip: float = option(1.0, "max global grad norm (0 disables)", min=0.0)
     skip_grad_norm_above: float = option(0.0, "skip an optimizer step whose grad norm exceeds this (0 disables; ExGRPO: 500)", min=0.0)
     mini_batch_prompts: int = option(64, "questions per optimizer step; all their answers (G + M) go in", min=1)
-    micro_batch_size: int = option(16, "sequences per forward/backward pass (gradient accumulation)", min=1)
+    micro_batch_size: int = option(16, "sequences per forward/backward pass (gradient accumulation); with loss_agg seq-mean-token-sum-norm it also sets the loss scale, as in verl", min=1)
     epochs: int = option(1, "passes over each rollout batch", min=1)
     clip_low: float = option(0.2, "PPO clip range below 1 (1 - eps_low)", min=0.0, max=0.999)
     clip_high: float = option(0.28, "PPO clip range above 1 (clip-higher, 1 + eps_high)", min=0.0)
     dual_clip: float = option(10.0, "dual-clip bound c for negative advantages (0 disables)", min=0.0)
     loss_agg: Aggregation = option("token-mean", "how per-token losses are aggregated")
-    loss_norm_constant: float = option(0.0, "normaliser of seq-mean-token-sum (Dr.GRPO: max response length; ExGRPO: 8192)", min=0.0)
+    loss_norm_constant: float = option(0.0, "divisor of token sums in the seq-mean-token-sum(-norm) aggregations (Dr.GRPO: max response length; ExGRPO: 8192)", min=0.0)
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ExGRPO: 0.001)", min=0.0)
 
 
@@ -368,8 +370,8 @@ def validate(cfg: Config) -> None:
             f"learner.num_workers={learner.num_workers} must divide "
             f"learner.mini_batch_prompts={learner.mini_batch_prompts} (each rank takes whole groups)"
         )
-    if learner.loss_agg == "seq-mean-token-sum" and learner.loss_norm_constant <= 0:
-        raise ConfigError("learner.loss_norm_constant must be > 0 when learner.loss_agg is 'seq-mean-token-sum'")
+    if learner.loss_agg in TOKEN_SUM_AGGREGATIONS and learner.loss_norm_constant <= 0:
+        raise ConfigError(f"learner.loss_norm_constant must be > 0 when learner.loss_agg is {learner.loss_agg!r}")
     if learner.strategy == "deepspeed" and learner.skip_grad_norm_above:
         raise ConfigError(
             f"learner.skip_grad_norm_above={learner.skip_grad_norm_above} is not supported with "

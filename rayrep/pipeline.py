@@ -44,8 +44,9 @@ def compare_with_baseline(
 ) -> dict:
     """Run the pipeline into `out` and return the comparison (also written to
     `out/comparison.json`, with the plot beside it). `cfg` holds the method's settings;
-    the baseline run takes the same config with `algorithm.name = "grpo"` (and, against
-    ExGRPO, DAPO's std-normalised advantage)."""
+    the baseline run takes the same config with `algorithm.name = "grpo"`: the same
+    advantage, loss and schedule, so the comparison isolates replay (against ExGRPO, the
+    paper's on-policy baseline with its Dr.GRPO advantage)."""
     from rayrep.algos.rlep import collect_pool
     from rayrep.buffer.files import check_pool_file
     from rayrep.train import train
@@ -64,10 +65,7 @@ def compare_with_baseline(
         checkpoint, base_evals = baseline_checkpoint, checkpoint_evals(baseline_checkpoint, cfg)
     else:
         log(f"== 1/{stages} baseline (GRPO/DAPO) ==")
-        baseline_cfg = {"algorithm.name": "grpo", "logging.run_name": "baseline"}
-        if method == "exgrpo":  # ExGRPO's mean-only advantage is its own; the baseline keeps DAPO's
-            baseline_cfg["algorithm.std_normalize"] = True
-        baseline = train(cfg.replace(**baseline_cfg), log=log)
+        baseline = train(cfg.replace(**{"algorithm.name": "grpo", "logging.run_name": "baseline"}), log=log)
         checkpoint, base_evals = baseline.final_checkpoint, baseline.evals
 
     method_cfg = cfg.replace(**{"algorithm.name": method, "logging.run_name": method})

@@ -16,6 +16,7 @@ from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
+from rayrep.models import check_context
 from rayrep.placement import Placement, Plan, make_plan
 from rayrep.sync.weights import WeightSync
 from rayrep.verifier.pool import VerifierPool
@@ -51,7 +52,10 @@ class Runtime:
 
     @staticmethod
     def start(cfg: Config, model_path: str, train: bool = True) -> "Runtime":
-        """Every role's actors; `train=False` starts generators and verifiers only (sampling jobs)."""
+        """Every role's actors; `train=False` starts generators and verifiers only (sampling jobs).
+
+        What the policy cannot do (a context longer than its positions) fails first."""
+        check_context(cfg, model_path)
         plan = make_plan(cfg, learners=train)
         started_ray = connect_ray(plan)
         placement = Placement(plan)

@@ -22,7 +22,7 @@ from rayrep.eval import evaluate
 from rayrep.metrics import MetricsLog, progress_line
 from rayrep.models import resolve_policy
 from rayrep.runtime import Runtime
-from rayrep.types import Group, Prompt
+from rayrep.types import Group
 
 
 @dataclass
@@ -87,11 +87,11 @@ def train(cfg: Config, log=print) -> RunResult:
             step_start = time.perf_counter()
 
             # plan -> generate -> verify; the planned replays join their groups
-            groups = sample_round(runtime, cfg, algorithm, sampler.next(questions), prompt_ids, record)
+            groups = sample_round(runtime, cfg, algorithm, sampler, prompt_ids, record)
             dropped: list[Group] = []
             if cfg.algorithm.dynamic_sampling:
                 groups, dropped, kept = keep_informative(groups, questions, lambda taken: sample_round(
-                    runtime, cfg, algorithm, sampler.next(questions), prompt_ids, record, exclude=taken))
+                    runtime, cfg, algorithm, sampler, prompt_ids, record, exclude=taken))
                 record.update(kept)
 
             with timed(record, "build"):
@@ -127,15 +127,16 @@ def sample_round(
     runtime: Runtime,
     cfg: Config,
     algorithm: GRPO,
-    prompts: Sequence[Prompt],
+    sampler: PromptSampler,
     prompt_ids: dict[str, list[int]],
     record: dict,
     exclude: frozenset[str] = frozenset(),
 ) -> list[Group]:
-    """One round of a step: the algorithm plans it, the generators sample the planned
-    fresh rollouts, the verifiers mark them, and the planned replays join their groups."""
+    """One round of a step: the algorithm plans it (B questions, from the sampler and, for
+    the replay methods, the buffer), the generators sample the planned fresh rollouts, the
+    verifiers mark them, and the planned replays join their groups."""
     with timed(record, "plan"):
-        plan = algorithm.plan(prompts, exclude)
+        plan = algorithm.plan(sampler, cfg.algorithm.prompts_per_step, exclude)
     for name, value in plan.metrics.items():  # a refill round's planning adds to its time
         record[name] = record.get(name, 0.0) + value if name.startswith("time_") else record.get(name, value)
 

@@ -121,9 +121,11 @@ class StepPlan:
         return [group.with_replays(self.replays.get(group.prompt.uid, ())) for group in fresh]
 
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 """How per-token losses become one number (see `rayrep.learner.loss.policy_loss`)."""
 AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
+TOKEN_SUM_AGGREGATIONS = ("seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""The aggregations that divide token sums by `norm_constant`."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ class LossSpec:
     """beta of the shaping f(w) = w / (w + beta); > 0."""
     agg: Aggregation = "token-mean"
     norm_constant: float | None = None
-    """Divisor of each sequence's token sum; set with agg 'seq-mean-token-sum' only; > 0."""
+    """Divisor of token sums; set with the two '...-token-sum...' aggregations only; > 0."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts coef x the token-mean entropy (>= 0; 0 trains without)."""
 
@@ -176,12 +178,13 @@ class LossSpec:
             raise ValueError(f"LossSpec.replay_loss must be 'ppo' or 'shaped', got {self.replay_loss!r}")
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"LossSpec.agg must be one of {AGGREGATIONS}, got {self.agg!r}")
-        if self.agg == "seq-mean-token-sum":
+        if self.agg in TOKEN_SUM_AGGREGATIONS:
             if self.norm_constant is None:
-                raise ValueError("LossSpec.norm_constant is required with agg='seq-mean-token-sum'")
+                raise ValueError(f"LossSpec.norm_constant is required with agg={self.agg!r}")
             number("norm_constant", 0.0, low_open=True)
         elif self.norm_constant is not None:
-            raise ValueError(f"LossSpec.norm_constant only applies to agg='seq-mean-token-sum', not {self.agg!r}")
+            raise ValueError(f"LossSpec.norm_constant only applies to {' and '.join(TOKEN_SUM_AGGREGATIONS)}, "
+                             f"not agg={self.agg!r}")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from rayrep.algos.rlep import RLEP
 from rayrep.buffer.files import BufferFileError, write_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import ConfigError, load_preset
+from rayrep.data import PromptSampler
 from rayrep.learner.worker import mini_batches
 from rayrep.types import Group, Prompt, Rollout, StepPlan
 
@@ -29,6 +30,10 @@ def rollout(response, logprob=-0.5):
 
 def fresh_group(p, responses, marks):
     return Group(p, tuple(rollout(r) for r in responses), tuple(marks), (False,) * len(marks))
+
+
+def sampler_of(prompts) -> PromptSampler:
+    return PromptSampler(list(prompts), seed=0)
 
 
 def base_cfg(**changes):
@@ -77,8 +82,10 @@ def test_grpo_batch_has_one_row_per_rollout_with_group_advantages():
 
 def test_grpo_plan_is_a_value_that_leaves_out_excluded_questions():
     algo = GRPO(base_cfg())
-    plan = algo.plan([prompt("a"), prompt("b"), prompt("c")], exclude=frozenset({"b"}))
-    assert [(p.uid, n) for p, n in plan.requests] == [("a", 4), ("c", 4)]
+    sampler = sampler_of([prompt("a"), prompt("b"), prompt("c")])
+    plan = algo.plan(sampler, 3, exclude=frozenset({"b"}))
+    assert sorted((p.uid, n) for p, n in plan.requests) == [("a", 4), ("c", 4)]
+    assert sampler.position == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.requests = ()
     with pytest.raises(ValueError, match="do not match the plan"):
@@ -145,9 +152,9 @@ def rlep(pool_file, **changes):
 
 def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
     algo = rlep(pool_file)
-    plan = algo.plan([prompt(f"q{i}") for i in range(3)])
+    plan = algo.plan(sampler_of(prompt(f"q{i}") for i in range(3)), 3)
     assert [n for _, n in plan.requests] == [4, 4, 4]  # G fresh each; replays are drawn now
-    groups = roll_out(plan, lambda uid, n: [False] * n)
+    groups = sorted(roll_out(plan, lambda uid, n: [False] * n), key=lambda g: g.prompt.uid)
     assert [g.size for g in groups] == [4, 5, 6]  # G + min(M, stored)
     assert [sum(g.replayed) for g in groups] == [0, 1, 2]
     assert groups[1].rollouts[4].response_ids == [50, 51]
@@ -171,7 +178,7 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
 def test_rlep_old_logprob_modes(pool_file):
     for mode, expected in (("recompute", [True] * 6), ("recorded", [True] * 4 + [False] * 2)):
         algo = rlep(pool_file, **{"algorithm.rlep.old_logprobs": mode})
-        step = algo.build(roll_out(algo.plan([prompt("q2")]), lambda uid, n: [True] + [False] * (n - 1)))
+        step = algo.build(roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1)))
         assert step.batch.recompute_old.tolist() == expected
 
 
@@ -182,8 +189,8 @@ def test_rlep_optimizer_steps_do_not_depend_on_replays(pool_file, replays):
     where the baseline takes 8)."""
     algo = rlep(pool_file, **{"algorithm.rlep.replays_per_group": replays, "algorithm.prompts_per_step": 6,
                               "learner.mini_batch_prompts": 2})
-    questions = [prompt(f"q{i % 3}") for i in range(6)]
-    step = algo.build(roll_out(algo.plan(questions), lambda uid, n: [True, False] + [False] * (n - 2)))
+    sampler = sampler_of(prompt(f"q{i}") for i in range(3))  # 6 questions: two epochs of 3
+    step = algo.build(roll_out(algo.plan(sampler, 6), lambda uid, n: [True, False] + [False] * (n - 2)))
     batch = step.batch
     steps = mini_batches(batch.num_prompts, algo.cfg.learner.mini_batch_prompts)
     assert len(steps) == 6 // 2
@@ -222,7 +229,7 @@ def exgrpo(**changes):
 
 def step(algo, step_number, marks_by_uid, start=0):
     """Plan, roll out by hand with the given marks, build, and remember."""
-    plan = algo.plan([prompt(f"q{i}") for i in range(start, start + 8)])
+    plan = algo.plan(sampler_of(prompt(f"q{i}") for i in range(start, start + 8)), 8)
     built = algo.build(roll_out(plan, marks_by_uid))
     return plan, built, algo.after_update(step_number, built)
 
@@ -262,7 +269,7 @@ def test_exgrpo_retires_all_correct_questions_and_dedups_answers():
 
 def test_exgrpo_bookkeeping_sees_groups_that_dynamic_sampling_dropped():
     algo = exgrpo(**{"algorithm.exgrpo.start_pass_rate": 0.0, "algorithm.exgrpo.replay_ratio": 0.0})
-    plan = algo.plan([prompt(f"q{i}") for i in range(8)])
+    plan = algo.plan(sampler_of(prompt(f"q{i}") for i in range(8)), 8)
     groups = roll_out(plan, lambda uid, n: [True] * n if uid in ("q0", "q1") else [True, False, False, False])
     kept, dropped, _ = keep_informative(groups, 8, more=lambda taken: [])
     built = algo.build(kept, dropped)
@@ -271,12 +278,16 @@ def test_exgrpo_bookkeeping_sees_groups_that_dynamic_sampling_dropped():
     assert metrics["buffer_retired"] == 2 and metrics["buffer_questions"] == 6  # the all-correct ones retire
 
 
-def test_exgrpo_loss_switches_to_the_mixed_policy_loss_when_a_step_replays():
-    algo = exgrpo()
+def test_exgrpo_switches_to_the_mixed_policy_loss_for_good_once_collection_starts():
+    algo = exgrpo(**{"algorithm.exgrpo.replay_ratio": 0.0})
     fresh = [fresh_group(prompt("q0"), [[1], [2]], [True, False])]
-    assert algo.build(fresh).loss == algo.loss
-    mixed = algo.build([fresh[0].with_replays([rollout([3])])])
-    assert (mixed.loss.replay_loss, mixed.loss.clip_fresh, mixed.loss.replay_beta) == ("shaped", False, 0.1)
+    assert algo.build(fresh).loss == algo.loss  # before collection: the clipped PPO loss
+    step(algo, 1, lambda uid, n: [True, True] + [False] * (n - 2))  # pass rate 0.5: collection starts
+    # From then on every step trains with the mixed loss, with or without replayed questions.
+    for groups in (fresh, [fresh[0].with_replays([rollout([3])])]):
+        mixed = algo.build(groups)
+        assert (mixed.loss.replay_loss, mixed.loss.clip_fresh, mixed.loss.replay_beta) == ("shaped", False, 0.1)
     assert mixed.batch.recompute_old.tolist() == [True, True, False]  # w = pi_theta / pi_recorded
-    paper = exgrpo(**{"algorithm.exgrpo.clip_fresh_in_mixed": True}).build([fresh[0].with_replays([rollout([3])])])
-    assert paper.loss.clip_fresh is True
+    paper = exgrpo(**{"algorithm.exgrpo.clip_fresh_in_mixed": True, "algorithm.exgrpo.replay_ratio": 0.0})
+    step(paper, 1, lambda uid, n: [True] * (n - 1) + [False])
+    assert paper.build(fresh).loss.clip_fresh is True

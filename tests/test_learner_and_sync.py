@@ -215,3 +215,45 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
             ray.kill(worker)
         learners.shutdown()
         placement.remove()
+
+
+def test_model_config_overrides_reach_learners_generators_and_checkpoints(ray_cluster, tiny_cfg, tiny_policy, tmp_path):
+    """The ExGRPO preset's longer context: a raised RoPE base and more positions, applied the
+    same way by transformers (learners), vLLM (generators) and every saved checkpoint."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from rayrep.config import InputError
+    from rayrep.runtime import Runtime
+
+    long = {"data.max_prompt_tokens": 200, "generator.max_response_tokens": 100}  # 300 > the tiny policy's 256
+    with pytest.raises(InputError, match="= 300 exceeds the 256 positions"):
+        Runtime.start(tiny_cfg.replace(**long), tiny_policy)  # refused before any actor starts
+    cfg = tiny_cfg.replace(**{**long, "model.rope_theta": 40000.0, "model.max_position_embeddings": 512})
+    cfg, placement, learners = make_learners(cfg, tiny_policy, 1)
+    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    try:
+        checkpoint = learners.save(str(tmp_path / "ckpt"))
+        (per_prompt,) = generators.gather(generators.generate([[5, 6, 7, 8, 9, 10, 11, 12]], n=2, temperature=1.0,
+                                                              top_p=1.0, max_tokens=24))
+    finally:
+        for worker in generators.workers:
+            ray.kill(worker)
+        learners.shutdown()
+        placement.remove()
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert saved["max_position_embeddings"] == 512 and saved["rope_parameters"]["rope_theta"] == 40000.0
+    extended = AutoModelForCausalLM.from_pretrained(checkpoint).eval()  # reads the overrides back
+    base = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
+
+    def gap(model) -> float:
+        worst = 0.0
+        for r in per_prompt:
+            with torch.no_grad():
+                logits = model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1 : -1]
+            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+            worst = max(worst, float((torch.tensor(r.logprobs) - expected).abs().max()))
+        return worst
+
+    assert gap(extended) < 1e-3 < gap(base)  # the generators ran the extended model, not the base one

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayrep.learner.loss import Totals, mini_batch_totals, policy_loss
-from rayrep.types import AGGREGATIONS, LossSpec
+from rayrep.types import AGGREGATIONS, TOKEN_SUM_AGGREGATIONS, LossSpec
 
 DEFAULT = LossSpec()
 
@@ -170,6 +170,12 @@ AGG_CASES = {
         [[-0.15, 0, 0], [-0.05, -0.1, -0.15], [0, 0, 0]],
         {"norm_constant": 10.0},
     ),
+    # one call = one micro-batch: (3 + 6) / 10 over 1 micro-batch
+    "seq-mean-token-sum-norm": (
+        -0.9,
+        [[-0.3, 0, 0], [-0.1, -0.2, -0.3], [0, 0, 0]],
+        {"norm_constant": 10.0},
+    ),
 }
 
 
@@ -189,6 +195,32 @@ def test_aggregation_modes(agg):
     torch.testing.assert_close(logp.grad, torch.tensor(expected_grad, dtype=torch.float64))
 
 
+def test_the_exgrpo_code_scale_is_the_token_sum_over_8192_and_the_accumulation_count():
+    """By hand: 4 sequences, micro-batches of 2, ratio 1 and no clip, so token losses are -A.
+    The ExGRPO code (verl) divides each micro-batch's token sum by 8192 and then by the 2
+    micro-batches it accumulates: L = -(2 x 5 + 1 x 3 + 3 x 1 + 4 x 4) / 8192 / 2."""
+    lengths, advantages = [5, 3, 1, 4], [2.0, 1.0, 3.0, 4.0]
+    mask = torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]
+    spec = LossSpec(agg="seq-mean-token-sum-norm", norm_constant=8192.0, clip_fresh=False)
+    totals = mini_batch_totals(mask, spec.agg, micro_batch_size=2)
+    logp = torch.zeros(4, 5, dtype=torch.float64, requires_grad=True)
+    total = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        loss, _ = policy_loss(logp[rows], torch.zeros(2, 5, dtype=torch.float64), torch.tensor(advantages[rows],
+                              dtype=torch.float64), mask[rows], spec, totals=totals)
+        loss.backward()
+        total += loss.item()
+    assert total == pytest.approx(-(2 * 5 + 1 * 3 + 3 * 1 + 4 * 4) / 8192 / 2)
+    # each token's gradient is -A / 8192 / 2, whatever its sequence's length
+    assert logp.grad[0, 0].item() == pytest.approx(-2.0 / 8192 / 2) and logp.grad[3, 3].item() == pytest.approx(-4.0 / 16384)
+    # The Dr.GRPO mean over sequences of the same batch is smaller by the micro-batch size.
+    dr_grpo, _ = policy_loss(torch.zeros(4, 5), torch.zeros(4, 5), torch.tensor(advantages), mask,
+                             LossSpec(agg="seq-mean-token-sum", norm_constant=8192.0, clip_fresh=False))
+    assert total == pytest.approx(2 * dr_grpo.item())
+    with pytest.raises(ValueError, match="needs micro_batch_size"):
+        mini_batch_totals(mask, spec.agg)
+
+
 def test_aggregation_errors_fail_when_the_spec_is_built():
     with pytest.raises(ValueError, match="'seq-mean'"):
         LossSpec(agg="seq-mean")
@@ -196,6 +228,8 @@ def test_aggregation_errors_fail_when_the_spec_is_built():
         LossSpec(agg="seq-mean-token-sum")
     with pytest.raises(ValueError, match="norm_constant only applies"):
         LossSpec(norm_constant=8192)
+    with pytest.raises(ValueError, match="norm_constant is required"):
+        LossSpec(agg="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="norm_constant"):
         LossSpec(agg="seq-mean-token-sum", norm_constant=0)
 
@@ -205,7 +239,7 @@ def test_aggregation_errors_fail_when_the_spec_is_built():
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_all_zero_mask_gives_zero_loss_with_a_graph(agg):
-    extra = {"norm_constant": 8192} if agg == "seq-mean-token-sum" else {}
+    extra = {"norm_constant": 8192} if agg in TOKEN_SUM_AGGREGATIONS else {}
     logp = torch.full((2, 3), -math.inf, requires_grad=True)  # padding may hold anything
     loss, metrics = policy_loss(
         logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3), LossSpec(agg=agg, **extra)
@@ -282,21 +316,25 @@ def _entropy_of(logp: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("replay_loss", ["ppo", "shaped"])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_micro_batches_with_mini_batch_totals_match_full_batch(agg, replay_loss, entropy_coef):
-    extra = {"norm_constant": 6.0} if agg == "seq-mean-token-sum" else {}
+    extra = {"norm_constant": 6.0} if agg in TOKEN_SUM_AGGREGATIONS else {}
     logp, old_logp, advantages, mask, replay_mask = _mixed_batch()
     spec = LossSpec(agg=agg, replay_loss=replay_loss, entropy_coef=entropy_coef, **extra)
 
+    halves = [slice(0, 2), slice(2, 4)]
+    totals = mini_batch_totals(mask, agg, micro_batch_size=2)
+    assert totals == Totals(units={"token-mean": 13, "seq-mean-token-sum-norm": 2}.get(agg, 4), tokens=13)
+
+    # The whole mini-batch in one call, with the same totals (for every mode but
+    # seq-mean-token-sum-norm they are its own counts; that one is a mean over the 2
+    # micro-batches of 2 sequences, whichever way the rows are then split).
     full_logp = logp.clone().requires_grad_()
     full_loss, full_metrics = policy_loss(
-        full_logp, old_logp, advantages, mask, spec, replay_mask=replay_mask, entropy=_entropy_of(full_logp)
+        full_logp, old_logp, advantages, mask, spec, replay_mask=replay_mask, entropy=_entropy_of(full_logp),
+        totals=totals,
     )
     full_loss.backward()
     # the batch does exercise both clips
     assert full_metrics["fresh_clip_frac"] > 0 and full_metrics["dual_clip_frac"] > 0
-
-    halves = [slice(0, 2), slice(2, 4)]
-    totals = mini_batch_totals(mask, agg)
-    assert totals == Totals(units=13 if agg == "token-mean" else 4, tokens=13)
 
     micro_logp = logp.clone().requires_grad_()
     summed_loss = 0.0

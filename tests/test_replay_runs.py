@@ -152,3 +152,28 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
     assert {uid: a.response_ids.tolist() for uid, a in chosen.items()} == expected
     assert mean_entropy == pytest.approx(sum(lowest) / len(lowest), rel=1e-4)
     algo.buffer.shutdown()
+
+
+def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, tiny_policy):
+    """rho x B questions come from the buffer and B minus those from the sampler: none is
+    drawn only to be thrown away (the sampler's position moves by exactly that many)."""
+    from transformers import AutoTokenizer
+
+    from rayrep.data import PromptSampler, encode_prompts, load_split
+
+    cfg = tiny_cfg.replace(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False})
+    K = cfg.algorithm.group_size
+    prompts = load_split(cfg.data, "train")[:40]
+    encoded = encode_prompts(AutoTokenizer.from_pretrained(tiny_policy), prompts, 80)
+    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)})
+    algo.attach(ReplayBuffer(0, 0), learners)
+    stored = prompts[:10]
+    algo.buffer.apply([(p.uid, np.array(ids, np.int32), [Answer(np.array([5, 6, 1], np.int32), np.zeros(3, np.float32), 1.0)])
+                       for p, ids in zip(stored, encoded)], buckets={p.uid: 3 for p in stored})
+    algo.collecting = True  # the switch, as after_update flips it
+    sampler = PromptSampler(prompts[10:], seed=0)
+    plan = algo.plan(sampler, 8)
+    replayed = [p.uid for p, n in plan.requests if n == K - 1]
+    assert len(replayed) == 4 and set(replayed) <= {p.uid for p in stored}
+    assert set(plan.replays) == set(replayed) and all(len(r) == 1 for r in plan.replays.values())
+    assert len(plan.requests) == 8 and sampler.position == 8 - 4

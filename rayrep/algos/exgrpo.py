@@ -7,13 +7,14 @@
   puts the question in bucket k; k = K retires it from the buffer forever.
 - Once the buffer holds questions, each batch takes min(floor(rho * B), |buffer|) of its B
   questions from the buffer (bucket chosen with Gaussian weights, question uniform within
-  the bucket, without replacement). Such a question gets K - 1 fresh rollouts plus the
-  stored answer of lowest mean token entropy under the current policy: one batched
-  forward pass on the learner over the sampled questions' stored answers only, each
-  answer's entropy averaged over its own response tokens.
-- Replayed tokens train with f(w) * A, f(w) = w / (w + beta), w = pi_theta / pi_recorded;
-  fresh tokens are unclipped in the mixed phase (the public code) or clipped (the
-  paper's eq. 4), as configured. Advantages: group mean subtracted, no std scaling.
+  the bucket, without replacement) and the rest from the prompt sampler. Such a question
+  gets K - 1 fresh rollouts plus the stored answer of lowest mean token entropy under the
+  current policy: one batched forward pass on the learners over the sampled questions'
+  stored answers only, each answer's entropy averaged over its own response tokens.
+- From the step after collection starts (one-way), replayed tokens train with f(w) * A,
+  f(w) = w / (w + beta), w = pi_theta / pi_recorded, and fresh tokens are unclipped (the
+  public code) or clipped (the paper's eq. 4), as configured. Advantages: group mean
+  subtracted, no std scaling.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from rayrep.types import Group, LossSpec, Prompt, StepBatch, StepPlan
 
 if TYPE_CHECKING:
     from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.data import PromptSampler
     from rayrep.learner.group import LearnerGroup
 
 
@@ -58,11 +60,12 @@ class ExGRPO(GRPO):
 
     # ------------------------------------------------------------------ the step
 
-    def plan(self, prompts: Sequence[Prompt], exclude: frozenset[str] = frozenset()) -> StepPlan:
+    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset()) -> StepPlan:
         """rho x B questions from the buffer (K - 1 fresh rollouts plus their chosen stored
-        answer each), the rest fresh questions with K rollouts."""
+        answer each), then B minus those from the sampler with K rollouts each: no fresh
+        question is drawn only to be discarded."""
         algo = self.cfg.algorithm
-        K, B = algo.group_size, len(prompts)
+        K, B = algo.group_size, questions
         count = math.floor(algo.exgrpo.replay_ratio * B) if self.collecting else 0
         uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma, exclude=exclude) if count else []
         metrics: dict[str, float] = {}
@@ -73,7 +76,7 @@ class ExGRPO(GRPO):
             metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy}
             replays = {uid: (chosen[uid].rollout(self.prompt_ids[uid]),) for uid in uids}
         taken = exclude | set(uids)
-        fresh = [p for p in prompts if p.uid not in taken][: B - len(uids)]
+        fresh = [p for p in sampler.next(B - len(uids)) if p.uid not in taken]
         requests = [(self.prompts[uid], K - 1) for uid in uids] + [(p, K) for p in fresh]
         return StepPlan(tuple(requests), replays, metrics)
 
@@ -99,9 +102,10 @@ class ExGRPO(GRPO):
         return self.buffer.answers_at(picks), sum(lowest) / max(1, len(lowest))
 
     def loss_spec(self, groups: Sequence[Group]) -> LossSpec:
-        """The mixed-policy loss as soon as a step replays: shaped replayed tokens, and fresh
-        tokens unclipped (the code) or clipped (the paper's eq. 4)."""
-        if not any(any(g.replayed) for g in groups):
+        """The mixed-policy loss from the step after collection starts, for good (a one-way
+        switch, as in the code, whether or not a step happens to replay): shaped replayed
+        tokens, and fresh tokens unclipped (the code) or clipped (the paper's eq. 4)."""
+        if not self.collecting:
             return self.loss
         exgrpo = self.cfg.algorithm.exgrpo
         return dataclasses.replace(self.loss, clip_fresh=exgrpo.clip_fresh_in_mixed, replay_loss="shaped",

@@ -5,7 +5,8 @@ loss, clip-higher (0.2 / 0.28) with dual clip, overlong reward shaping, no KL, n
 bonus; dynamic sampling is an option (off).
 
 An algorithm is a pair of step functions over values, plus what it remembers:
-- `plan(prompts, exclude) -> StepPlan`: which questions to roll out, how many fresh
+- `plan(sampler, questions, exclude) -> StepPlan`: which questions to roll out (drawn
+  from the sampler; replay methods may take some from the buffer instead), how many fresh
   rollouts each gets, and which stored answers join which group (read from the buffer
   now, before anything is generated);
 - `build(groups, dropped) -> StepBatch`: the verified groups (fresh + planned replays)
@@ -25,11 +26,12 @@ from typing import TYPE_CHECKING, Literal
 
 from rayrep.algos.advantages import group_advantages
 from rayrep.config import Config
-from rayrep.types import Group, LossSpec, Prompt, StepBatch, StepPlan, TrainBatch
+from rayrep.types import TOKEN_SUM_AGGREGATIONS, Group, LossSpec, StepBatch, StepPlan, TrainBatch
 from rayrep.verifier.reward import rewards
 
 if TYPE_CHECKING:
     from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.data import PromptSampler
     from rayrep.learner.group import LearnerGroup
 
 
@@ -48,7 +50,7 @@ class GRPO:
             clip_high=learner.clip_high,
             dual_clip=learner.dual_clip or None,
             agg=learner.loss_agg,
-            norm_constant=learner.loss_norm_constant if learner.loss_agg == "seq-mean-token-sum" else None,
+            norm_constant=learner.loss_norm_constant if learner.loss_agg in TOKEN_SUM_AGGREGATIONS else None,
             entropy_coef=learner.entropy_coef,
         )
 
@@ -60,10 +62,11 @@ class GRPO:
 
     # ------------------------------------------------------------------ the step
 
-    def plan(self, prompts: Sequence[Prompt], exclude: frozenset[str] = frozenset()) -> StepPlan:
-        """G fresh rollouts for each question not in `exclude` (questions already in this step)."""
+    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset()) -> StepPlan:
+        """`questions` fresh questions from the sampler with G rollouts each, leaving out those
+        in `exclude` (questions already in this step)."""
         group_size = self.cfg.algorithm.group_size
-        return StepPlan(tuple((p, group_size) for p in prompts if p.uid not in exclude))
+        return StepPlan(tuple((p, group_size) for p in sampler.next(questions) if p.uid not in exclude))
 
     def build(self, groups: Sequence[Group], dropped: Sequence[Group] = ()) -> StepBatch:
         """Score the groups, take advantages over each whole group (fresh and replayed

@@ -31,6 +31,7 @@ from rayrep.types import Group, Prompt, StepPlan
 
 if TYPE_CHECKING:
     from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.data import PromptSampler
     from rayrep.learner.group import LearnerGroup
 
 
@@ -53,9 +54,9 @@ class RLEP(GRPO):
         self.buffer.add([(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in self.pool.items()])
         self.pool = None  # the shards hold it now
 
-    def plan(self, prompts: Sequence[Prompt], exclude: frozenset[str] = frozenset()) -> StepPlan:
+    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset()) -> StepPlan:
         """G fresh rollouts per question, and up to M of its pooled successes, drawn now."""
-        fresh = super().plan(prompts, exclude)
+        fresh = super().plan(sampler, questions, exclude)
         wanted = self.cfg.algorithm.rlep.replays_per_group
         drawn = self.buffer.sample_answers([(p.uid, wanted) for p in fresh.prompts]) if wanted else {}
         replays = {

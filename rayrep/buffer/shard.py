@@ -202,7 +202,8 @@ class QuestionAnswers:
         return False
 
     def extend_rows(self, batch: PackedAnswers, rows: range | list[int], cap: int) -> int:
-        """Append the given answers (rows) of a packed batch, then evict the oldest beyond `cap`.
+        """Append the given answers (rows) of a packed batch, then evict the oldest beyond `cap`
+        (0: no cap).
 
         Every array is a new one: nothing stored is a view of the batch (which, in a Ray
         actor, is the call's serialized buffer)."""
@@ -225,7 +226,7 @@ class QuestionAnswers:
             self.versions = np.concatenate([self.versions, batch.versions[rows]])
             self.sources = np.concatenate([self.sources, batch.sources[rows]])
             self.steps = np.concatenate([self.steps, batch.steps[rows]])
-        evict = len(self) - cap
+        evict = len(self) - cap if cap else 0
         if evict > 0:
             cut = self.offsets[evict]
             self.tokens, self.logprobs = self.tokens[cut:].copy(), self.logprobs[cut:].copy()
@@ -244,6 +245,7 @@ class ReplayShard:
 
     def __init__(self, max_answers_per_question: int, seed: int = 0):
         self.cap = max_answers_per_question
+        """Stored answers kept per question, the oldest evicted beyond it; 0: no cap."""
         self.questions: dict[str, QuestionAnswers] = {}
         self.retired: set[str] = set()
         self.rng = random.Random(seed)

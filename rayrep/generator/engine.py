@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from rayrep.config import Config
+from rayrep.models import config_overrides
 from rayrep.types import Rollout
 
 
@@ -38,6 +39,9 @@ def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_ex
         # behaviour policy that importance ratios are taken against.
         logprobs_mode="processed_logprobs",
     )
+    overrides = config_overrides(cfg, model_path)
+    if overrides:  # the same model-config changes as the learners' (rope base, positions)
+        kwargs["hf_overrides"] = overrides
     if worker_extension_cls:
         kwargs["worker_extension_cls"] = worker_extension_cls
     if cfg.placement.device == "gpu":

@@ -7,6 +7,7 @@ shaping, aggregation, entropy bonus), never in code paths of their own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,25 +33,32 @@ class Totals:
     mini-batch's loss."""
 
     units: float
-    """What the aggregation averages over: valid tokens (token-mean) or non-empty sequences."""
+    """What the aggregation averages over: valid tokens (token-mean), non-empty sequences
+    (seq-mean-...), or micro-batches (seq-mean-token-sum-norm)."""
     tokens: float
     """Valid response tokens (the entropy bonus is a token mean whatever the aggregation)."""
 
 
-def _units(valid: torch.Tensor, agg: Aggregation) -> torch.Tensor:
+def _units(valid: torch.Tensor, agg: Aggregation, micro_batch_size: int | None) -> float:
     if agg == "token-mean":
-        return valid.sum()
-    return (valid.sum(dim=-1) > 0).sum()
+        return float(valid.sum())
+    sequences = float((valid.sum(dim=-1) > 0).sum())
+    if agg == "seq-mean-token-sum-norm":
+        if not micro_batch_size:
+            raise ValueError("agg='seq-mean-token-sum-norm' needs micro_batch_size (its loss is a mean over micro-batches)")
+        return float(math.ceil(sequences / micro_batch_size))  # the micro-batches it splits into
+    return sequences
 
 
-def mini_batch_totals(mask: torch.Tensor, agg: Aggregation = "token-mean") -> Totals:
+def mini_batch_totals(mask: torch.Tensor, agg: Aggregation = "token-mean", micro_batch_size: int | None = None) -> Totals:
     """The `Totals` of the rows in `mask` ([B, T] valid response tokens): call it on the
     whole mini-batch's mask (every rank knows it) and pass the result to every
-    micro-batch's `policy_loss`."""
+    micro-batch's `policy_loss`. `micro_batch_size` (sequences per micro-batch) is needed by
+    'seq-mean-token-sum-norm' only."""
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
     valid = mask.bool()
-    return Totals(units=float(_units(valid, agg)), tokens=float(valid.sum()))
+    return Totals(units=_units(valid, agg, micro_batch_size), tokens=float(valid.sum()))
 
 
 def policy_loss(
@@ -94,7 +102,17 @@ def policy_loss(
       answers weigh more than in a mean of sequence means).
     * ``"seq-mean-token-mean"``: mean over sequences of each sequence's token mean.
     * ``"seq-mean-token-sum"``: mean over sequences of (token sum / ``norm_constant``),
-      Dr.GRPO (``norm_constant`` = max response length) and ExGRPO (8192).
+      Dr.GRPO (``norm_constant`` = max response length).
+    * ``"seq-mean-token-sum-norm"`` (verl's mode of that name, which the ExGRPO code trains
+      with, ``norm_constant`` = 8192): each micro-batch of m sequences contributes its
+      token sum / ``norm_constant``, and the mini-batch loss is the mean over its
+      micro-batches, as gradient accumulation divides by the number of micro-batches::
+
+          L = (m / N) * sum_{i,t} l_{i,t} / norm_constant     (N sequences, m = micro_batch_size,
+                                                                N / m micro-batches, rounded up)
+
+      m times the ``seq-mean-token-sum`` loss of the same batch: the entropy coefficient,
+      the grad clip and a skip threshold act at the scale they were tuned at.
 
     Sequences without any valid token are padding: they add nothing and are not counted.
 
@@ -223,6 +241,8 @@ def policy_loss(
     # ---- aggregation -----------------------------------------------------------------
     if spec.agg == "token-mean":
         loss_sum = token_loss.sum()
+    elif spec.agg == "seq-mean-token-sum-norm":
+        loss_sum = token_loss.sum() / spec.norm_constant
     else:
         sequence_sums = token_loss.sum(dim=-1)
         if spec.agg == "seq-mean-token-mean":
@@ -232,7 +252,8 @@ def policy_loss(
             sequence_values = sequence_sums / spec.norm_constant
         loss_sum = sequence_values.sum()
 
-    local = mini_batch_totals(valid, spec.agg)
+    # This call alone: its own tokens and sequences, and (seq-mean-token-sum-norm) one micro-batch.
+    local = Totals(units=_units(valid, spec.agg, micro_batch_size=max(1, valid.shape[0])), tokens=float(valid.sum()))
     if totals is None:
         totals = local
     elif not (totals.units >= local.units and totals.tokens >= local.tokens):

@@ -87,7 +87,11 @@ class LearnerWorker:
             world_size=world_size,
             timeout=timedelta(minutes=30),
         )
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        from rayrep.models import config_overrides
+
+        self.config_overrides = config_overrides(cfg, model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **self.config_overrides)
+        model = model.to(self.device)
         model.config.use_cache = False
         self.tied_embedding = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
         self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device)
@@ -193,7 +197,7 @@ class LearnerWorker:
     def _step(self, batch, prompts: range, old_logprobs, single_pass_old: bool, loss: LossSpec, sums: MetricSums) -> None:
         shares = rows_per_rank(batch.prompt_index, prompts, self.world_size)
         # The counts over every rank and micro-batch of this mini-batch.
-        totals = mini_batch_totals(batch.response_mask[torch.cat(shares)], loss.agg)
+        totals = mini_batch_totals(batch.response_mask[torch.cat(shares)], loss.agg, self.cfg.learner.micro_batch_size)
         chunks = self._micro_chunks(shares)
         entropy_mode: Entropy = "grad" if loss.entropy_coef else "detached"
         for index, chunk in enumerate(chunks):
@@ -266,7 +270,7 @@ class LearnerWorker:
 
         state = self.full_state_dict(getattr(torch, self.cfg.model.dtype))
         if self.rank == 0:
-            return save_checkpoint(state, base_model_path, path)
+            return save_checkpoint(state, base_model_path, path, self.config_overrides)
         return None
 
     def shutdown(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rayrep.config import Config, ConfigError
+from rayrep.config import Config, ConfigError, InputError
 
 
 def tiny_spec(cfg: Config):
@@ -39,3 +39,44 @@ def resolve_policy(cfg: Config, log=print) -> str:
 
     cache = Path(cfg.model.cache_dir) if cfg.model.cache_dir else None
     return str(ensure_tiny_policy(tiny_spec(cfg), cache, log=log))
+
+
+def config_overrides(cfg: Config, model_path: str) -> dict:
+    """Changes to the checkpoint's model config that `model.*` asks for, in the form both
+    transformers (`from_pretrained(**overrides)`) and vLLM (`hf_overrides`) apply: the
+    same dict on the learners and the generators, and in every saved checkpoint."""
+    overrides: dict = {}
+    if cfg.model.max_position_embeddings:
+        overrides["max_position_embeddings"] = cfg.model.max_position_embeddings
+    if cfg.model.rope_theta:
+        base = read_model_config(model_path)
+        rope = getattr(base, "rope_parameters", None)
+        if isinstance(rope, dict):  # transformers 5 keeps the base inside rope_parameters
+            overrides["rope_parameters"] = {**rope, "rope_theta": cfg.model.rope_theta}
+        else:
+            overrides["rope_theta"] = cfg.model.rope_theta
+    return overrides
+
+
+def read_model_config(model_path: str):
+    """The checkpoint's model config (`config.json`), or an InputError naming the path."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        raise InputError(f"model {model_path}: cannot read its config.json ({err})") from None
+
+
+def check_context(cfg: Config, model_path: str) -> int:
+    """Refuse, before any actor starts, a prompt + response length above the positions the
+    policy has (its config.json, or `model.max_position_embeddings`); returns the positions."""
+    positions = cfg.model.max_position_embeddings or getattr(read_model_config(model_path), "max_position_embeddings", 0)
+    wanted = cfg.data.max_prompt_tokens + cfg.generator.max_response_tokens
+    if positions and wanted > positions:
+        raise InputError(
+            f"data.max_prompt_tokens ({cfg.data.max_prompt_tokens}) + generator.max_response_tokens "
+            f"({cfg.generator.max_response_tokens}) = {wanted} exceeds the {positions} positions of {model_path}; "
+            f"extend them with model.max_position_embeddings (and model.rope_theta), as the ExGRPO preset does"
+        )
+    return positions

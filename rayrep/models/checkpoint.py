@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,11 +14,14 @@ _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
            "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
-def save_checkpoint(state: dict[str, torch.Tensor], base_model_path: str, out_path: str) -> str:
-    """Write `state` as `out_path`/model.safetensors beside the base's config and tokenizer.
+def save_checkpoint(state: dict[str, torch.Tensor], base_model_path: str, out_path: str,
+                    config_overrides: dict | None = None) -> str:
+    """Write `state` as `out_path`/model.safetensors beside the base's config and tokenizer,
+    the config with `config_overrides` applied (the model the weights were trained as).
 
-    Written to a temporary folder and renamed into place: a reader never sees half a
-    checkpoint, and an existing one is replaced only by a complete one.
+    The base is a checkpoint folder or a hub id (read from the local cache). Written to a
+    temporary folder and renamed into place: a reader never sees half a checkpoint, and an
+    existing one is replaced only by a complete one.
     """
     from safetensors.torch import save_file
 
@@ -26,9 +30,19 @@ def save_checkpoint(state: dict[str, torch.Tensor], base_model_path: str, out_pa
     staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         base = Path(base_model_path)
-        for name in _COPIED:
-            if (base / name).exists():
-                shutil.copy2(base / name, staging / name)
+        if base.is_dir():
+            for name in _COPIED:
+                if (base / name).exists():
+                    shutil.copy2(base / name, staging / name)
+        else:
+            from transformers import AutoConfig, AutoTokenizer
+
+            AutoConfig.from_pretrained(base_model_path).save_pretrained(staging)
+            AutoTokenizer.from_pretrained(base_model_path).save_pretrained(staging)
+        if config_overrides:
+            config = json.loads((staging / "config.json").read_text())
+            config.update(config_overrides)
+            (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors", metadata={"format": "pt"})
         if out.exists():
             shutil.rmtree(out)
