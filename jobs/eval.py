@@ -27,11 +27,10 @@ def main(argv: list[str]) -> dict:
     metrics = evaluate_checkpoint(cfg, model_path)
     metrics["eval_seconds"] = round(time.monotonic() - start, 1)
     print(f"\npolicy: {model_path}")
-    print(f"test questions: {metrics['num_problems']}, answers each: {metrics['samples_per_problem']} "
-          f"at T={cfg.generator.eval_temperature}")
+    print(f"test questions: {metrics['questions']}, sampled at T={cfg.generator.eval_temperature}")
     for name, value in metrics.items():
         if "@" in name:
-            print(f"  {name:>8}: {100 * value:5.1f}%")
+            print(f"  {name:>24}: {100 * value:5.1f}%")
     print(f"  mean response tokens: {metrics['mean_response_tokens']:.1f}; "
           f"verifier timeouts/errors: {metrics['verifier_timeouts']}/{metrics['verifier_errors']}")
     if args.out:

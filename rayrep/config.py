@@ -74,7 +74,8 @@ class GeneratorConfig:
     top_p: float = option(1.0, "nucleus sampling of training rollouts", min=0.0, max=1.0)
     max_response_tokens: int = option(3072, "longest response a rollout may generate", min=1)
     eval_temperature: float = option(1.0, "sampling temperature of evaluation", min=0.0)
-    eval_samples: int = option(4, "answers sampled per test question in evaluation (avg@k, pass@k)", min=1)
+    eval_samples: int = option(4, "answers sampled per test question in evaluation (avg@k, pass@k, maj@k)", min=1)
+    eval_samples_by_source: tuple[str, ...] = option((), "benchmarks sampled another number of times, as data_source=k entries (ExGRPO: avg@32 on AIME and AMC)")
     gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take (GPU only)", min=0.05, max=1.0)
     cpu_kv_cache_gib: float = option(1.0, "KV-cache size of a CPU vLLM engine in GiB (CPU only)", min=0.1)
     enforce_eager: bool = option(True, "run vLLM without CUDA graphs / compilation (fast start, needed on CPU)")
@@ -207,6 +208,10 @@ class Config:
     def __post_init__(self):
         validate(self)
 
+    def eval_samples(self, data_source: str) -> int:
+        """Answers sampled per test question of benchmark `data_source` in evaluation."""
+        return _samples_by_source(self.generator.eval_samples_by_source).get(data_source, self.generator.eval_samples)
+
     def seed(self, role: Literal["generator", "data"], index: int = 0) -> int:
         """The seed of one consumer: its explicit field when set (>= 0; plus `index`), else
         derived from `run.seed`, so that one number changes or repeats a whole run."""
@@ -227,6 +232,17 @@ class Config:
         for key, value in dotted.items():
             _set_dotted(data, key, value)
         return from_dict(data)
+
+
+def _samples_by_source(entries: tuple[str, ...]) -> dict[str, int]:
+    """`generator.eval_samples_by_source` as {data_source: k}; a bad entry names itself."""
+    counts = {}
+    for entry in entries:
+        source, sep, count = entry.rpartition("=")
+        if not sep or not source or not count.strip().isdigit() or int(count) < 1:
+            raise ConfigError(f"generator.eval_samples_by_source: {entry!r} is not data_source=k with k >= 1")
+        counts[source.strip()] = int(count)
+    return counts
 
 
 def derive_seed(run_seed: int, role: str, index: int = 0) -> int:
@@ -359,6 +375,7 @@ def validate(cfg: Config) -> None:
             holder = getattr(holder, part)
         _coerce(getattr(holder, leaf), kind, name)
     _check_ranges(cfg)
+    _samples_by_source(cfg.generator.eval_samples_by_source)
     algo, learner = cfg.algorithm, cfg.learner
     if algo.prompts_per_step % learner.mini_batch_prompts:
         raise ConfigError(

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from rayrep.types import Prompt
     from rayrep.verifier.sandbox import MathSandbox
 
-__all__ = ["avg_at_k", "evaluate", "evaluate_checkpoint", "maj_at_k", "pass_at_k", "summarize"]
+__all__ = ["avg_at_k", "evaluate", "evaluate_checkpoint", "maj_at_k", "pass_at_k", "pass_ks", "summarize",
+           "summarize_by_source"]
 
 
 def _as_count(name: str, value: object) -> int:
@@ -161,24 +162,72 @@ def maj_at_k(
     return 1.0 if checker.equivalent(ground_truth, representatives[winner], timeout_s) else 0.0
 
 
+def pass_ks(n: int) -> list[int]:
+    """The k of pass@k reported for n samples per question: 1, the powers of two up to n, and n."""
+    return sorted({1, n} | {2**i for i in range(1, n.bit_length()) if 2**i <= n})
+
+
+def summarize_by_source(
+    sources: Sequence[str], correct: Sequence[Sequence[object]], majority: Sequence[bool]
+) -> dict[str, float]:
+    """Every metric per benchmark (`data_source`), and the aggregates the papers report.
+
+    Per source s with k samples per question: `s/avg@k`, `s/pass@j` for j in `pass_ks(k)`,
+    `s/maj@k`, `s/questions`. Aggregates: `pass@1`, pooled over all questions (each
+    question weighs the same), and `mean_pass@1` and `mean_maj@k`, the plain mean of the
+    benchmarks' scores (ExGRPO's average, where a large benchmark does not dominate). When
+    every question has the same k, the pooled `avg@k`, `pass@j` and `maj@k` too (RLEP
+    reports its benchmarks one by one: the per-source entries).
+    """
+    if not (len(sources) == len(correct) == len(majority)):
+        raise ValueError(f"sources, correct and majority differ in length: {len(sources)}, {len(correct)}, {len(majority)}")
+    by_source: dict[str, list[int]] = {}
+    for index, source in enumerate(sources):
+        by_source.setdefault(source, []).append(index)
+    out: dict[str, float] = {}
+    pass1, votes = [], []
+    for source, rows in sorted(by_source.items()):
+        matrix = [correct[i] for i in rows]
+        k = len(matrix[0])
+        part = summarize(matrix, ks=pass_ks(k))
+        vote = sum(bool(majority[i]) for i in rows) / len(rows)
+        out.update({f"{source}/{name}": value for name, value in part.items() if "@" in name})
+        out[f"{source}/maj@{k}"] = vote
+        out[f"{source}/questions"] = len(rows)
+        pass1.append(part["pass@1"])
+        votes.append(vote)
+    per_question = [sum(map(float, row)) / len(row) for row in correct]
+    out["pass@1"] = sum(per_question) / len(per_question)
+    out["mean_pass@1"] = sum(pass1) / len(pass1)
+    out["mean_maj@k"] = sum(votes) / len(votes)
+    widths = {len(row) for row in correct}
+    if len(widths) == 1:
+        (k,) = widths
+        out.update({name: value for name, value in summarize(correct, ks=pass_ks(k)).items() if "@" in name})
+        out[f"maj@{k}"] = sum(map(bool, majority)) / len(majority)
+    out["questions"] = len(correct)
+    return out
+
+
 def evaluate(runtime: Runtime, cfg: Config, prompts: Sequence[Prompt], prompt_ids: Sequence[list[int]]) -> dict[str, float]:
     """The one evaluation path (training-time evaluations and `jobs/eval.py`): avg@k,
-    pass@1 and pass@k, maj@k of the generators' current weights on `prompts`.
+    pass@k and maj@k of the generators' current weights on `prompts`, per benchmark and
+    aggregated (`summarize_by_source`).
 
-    Samples `generator.eval_samples` answers per question at `generator.eval_temperature`
-    on the generator pool; the verifier pool scores them and judges each question's
-    majority answer. Also returns the mean response length and the verifier's timeouts
-    and errors.
+    Samples `cfg.eval_samples(data_source)` answers per question (`generator.eval_samples`,
+    or a benchmark's own count from `generator.eval_samples_by_source`) at
+    `generator.eval_temperature` on the generator pool; the verifier pool scores them and
+    judges each question's majority answer. Also returns the mean response length and the
+    verifier's timeouts and errors.
     """
     gen = cfg.generator
-    k = gen.eval_samples
     pending = runtime.generators.generate(
-        list(prompt_ids), n=k, temperature=gen.eval_temperature, top_p=1.0, max_tokens=gen.max_response_tokens
+        list(prompt_ids), n=[cfg.eval_samples(p.data_source) for p in prompts], temperature=gen.eval_temperature,
+        top_p=1.0, max_tokens=gen.max_response_tokens,
     )
     verdicts = runtime.verifiers.check(pending, [p.ground_truth for p in prompts], majority=True)
     lengths = [len(r.response_ids) for per_prompt in runtime.generators.gather(pending) for r in per_prompt]
-    summary = summarize(verdicts.correct, ks=sorted({1, k}))
-    summary[f"maj@{k}"] = sum(verdicts.majority) / len(verdicts.majority)
+    summary = summarize_by_source([p.data_source for p in prompts], verdicts.correct, verdicts.majority)
     summary["mean_response_tokens"] = sum(lengths) / max(1, len(lengths))
     summary["verifier_timeouts"] = verdicts.statuses.get("timeout", 0)
     summary["verifier_errors"] = verdicts.statuses.get("error", 0)

@@ -11,7 +11,7 @@ from math import comb
 import numpy as np
 import pytest
 
-from rayrep.eval import avg_at_k, maj_at_k, pass_at_k, summarize
+from rayrep.eval import avg_at_k, maj_at_k, pass_at_k, pass_ks, summarize, summarize_by_source
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -165,3 +165,28 @@ def test_maj_at_k_bad_arguments():
         maj_at_k([], "1")
     with pytest.raises(TypeError, match="sequence"):
         maj_at_k(r"\boxed{1}", "1")
+
+
+def test_summarize_by_source_by_hand():
+    # aime: 2 questions x 4 samples; math: 3 questions x 1 sample.
+    sources = ["aime", "math", "aime", "math", "math"]
+    correct = [[1, 0, 0, 0], [1], [1, 1, 0, 1], [0], [1]]
+    majority = [False, True, True, False, True]
+    out = summarize_by_source(sources, correct, majority)
+    assert out["aime/avg@4"] == pytest.approx((1 / 4 + 3 / 4) / 2)
+    assert out["aime/pass@2"] == pytest.approx(((1 - 3 / 6) + 1.0) / 2)  # 1 - C(3,2)/C(4,2); 1 - C(1,2)/C(4,2)
+    assert out["aime/pass@4"] == 1.0 and out["aime/maj@4"] == 0.5 and out["aime/questions"] == 2
+    assert out["math/avg@1"] == out["math/pass@1"] == pytest.approx(2 / 3) and out["math/maj@1"] == pytest.approx(2 / 3)
+    # pooled: every question weighs the same; mean: every benchmark weighs the same
+    assert out["pass@1"] == pytest.approx((1 / 4 + 1 + 3 / 4 + 0 + 1) / 5)
+    assert out["mean_pass@1"] == pytest.approx((1 / 2 + 2 / 3) / 2)
+    assert out["mean_maj@k"] == pytest.approx((1 / 2 + 2 / 3) / 2)
+    assert "avg@4" not in out and out["questions"] == 5  # k differs between benchmarks: no pooled avg@k
+
+
+def test_summarize_by_source_pools_when_every_question_has_the_same_k():
+    out = summarize_by_source(["a", "b"], [[1, 0], [1, 1]], [True, True])
+    assert out["avg@2"] == out["pass@1"] == pytest.approx(0.75) and out["maj@2"] == 1.0 and out["pass@2"] == 1.0
+    assert pass_ks(32) == [1, 2, 4, 8, 16, 32] and pass_ks(6) == [1, 2, 4, 6]
+    with pytest.raises(ValueError, match="differ in length"):
+        summarize_by_source(["a"], [[1], [0]], [True, False])

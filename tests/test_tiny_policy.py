@@ -109,7 +109,7 @@ def test_tiny_policy_lands_in_the_target_band(tiny_policy, tiny_cfg):
     from rayrep.eval import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(tiny_cfg, tiny_policy)  # on a local Ray cluster of its own
-    assert metrics["num_problems"] == tiny_cfg.data.arithmetic_test_size
+    assert metrics["questions"] == tiny_cfg.data.arithmetic_test_size
     assert 0 < metrics["maj@4"] <= metrics["pass@4"]
     assert 0.15 <= metrics["pass@1"] <= 0.60, metrics
     assert metrics["pass@4"] > metrics["pass@1"]
