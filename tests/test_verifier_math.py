@@ -105,8 +105,10 @@ def test_extraction_of_a_megabyte(text, expected):
         (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"),
         ("The answer is 42.", "42"),
         (r"\boxed{-7}", "-7"),
-        (r"Try \boxed{5}. No wait, it is \boxed{6}.", "6"),
         (r"\boxed{\{1,2\}}", r"\{2,1\}"),
+        (r"\boxed{(1, 2)}, \boxed{(2, 1)}", "(2,1),(1,2)"),  # several boxes: one answer, as math-verify reads it
+        (r"\boxed{1} and \boxed{2} and \boxed{3}", r"\{1,2,3\}"),
+        (r"So $x=\boxed{2}$ or $x=\boxed{-3}$.", "2,-3"),
     ],
 )
 def test_correct_answers_score_one(warm_default, completion, truth):
@@ -121,7 +123,11 @@ def test_correct_answers_score_one(warm_default, completion, truth):
         (r"\boxed{7}", "-7"),
         (r"\boxed{\frac{1}{3}}", "0.5"),
         ("The answer is 41.", "42"),
-        (r"Try \boxed{6}. No wait, it is \boxed{5}.", "6"),  # only the last box counts
+        (r"Try \boxed{6}. No wait, it is \boxed{5}.", "6"),
+        # Several boxes answer together (as math-verify reads them), so a correction keeps the
+        # first answer too, and boxing every candidate scores nothing.
+        (r"Try \boxed{5}. No wait, it is \boxed{6}.", "6"),
+        (r"\boxed{1} \boxed{2} \boxed{3} \boxed{4} \boxed{5}", "3"),
     ],
 )
 def test_wrong_answers_score_zero(warm_default, completion, truth):
@@ -153,6 +159,61 @@ def test_guards_reject_before_the_sandbox(warm_default):
     deep = vm.verify(r"\boxed{" + "{" * 60 + "1" + "}" * 60 + "}", "1")
     assert deep.status == "error" and "nested" in deep.detail
     assert vm.verify(r"\boxed{1}", "").status == "error"
+
+
+# ---------------------------------------------------------------------------------------
+# Parity with math-verify used directly
+
+# (completion, ground truth): a spread of answer forms, checked both ways below.
+PARITY = [
+    (r"The total is \boxed{68}.", "68"), (r"The total is \boxed{69}.", "68"), (r"\boxed{\frac{1}{2}}", "0.5"),
+    (r"\boxed{\frac{1}{2}}", "1/2"), (r"\boxed{\dfrac{3}{4}}", r"\frac{3}{4}"), (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"),
+    (r"\boxed{-7}", "-7"), (r"\boxed{7}", "-7"), (r"\boxed{\{1,2\}}", r"\{2,1\}"),
+    (r"\boxed{(1, 2)}, \boxed{(2, 1)}", "(2,1),(1,2)"), (r"\boxed{1} and \boxed{2} and \boxed{3}", r"\{1,2,3\}"),
+    (r"So $x=\boxed{2}$ or $x=\boxed{-3}$.", "2,-3"), (r"\boxed{1} \boxed{2} \boxed{3} \boxed{4} \boxed{5}", "3"),
+    (r"Try \boxed{5}. No wait, it is \boxed{6}.", "6"), (r"\boxed{[0, 1)}", "[0,1)"), (r"\boxed{(0, 1]}", "[0,1)"),
+    ("The answer is 42.", "42"), ("The answer is 41.", "42"), ("so $x = 5$", "5"), (r"\boxed{x = 5}", "5"),
+    (r"\boxed{50\%}", "50"), (r"\boxed{30^\circ}", "30"), (r"\boxed{2\pi}", r"2\pi"), (r"\boxed{\pi}", "3.14"),
+    (r"\boxed{\text{(A)}}", "A"), (r"\boxed{A}", "A"), (r"\boxed{B}", "A"), (r"\boxed{0.333}", r"\frac{1}{3}"),
+    (r"\boxed{1000}", "1,000"), (r"\boxed{1,000}", "1000"), (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}"),
+    (r"\boxed{x^2+2x+1}", "(x+1)^2"), (r"\boxed{y = 2x + 1}", "2x+1"), (r"Final answer: $\frac{7}{2}$", "3.5"),
+    ("I think it is 12 or maybe 13", "13"), (r"\boxed{}", "3"), ("no idea", "3"), (r"\boxed{3} \boxed{3}", "3"),
+    (r"\boxed{\infty}", r"\infty"), (r"\boxed{-\infty, 2}", r"(-\infty, 2)"), (r"\boxed{e^{i\pi}}", "-1"),
+    (r"\boxed{10^{3}}", "1000"), (r"\boxed{\$18.90}", "18.90"), (r"\boxed{12 \text{ cm}}", "12"),
+    (r"\boxed{\frac{a}{b}}", "a/b"), (r"\boxed{3, 5}", "5, 3"), (r"\boxed{(3, 5)}", "(5, 3)"),
+    (r"\boxed{\frac{1}{2}}", r"$\frac{1}{2}$"), (r"\boxed{0.5}", r"\(\frac{1}{2}\)"), (r"\boxed{} \boxed{4}", "4"),
+    (r"\boxed{2} \boxed{}", "2"), (r"\boxed{x=2} and \boxed{x=-3}", "2, -3"), (r"\boxed{3} or \boxed{4}", "3"),
+    (r"\boxed{1}, \boxed{2}", r"\{1, 2\}"), (r"\boxed{(1,2)} \boxed{(3,4)}", "(1,2),(3,4)"),
+]
+
+# Where rayrep differs on purpose (the README lists them with the reasons):
+DELIBERATE = {
+    # A bare ground truth is read as the content of a box; math-verify alone reads LaTeX only
+    # between delimiters, and an escaped dollar sign then makes 18.90 unequal to itself.
+    (r"\boxed{18.90}", r"\$18.90"): 1.0,
+    # Without a box, only the last 2,000 characters are read (bounded work on long text).
+    ("The answer is 42." + " and so on" * 300, "42"): 0.0,
+    # A boxed answer over 1,000 characters is rejected before any parser sees it.
+    (r"\boxed{" + "+".join(["1"] * 600) + "}", "600"): 0.0,
+}
+
+
+def math_verify_directly(completion: str, truth: str) -> float:
+    from math_verify import parse, verify
+
+    delimited = any(d in truth for d in ("$", "\\(", "\\[", "\\boxed"))
+    return float(verify(parse(truth if delimited else f"${truth}$"), parse(completion)))
+
+
+@pytest.mark.parametrize(("completion", "truth"), PARITY)
+def test_scores_agree_with_math_verify_used_directly(warm_default, completion, truth):
+    assert vm.score(completion, truth) == math_verify_directly(completion, truth)
+
+
+@pytest.mark.parametrize(("completion", "truth"), list(DELIBERATE))
+def test_deliberate_differences_from_math_verify(warm_default, completion, truth):
+    ours = DELIBERATE[(completion, truth)]
+    assert vm.score(completion, truth) == ours != math_verify_directly(completion, truth)
 
 
 # ---------------------------------------------------------------------------------------
@@ -296,7 +357,8 @@ def test_equivalent(warm_default):
 
 
 def test_extract_answer(warm_default):
-    assert vm.extract_answer(r"first \boxed{1}, finally \boxed{ \frac{2}{3} }") == r"\frac{2}{3}"
+    assert vm.extract_answer(r"so it is \boxed{ \frac{2}{3} }") == r"\frac{2}{3}"
+    assert vm.extract_answer(r"first \boxed{1}, then \boxed{ \frac{2}{3} }") == r"1,\frac{2}{3}"  # math-verify's reading
     assert vm.extract_answer("The answer is 42.") == "42"
     assert vm.extract_answer("I cannot solve this.") is None
 

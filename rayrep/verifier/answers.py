@@ -1,8 +1,9 @@
 """Final answers of completions, and the guards that keep pathological text away from math-verify.
 
 Pure Python, linear time, run in the caller's process: the final answer of a completion
-is the content of its last complete ``\\boxed{...}``; without one, whatever math-verify
-extracts from the tail of the text (in the sandbox, `rayrep.verifier.sandbox`). Answers
+is the content of its ``\\boxed{...}`` (several boxes are read together, as math-verify
+reads them); without one, whatever math-verify extracts from the tail of the text (in the
+sandbox, `rayrep.verifier.sandbox`). Answers
 that are too long, nested too deeply or hold control characters are rejected here,
 before any parser sees them.
 """
@@ -25,6 +26,9 @@ are short, and parse time grows quickly with length."""
 
 MAX_NESTING_DEPTH = 50
 """Deeper brace nesting is rejected before the sandbox: the LaTeX parser recurses per level."""
+
+MAX_BOXES = 32
+"""More boxed answers than this in one completion are rejected before the sandbox."""
 
 TAIL_CHARS = 2000
 """Without a ``\\boxed{}``, only this much of the end of a completion goes to math-verify."""
@@ -80,11 +84,14 @@ def _group_end(text: str, open_pos: int, stop: int) -> tuple[int, int] | None:
     return None
 
 
-def _last_boxed(text: str, max_chars: int | None) -> _Box | None:
-    """The last ``\\boxed{...}`` that closes, scanning at most max_chars of its content."""
+def _boxes(text: str, max_chars: int | None, limit: int) -> list[_Box]:
+    """The ``\\boxed{...}`` groups of `text` that close, last first, at most `limit` of them,
+    each scanned over at most max_chars of its content. An over-long box ends the list
+    (as its last entry, `complete` False). Linear in the length of `text`."""
+    found: list[_Box] = []
     stop = len(text)
     pos = text.rfind(BOXED)
-    while pos != -1:
+    while pos != -1 and len(found) < limit:
         open_pos = pos + len(BOXED)
         while open_pos < stop and text[open_pos] in " \t\n":
             open_pos += 1
@@ -94,18 +101,25 @@ def _last_boxed(text: str, max_chars: int | None) -> _Box | None:
             end = _group_end(text, open_pos, window_end)
             if end is not None:
                 close_pos, depth = end
-                return _Box(text[open_pos + 1 : close_pos], depth, True)
-            if window_end < stop:
+                found.append(_Box(text[open_pos + 1 : close_pos], depth, True))
+            elif window_end < stop:
                 # Either an over-long answer or one cut off by the length limit of the
                 # generation: no need to scan a megabyte to find out which.
                 content = text[open_pos + 1 : window_end]
-                return _Box(content, _nesting_depth(content), False)
-            # This group never closes, so an earlier group that contains it cannot close
-            # either: earlier candidates only need scanning up to here. That keeps the
-            # whole search linear even for text full of unclosed boxes.
-            stop = pos
+                found.append(_Box(content, _nesting_depth(content), False))
+                break
+        # An earlier box must close before this one starts (a group that never closes here
+        # cannot be closed by an earlier one either): earlier candidates only need scanning
+        # up to here, which keeps the whole search linear even for text full of boxes.
+        stop = pos
         pos = text.rfind(BOXED, 0, pos)
-    return None
+    return found
+
+
+def _last_boxed(text: str, max_chars: int | None) -> _Box | None:
+    """The last ``\\boxed{...}`` that closes, scanning at most max_chars of its content."""
+    boxes = _boxes(text, max_chars, limit=1)
+    return boxes[0] if boxes else None
 
 
 def last_boxed_content(text: str, max_chars: int | None = None) -> str | None:
@@ -148,17 +162,28 @@ Item = tuple[str, str, str]
 
 
 def completion_item(completion: str, kind_for_text: str) -> tuple[str, str] | Verdict:
-    """(kind, prediction) to send to the sandbox, or the Verdict when a guard decides."""
+    """(kind, prediction) to send to the sandbox, or the Verdict when a guard decides.
+
+    One boxed answer is compared as it is. Several are read together, as math-verify reads
+    them: a completion that boxes the two roots, or each element of a set, answers with
+    all of its boxes (and one that boxes every candidate answers with the whole set, which
+    equals no single ground truth).
+    """
     if not isinstance(completion, str):
         raise TypeError(f"completion must be str, got {type(completion).__name__}")
-    box = _last_boxed(completion, MAX_ANSWER_CHARS)
-    if box is not None:
-        if not box.content.strip():
+    boxes = _boxes(completion, MAX_ANSWER_CHARS, limit=MAX_BOXES + 1)
+    if boxes:
+        if len(boxes) > MAX_BOXES:
+            return Verdict(False, "error", None, f"more than {MAX_BOXES} boxed answers")
+        for box in boxes:
+            problem = _guard(box.content, box.depth, "boxed answer")
+            if problem:
+                return Verdict(False, "error", None, problem)
+        if not any(box.content.strip() for box in boxes):
             return Verdict(False, "no_answer", "", "empty \\boxed{}")
-        problem = _guard(box.content, box.depth, "boxed answer")
-        if problem:
-            return Verdict(False, "error", None, problem)
-        return "answer", box.content
+        if len(boxes) == 1:
+            return "answer", boxes[0].content
+        return kind_for_text, " ".join(f"{BOXED}{{{box.content}}}" for box in reversed(boxes))
     tail = completion[-TAIL_CHARS:]
     if not tail.strip():
         return Verdict(False, "no_answer", None, "empty completion")

@@ -5,8 +5,9 @@ answer is mathematically equivalent to the ground truth, else 0.0 (or -1.0 with
 ``style="dapo"``). `verify` returns a `Verdict` whose `status` lets callers count
 timeouts and errors; `verify_batch` checks many completions in one round trip.
 
-The final answer is the content of the last complete ``\\boxed{...}``, or without one,
-what math-verify extracts from the end of the text (`rayrep.verifier.answers`). Every
+The final answer is the content of the ``\\boxed{...}`` (several boxes answer together, as
+math-verify reads them), or without one, what math-verify extracts from the end of the
+text (`rayrep.verifier.answers`). Every
 check runs in a sandbox process with a hard wall-clock limit (`rayrep.verifier.sandbox`);
 the module-level functions share one sandbox per process, started on first use. Nothing
 here needs an ``if __name__ == "__main__":`` guard.

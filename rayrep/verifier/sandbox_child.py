@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
 from rayrep.verifier.answers import BOXED, MAX_ANSWER_CHARS, Item
+
+# An unescaped dollar sign, or \( or \[: text math-verify reads as LaTeX without boxing it.
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\\(|\\\[")
 
 
 class _SoftDeadline(BaseException):
@@ -90,13 +94,20 @@ class _ChildWorker:
                 return False, "error", None, f"extracted answer longer than {MAX_ANSWER_CHARS} characters"
         if kind == "extract":
             return False, "ok", answer, ""
-        gold = self._parse_reference(reference)
+        gold = self._parse_gold(reference)
         if not gold:
             return False, "error", answer, "math-verify could not parse the reference"
         return self._matches(gold, predicted), "ok", answer, ""
 
     def _parse_text(self, text: str) -> list:
         return self._parse(text, parsing_timeout=None, raise_on_error=True)
+
+    def _parse_gold(self, reference: str) -> list:
+        """A ground truth: as math-verify reads it when it comes with math delimiters
+        (``$...$``, ``\\(...\\)``, ``\\[...\\]``), else as a bare answer."""
+        if _MATH_DELIMITER.search(reference):
+            return self._parse_text(reference)
+        return self._parse_reference(reference)
 
     def _parse_reference(self, reference: str) -> list:
         """Parse a bare answer ("1/2", "\\sqrt{8}"): math-verify only reads LaTeX inside
