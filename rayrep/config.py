@@ -69,7 +69,8 @@ class ModelConfig:
 
 @dataclass
 class GeneratorConfig:
-    num_workers: int = option(1, "vLLM generator actors", min=1)
+    num_workers: int = option(0, "vLLM engines; 0: one per tensor-parallel group of the policy's GPUs, so that every GPU generates", min=0)
+    tensor_parallel_size: int = option(1, "GPUs per vLLM engine (1 on CPU)", min=1)
     temperature: float = option(1.0, "sampling temperature of training rollouts", min=0.0)
     top_p: float = option(1.0, "nucleus sampling of training rollouts", min=0.0, max=1.0)
     max_response_tokens: int = option(3072, "longest response a rollout may generate", min=1)
@@ -149,6 +150,7 @@ class LearnerConfig:
     mini_batch_prompts: int = option(64, "questions per optimizer step; all their answers (G + M) go in", min=1)
     micro_batch_size: int = option(16, "sequences per forward/backward pass (gradient accumulation); with loss_agg seq-mean-token-sum-norm it also sets the loss scale, as in verl", min=1)
     epochs: int = option(1, "passes over each rollout batch", min=1)
+    gradient_checkpointing: bool = option(False, "keep only each layer's input for backward and recompute the rest (the paper presets: on)")
     clip_low: float = option(0.2, "PPO clip range below 1 (1 - eps_low)", min=0.0, max=0.999)
     clip_high: float = option(0.28, "PPO clip range above 1 (clip-higher, 1 + eps_high)", min=0.0)
     dual_clip: float = option(10.0, "dual-clip bound c for negative advantages (0 disables)", min=0.0)
@@ -163,6 +165,12 @@ class PlacementConfig:
     mode: Literal["colocated", "disaggregated"] = option("colocated", "generators and learners share bundles, or each role gets its own")
     cpus_per_bundle: int = option(1, "CPUs per bundle; colocated roles take turns, so each uses all of them", min=1)
     gpus_per_node: int = option(8, "GPUs per node of the cluster (for the plan's node count)", min=1)
+
+    @property
+    def takes_turns(self) -> bool:
+        """Generators and learners share GPUs and take turns with their memory (vLLM sleep
+        mode while the learners update; the learners' state off the GPU while generating)."""
+        return self.device == "gpu" and self.mode == "colocated"
 
     @property
     def collective_backend(self) -> Literal["gloo", "nccl"]:
@@ -382,6 +390,15 @@ def validate(cfg: Config) -> None:
             f"learner.mini_batch_prompts={learner.mini_batch_prompts} must divide "
             f"algorithm.prompts_per_step={algo.prompts_per_step}"
         )
+    gen, place = cfg.generator, cfg.placement
+    if place.device == "cpu" and gen.tensor_parallel_size > 1:
+        raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size}: CPU engines run on one device (1)")
+    if place.mode == "disaggregated" and not gen.num_workers:
+        raise ConfigError("generator.num_workers must be set (> 0) with placement.mode='disaggregated': "
+                          "the generators get GPUs of their own")
+    if place.mode == "colocated" and not gen.num_workers and learner.num_workers % gen.tensor_parallel_size:
+        raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size} must divide "
+                          f"learner.num_workers={learner.num_workers} (one engine per group of the learners' GPUs)")
     if learner.mini_batch_prompts % learner.num_workers:
         raise ConfigError(
             f"learner.num_workers={learner.num_workers} must divide "

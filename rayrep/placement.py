@@ -70,28 +70,39 @@ class Plan:
         return "\n".join(lines)
 
 
+def generator_count(cfg: Config) -> int:
+    """vLLM engines: `generator.num_workers`, or by default one per tensor-parallel group of
+    the policy's GPUs (every GPU generates; colocated, that is the learners' GPUs)."""
+    return cfg.generator.num_workers or max(1, cfg.learner.num_workers // cfg.generator.tensor_parallel_size)
+
+
 def make_plan(cfg: Config, learners: bool = True) -> Plan:
-    """The plan of a run; `learners=False` leaves the learner role out (sampling jobs)."""
+    """The plan of a run; `learners=False` leaves the learner role out (sampling jobs).
+
+    Engine e of tensor-parallel size T spans bundles e*T .. e*T + T - 1 of its group; its
+    actor sits in the first of them (with T > 1, vLLM places its T workers in all of them).
+    """
     place = cfg.placement
     gpu = place.device == "gpu"
     cpus = place.cpus_per_bundle
     bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
-    learners, generators = (cfg.learner.num_workers if learners else 0), cfg.generator.num_workers
+    tp = cfg.generator.tensor_parallel_size
+    learners, generators = (cfg.learner.num_workers if learners else 0), generator_count(cfg)
     groups: dict[str, list[dict]] = {}
     slots: dict[str, list[RoleSlot]] = {}
     if place.mode == "colocated":
-        groups["policy"] = [dict(bundle) for _ in range(max(learners, generators))]
+        groups["policy"] = [dict(bundle) for _ in range(max(learners, generators * tp))]
         # Two roles share each bundle: each asks for half of it, so Ray accounts exactly.
         half = {key: value / 2 for key, value in bundle.items()}
         if learners:
             slots["learner"] = [RoleSlot("policy", i, half) for i in range(learners)]
-        slots["generator"] = [RoleSlot("policy", i, half) for i in range(generators)]
+        slots["generator"] = [RoleSlot("policy", i * tp, half) for i in range(generators)]
     else:
         if learners:
             groups["learners"] = [dict(bundle) for _ in range(learners)]
             slots["learner"] = [RoleSlot("learners", i, dict(bundle)) for i in range(learners)]
-        groups["generators"] = [dict(bundle) for _ in range(generators)]
-        slots["generator"] = [RoleSlot("generators", i, dict(bundle)) for i in range(generators)]
+        groups["generators"] = [dict(bundle) for _ in range(generators * tp)]
+        slots["generator"] = [RoleSlot("generators", i * tp, dict(bundle)) for i in range(generators)]
     if cfg.verifier.num_workers:
         groups["verifiers"] = [{"CPU": 1} for _ in range(cfg.verifier.num_workers)]
         slots["verifier"] = [RoleSlot("verifiers", i, {"CPU": 1}) for i in range(cfg.verifier.num_workers)]

@@ -41,6 +41,7 @@ def connect_ray(plan: Plan) -> bool:
 
 @dataclass
 class Runtime:
+    cfg: Config
     placement: Placement
     generators: GeneratorPool
     verifiers: VerifierPool
@@ -68,7 +69,19 @@ class Runtime:
             if cfg.algorithm.uses_replay:
                 replay = cfg.replay
                 buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed, placement)
-        return Runtime(placement, generators, verifiers, learners, sync, buffer, started_ray)
+        return Runtime(cfg, placement, generators, verifiers, learners, sync, buffer, started_ray)
+
+    def hand_over_to_learners(self) -> None:
+        """Where colocated roles take turns on GPUs: the engines sleep, the learners bring
+        their state back. Elsewhere (CPU, disaggregated) both calls do nothing."""
+        self.generators.sleep()
+        self.learners.onload()
+
+    def hand_over_to_generators(self) -> None:
+        """After the weight sync (which wakes the engines' weights): the learners' state
+        leaves the GPU and the engines take their KV cache back."""
+        self.learners.offload()
+        self.generators.wake_up()
 
     def shutdown(self) -> None:
         if self.buffer is not None:

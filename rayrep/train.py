@@ -98,10 +98,12 @@ def train(cfg: Config, log=print) -> RunResult:
                 step_batch = algorithm.build(groups, dropped)
 
             with timed(record, "update"):
+                runtime.hand_over_to_learners()  # colocated GPUs: the engines sleep meanwhile
                 record.update(runtime.learners.update(step_batch.batch, step_batch.loss))
 
             with timed(record, "sync"):
                 record.update(runtime.sync.push())
+                runtime.hand_over_to_generators()
 
             record.update(algorithm.after_update(step, step_batch))
             record.update(step_batch.metrics)

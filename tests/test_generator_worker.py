@@ -46,3 +46,13 @@ def test_rollouts_are_consistent_with_a_transformers_forward_pass(pool, tiny_pol
                 logits = model(full).logits[0, len(ids) - 1 : -1]
             expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(rollout.response_ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(rollout.logprobs), expected, atol=1e-3)
+
+
+def test_sleep_and_wake_are_no_ops_on_cpu(pool, tiny_policy):
+    """vLLM sleep mode frees GPU memory for colocated learners; on CPU there is nothing to
+    free, and the engines keep generating."""
+    cfg, generators = pool
+    assert ray.get([w.sleep.remote() for w in generators.workers]) == [False, False]
+    assert ray.get([w.wake_up.remote() for w in generators.workers]) == [False, False]
+    (rollouts,) = generators.gather(generators.generate([[5, 6, 7, 8]], n=2, temperature=1.0, top_p=1.0, max_tokens=8))
+    assert len(rollouts) == 2 and all(len(r.response_ids) == len(r.logprobs) > 0 for r in rollouts)

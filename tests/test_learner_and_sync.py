@@ -90,6 +90,9 @@ def test_the_learning_rate_schedule_counts_rollouts_not_optimizer_steps(ray_clus
                               "learner.warmup_steps": 2, "learner.lr_schedule": "cosine", "run.steps": 5})
     _, placement, learners = make_learners(cfg, tiny_policy, 1)
     try:
+        # On CPU the learners keep their state where it is (the hand-over is for colocated GPUs).
+        assert ray.get([w.offload.remote() for w in learners.workers]) == [False]
+        assert ray.get([w.onload.remote() for w in learners.workers]) == [False]
         rates = [learners.update(synthetic_batch(), LossSpec()) for _ in range(5)]
     finally:
         learners.shutdown()
@@ -98,6 +101,22 @@ def test_the_learning_rate_schedule_counts_rollouts_not_optimizer_steps(ray_clus
     # rollout 0, 1: warm-up 1/2, 2/2; then cosine over the 3 remaining rollouts: 1, 0.75, 0.25
     expected = [0.5, 1.0, 1.0, 0.75, 0.25]
     assert [m["lr"] for m in rates] == pytest.approx([1e-3 * f for f in expected])
+
+
+def test_gradient_checkpointing_takes_the_same_update(ray_cluster, tiny_cfg, tiny_policy):
+    cfg = tiny_cfg.replace(**{"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 8, "learner.lr": 1e-3,
+                              "learner.warmup_steps": 0})
+    states, norms = [], []
+    for checkpointing in (False, True):
+        _, placement, learners = make_learners(cfg.replace(**{"learner.gradient_checkpointing": checkpointing}), tiny_policy, 1)
+        try:
+            norms.append(learners.update(synthetic_batch(), LossSpec())["grad_norm"])
+            states.append(full_state(learners))
+        finally:
+            learners.shutdown()
+            placement.remove()
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+    assert all(torch.allclose(states[0][n], states[1][n], atol=1e-6) for n in states[0])
 
 
 def optimizer_state_dtypes(learners: LearnerGroup) -> set[str]:

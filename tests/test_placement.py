@@ -1,10 +1,12 @@
 import subprocess
 import sys
 
+import pytest
 import ray
 
-from rayrep.config import load_preset
+from rayrep.config import ConfigError, load_preset
 from rayrep.placement import Placement, make_plan
+from rayrep.sync.weights import engine_ranks
 
 
 def test_colocated_plan_shares_bundles_between_roles():
@@ -18,8 +20,26 @@ def test_colocated_plan_shares_bundles_between_roles():
     assert len(plan.groups["verifiers"]) == 3 and plan.total == {"CPU": 7}
 
 
+def test_every_gpu_generates_by_default():
+    cfg = load_preset("qwen2.5-math-7b-rlep")
+    plan = make_plan(cfg)
+    assert len(plan.groups["policy"]) == 64
+    assert [s.bundle for s in plan.slots["generator"]] == list(range(64))  # one engine per GPU
+    wide = make_plan(cfg.replace(**{"generator.tensor_parallel_size": 2}))
+    assert len(wide.groups["policy"]) == 64
+    assert [s.bundle for s in wide.slots["generator"]] == list(range(0, 64, 2))  # engine e spans bundles 2e, 2e+1
+    assert engine_ranks(3, 2) == [[1, 2], [3, 4], [5, 6]] and engine_ranks(2, 1) == [[1], [2]]
+    assert len(make_plan(cfg.replace(**{"generator.num_workers": 16})).slots["generator"]) == 16
+    with pytest.raises(ConfigError, match="must divide learner.num_workers=64"):
+        cfg.replace(**{"generator.tensor_parallel_size": 3})
+    with pytest.raises(ConfigError, match="generator.num_workers must be set"):
+        cfg.replace(**{"placement.mode": "disaggregated"})
+    with pytest.raises(ConfigError, match="CPU engines run on one device"):
+        load_preset("tiny-cpu").replace(**{"generator.tensor_parallel_size": 2})
+
+
 def test_disaggregated_gpu_plan_counts_nodes():
-    cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{"placement.mode": "disaggregated"})
+    cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{"placement.mode": "disaggregated", "generator.num_workers": 16})
     plan = make_plan(cfg)
     assert len(plan.groups["learners"]) == 64 and len(plan.groups["generators"]) == 16
     assert plan.groups["learners"][0] == {"GPU": 1, "CPU": 1}
@@ -34,6 +54,7 @@ def test_dry_run_prints_the_plan_without_starting_ray():
     ).stdout
     assert "group policy (PACK): 64 x {'GPU': 1, 'CPU': 1}" in out
     assert "learner: 64 actor(s), each {'GPU': 0.5, 'CPU': 0.5}" in out
+    assert "generator: 64 actor(s), each {'GPU': 0.5, 'CPU': 0.5}" in out
     assert "nodes needed: 8" in out
     assert not ray.is_initialized()
 

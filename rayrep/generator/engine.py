@@ -22,9 +22,11 @@ def configure_vllm_env(cfg: Config) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.generator.cpu_kv_cache_gib))))
 
 
-def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_extension_cls: str | None = None):
+def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_extension_cls: str | None = None,
+                bundles: list[int] | None = None):
     """A vLLM `LLM` for the policy at `model_path`, sized by the generator config; `seed`: of
-    its sampling (the config's generator seed, worker 0's, by default)."""
+    its sampling (the config's generator seed, worker 0's, by default). On GPUs, `bundles`
+    are the indices of this engine's bundles in the placement group the caller runs in."""
     configure_vllm_env(cfg)
     from vllm import LLM
 
@@ -46,6 +48,16 @@ def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_ex
         kwargs["worker_extension_cls"] = worker_extension_cls
     if cfg.placement.device == "gpu":
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
+        kwargs["tensor_parallel_size"] = gen.tensor_parallel_size
+        # Colocated, the engine sleeps while the learners update (weights to CPU, KV cache freed).
+        kwargs["enable_sleep_mode"] = cfg.placement.takes_turns
+        if gen.tensor_parallel_size > 1:
+            # vLLM starts one Ray worker per GPU, in this engine's bundles of the run's group;
+            # colocated, each takes half a GPU, as the learner beside it does.
+            kwargs["distributed_executor_backend"] = "ray"
+            os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundles or range(gen.tensor_parallel_size)))
+            if cfg.placement.takes_turns:
+                os.environ["VLLM_RAY_PER_WORKER_GPUS"] = "0.5"
     return LLM(**kwargs)
 
 

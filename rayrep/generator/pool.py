@@ -40,10 +40,12 @@ class GeneratorPool:
         from rayrep.generator.worker import RemoteGeneratorWorker
 
         threads = placement.plan.threads["generator"]
-        workers = [
-            RemoteGeneratorWorker.options(**placement.options("generator", i)).remote(cfg, model_path, i, threads)
-            for i in range(cfg.generator.num_workers)
-        ]
+        tp = cfg.generator.tensor_parallel_size
+        workers = []
+        for i, slot in enumerate(placement.plan.slots["generator"]):
+            bundles = list(range(slot.bundle, slot.bundle + tp))
+            workers.append(RemoteGeneratorWorker.options(**placement.options("generator", i)).remote(
+                cfg, model_path, i, threads, bundles))
         ray.get([w.policy_version.remote() for w in workers])  # engines up before anything else
         return GeneratorPool(workers)
 
@@ -68,3 +70,10 @@ class GeneratorPool:
     def gather(pending: list[PendingRollouts]) -> list[list[Rollout]]:
         """Every prompt's rollouts, in prompt order (waits for the workers)."""
         return [rollouts for part in ray.get([p.ref for p in pending]) for rollouts in part]
+
+    def sleep(self) -> None:
+        """Every engine frees its GPU memory for the learners (where the roles take turns)."""
+        ray.get([worker.sleep.remote() for worker in self.workers])
+
+    def wake_up(self) -> None:
+        ray.get([worker.wake_up.remote() for worker in self.workers])

@@ -1,7 +1,7 @@
 """GeneratorWorker: a Ray actor owning one vLLM engine.
 
-It samples rollouts with their behaviour log-probs, scores given sequences (for checks
-and evaluation), and loads new weights from the learner through the weight-sync group.
+It samples rollouts with their behaviour log-probs and loads new weights from the learner
+through the weight-sync group. On colocated GPUs it sleeps while the learners update.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from rayrep.types import Rollout
 
 
 class GeneratorWorker:
-    def __init__(self, cfg: Config, model_path: str, worker_index: int, threads: int):
+    def __init__(self, cfg: Config, model_path: str, worker_index: int, threads: int, bundles: list[int]):
         import torch
 
         from rayrep.generator.engine import make_engine
@@ -22,11 +22,13 @@ class GeneratorWorker:
         torch.set_num_threads(threads)
         self.cfg = cfg
         self.version = 0
+        self.asleep = False
         self.llm = make_engine(
             cfg,
             model_path,
             seed=cfg.seed("generator", worker_index),
             worker_extension_cls="rayrep.sync.vllm_ext.WeightSyncExtension",
+            bundles=bundles,
         )
 
     def generate(
@@ -38,11 +40,33 @@ class GeneratorWorker:
             self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, version=self.version
         )
 
-    def join_weight_group(self, host: str, port: int, world_size: int, rank: int) -> None:
+    def join_weight_group(self, host: str, port: int, world_size: int, first_rank: int) -> None:
+        """Every worker of the engine joins: tensor-parallel rank t as group rank first_rank + t."""
         backend = self.cfg.placement.collective_backend
-        self.llm.collective_rpc("rayrep_join_weight_group", args=(host, port, world_size, rank, backend))
+        self.llm.collective_rpc("rayrep_join_weight_group", args=(host, port, world_size, first_rank, backend))
+
+    def sleep(self) -> bool:
+        """Free the GPU for the learners (vLLM sleep level 1: weights to CPU memory, KV cache
+        dropped). Only where the roles take turns on GPUs; elsewhere (CPU) nothing to free.
+        Returns whether the engine went to sleep."""
+        if self.cfg.placement.takes_turns and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+            return True
+        return False
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Take the GPU back: `tags` "weights" and/or "kv_cache" (all when None). Returns
+        whether anything was woken."""
+        if not self.asleep:
+            return False
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
+        return True
 
     def receive_weights(self, manifest: WeightManifest, version: int) -> int:
+        self.wake_up(["weights"])  # a sleeping engine's weights are on the CPU: load into GPU buffers
         loaded = self.llm.collective_rpc("rayrep_receive_weights", args=(manifest,))[0]
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()

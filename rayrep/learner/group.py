@@ -62,6 +62,13 @@ class LearnerGroup:
             metrics["loss"] = metrics.pop("loss_sum") / steps
         return metrics
 
+    def offload(self) -> None:
+        """Every rank's state off the GPU while the colocated generators run (where the roles take turns)."""
+        ray.get([w.offload.remote() for w in self.workers])
+
+    def onload(self) -> None:
+        ray.get([w.onload.remote() for w in self.workers])
+
     def weight_manifest(self, bucket_bytes: int) -> WeightManifest:
         specs = ray.get(self.workers[0].weight_specs.remote())
         tied = ray.get(self.workers[0].tied_embedding_name.remote())

@@ -89,6 +89,7 @@ class FSDP2Sharding:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=precision)
         fully_shard(model, mesh=mesh, mp_policy=precision)
+        model.to(device)  # only this rank's shards move
         self.model = self.module = model
         self.optimizer, self.scheduler = make_optimizer(model, cfg)
         self.grad_clip = cfg.learner.grad_clip

@@ -90,12 +90,17 @@ class LearnerWorker:
         from rayrep.models import config_overrides
 
         self.config_overrides = config_overrides(cfg, model_path)
+        # Loaded on the CPU: each rank keeps only its shard on the device (a full fp32 copy
+        # of a 7B policy would not fit beside a colocated vLLM engine).
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **self.config_overrides)
-        model = model.to(self.device)
         model.config.use_cache = False
+        if cfg.learner.gradient_checkpointing:
+            # Keep each layer's input only and recompute the rest in backward.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied_embedding = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
         self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device)
         self.sharding.model.train()
+        self.offload()  # colocated GPUs: the engines generate first
 
     # ------------------------------------------------------------------ forward passes
 
@@ -157,6 +162,7 @@ class LearnerWorker:
         batch = TrainBatch.of_sequences(prompts, responses, range(len(responses)))
         shares = rows_per_rank(batch.prompt_index, range(batch.num_prompts), self.world_size)
         means = []
+        moved = self.onload(optimizer=False)  # colocated GPUs: the weights only, for this pass
         self.sharding.model.eval()
         for chunk in self._micro_chunks(shares):
             _, entropy, width, dummy = self._forward(batch, chunk, "detached")
@@ -164,6 +170,8 @@ class LearnerWorker:
                 mask = batch.response_mask[chunk, :width].to(self.device)
                 means.append(((entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)).cpu())
         self.sharding.model.train()
+        if moved:
+            self.offload(optimizer=False)
         return shares[self.rank], torch.cat(means) if means else torch.zeros(0)
 
     # ------------------------------------------------------------------ training
@@ -227,6 +235,32 @@ class LearnerWorker:
             sums.add("grad_norm", grad_norm, 1.0)
             sums.extreme("grad_norm_max", grad_norm)
 
+    # ------------------------------------------------------------------ taking turns with the generators
+
+    def offload(self, optimizer: bool = True) -> bool:
+        """Move this rank's shards (and optimizer state) to CPU memory while the colocated
+        generators run (FSDP2 on GPUs, where the roles take turns); elsewhere a no-op.
+        Returns whether anything moved."""
+        return self._move_state(torch.device("cpu"), optimizer)
+
+    def onload(self, optimizer: bool = True) -> bool:
+        """Bring the shards (and optimizer state) back to the GPU."""
+        return self._move_state(self.device, optimizer)
+
+    def _move_state(self, device: torch.device, optimizer: bool) -> bool:
+        if not (self.cfg.placement.takes_turns and self.cfg.learner.strategy == "fsdp2"):
+            return False  # CPU runs, or DeepSpeed (which manages its own buffers): nothing to hand over
+        self.sharding.model.to(device)
+        if optimizer:
+            for state in self.sharding.optimizer.state.values():
+                for name, value in state.items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        state[name] = value.to(device, non_blocking=True)
+        if device.type == "cpu":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return True
+
     # ------------------------------------------------------------------ weights out
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
@@ -268,7 +302,10 @@ class LearnerWorker:
         """Save a Hugging Face checkpoint directory in `model.dtype` (rank 0 writes; every rank must call)."""
         from rayrep.models.checkpoint import save_checkpoint
 
+        moved = self.onload(optimizer=False)  # the gathers need the shards on the device
         state = self.full_state_dict(getattr(torch, self.cfg.model.dtype))
+        if moved:
+            self.offload(optimizer=False)
         if self.rank == 0:
             return save_checkpoint(state, base_model_path, path, self.config_overrides)
         return None

@@ -34,9 +34,11 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter
 class WeightSyncExtension:
     """Methods that run inside each vLLM worker (one per tensor-parallel rank)."""
 
-    def rayrep_join_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str) -> None:
+    def rayrep_join_weight_group(self, host: str, port: int, world_size: int, first_rank: int, backend: str) -> None:
         # Our own group, beside the one vLLM created for itself (a world of size 1 on CPU):
-        # the learner's rank 0 broadcasts to every generator worker through it.
+        # the learner's rank 0 broadcasts to every generator worker through it. This
+        # worker's rank within its engine (its tensor-parallel rank) follows the engine's first.
+        rank = first_rank + getattr(self, "rank", 0)
         self._rayrep_group = open_group(host, port, world_size, rank, backend, self._rayrep_device())
 
     def rayrep_receive_weights(self, manifest: WeightManifest) -> int:

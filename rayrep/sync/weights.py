@@ -22,16 +22,25 @@ if TYPE_CHECKING:
     from rayrep.learner.group import LearnerGroup
 
 
+def engine_ranks(engines: int, tensor_parallel_size: int) -> list[list[int]]:
+    """Weight-group ranks of each engine's workers: learner rank 0 is rank 0, then engine e's
+    tensor-parallel workers take 1 + e*T .. e*T + T (each receives the full tensors; vLLM's
+    loader keeps its own shard of them)."""
+    tp = tensor_parallel_size
+    return [list(range(1 + e * tp, 1 + (e + 1) * tp)) for e in range(engines)]
+
+
 class WeightSync:
     def __init__(self, cfg: Config, learners: LearnerGroup, generators: GeneratorPool):
         self.learners, self.generators = learners, generators
         self.manifest = learners.weight_manifest(int(cfg.sync.bucket_mb * 2**20))
         host, port = learners.rendezvous_address()
-        world = 1 + len(generators.workers)
+        ranks = engine_ranks(len(generators.workers), cfg.generator.tensor_parallel_size)
+        world = 1 + sum(len(r) for r in ranks)
         # Every member's join must be in flight together: the rendezvous waits for all.
         ray.get(
             learners.join_weight_group(host, port, world)
-            + [g.join_weight_group.remote(host, port, world, rank + 1) for rank, g in enumerate(generators.workers)]
+            + [g.join_weight_group.remote(host, port, world, r[0]) for g, r in zip(generators.workers, ranks)]
         )
         self.version = 0
 
