@@ -17,7 +17,7 @@ from rayrep.config import job_parser, parse_job_args, run_job
 
 
 def main(argv: list[str]) -> dict:
-    parser = job_parser(__doc__)
+    parser = job_parser(__doc__, trains=False)
     parser.add_argument("--checkpoint", required=True, help="policy that samples (or whose tokenizer imports)")
     parser.add_argument("--out", required=True, help="experience pool to write (.parquet)")
     parser.add_argument("--import-text", help="a text-only RLEP pool (verl/DAPO rows) to convert instead of sampling")

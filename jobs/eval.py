@@ -17,7 +17,7 @@ from rayrep.models import resolve_policy
 
 
 def main(argv: list[str]) -> dict:
-    parser = job_parser(__doc__)
+    parser = job_parser(__doc__, trains=False)
     parser.add_argument("--checkpoint", help="policy to evaluate (default: the config's model.path)")
     parser.add_argument("--out", help="also write the metrics as JSON to this file")
     args, cfg = parse_job_args(parser, argv)

@@ -2,21 +2,15 @@
 
     python jobs/grpo.py                                   # tiny-cpu preset, local Ray cluster
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/grpo.py
-    python jobs/grpo.py --dry-run --preset qwen2.5-math-7b-rlep   # print the placement plan only
+    python jobs/grpo.py --dry-run --preset qwen2.5-math-7b-rlep   # the placement and memory plans only
 """
 
 from rayrep.config import job_parser, parse_job_args, run_job
-from rayrep.placement import make_plan
 
 
 def main(argv: list[str]):
     parser = job_parser(__doc__)
-    parser.add_argument("--dry-run", action="store_true", help="print the placement plan and exit")
-    args, cfg = parse_job_args(parser, argv)
-    cfg = cfg.replace(**{"algorithm.name": "grpo"})
-    if args.dry_run:
-        print(make_plan(cfg).describe())
-        return None
+    _, cfg = parse_job_args(parser, argv + ["--algorithm.name", "grpo"])
 
     from rayrep.train import train
 

@@ -165,6 +165,7 @@ class PlacementConfig:
     mode: Literal["colocated", "disaggregated"] = option("colocated", "generators and learners share bundles, or each role gets its own")
     cpus_per_bundle: int = option(1, "CPUs per bundle; colocated roles take turns, so each uses all of them", min=1)
     gpus_per_node: int = option(8, "GPUs per node of the cluster (for the plan's node count)", min=1)
+    gpu_memory_gib: float = option(80.0, "memory of one GPU in GiB, for the memory plan checked before a GPU run starts", min=1.0)
 
     @property
     def takes_turns(self) -> bool:
@@ -528,27 +529,50 @@ def parse_cli(argv: list[str]) -> Config:
     return from_dict(data)
 
 
-def job_parser(description: str):
-    """An argparse parser for a job's own flags; config fields go to `parse_job_args`."""
+def job_parser(description: str, trains: bool = True):
+    """An argparse parser for a job's own flags; config fields go to `parse_job_args`.
+
+    Every job takes `--dry-run`: print the placement plan and, for a GPU run, the memory
+    plan, then stop, starting nothing (exit 2 when the plan cannot fit). `trains`: the job
+    starts learners (a training run), not only generators and verifiers.
+    """
     import argparse
 
-    return argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description=description,
         epilog="Any config field can be set too, e.g. --preset tiny-cpu --learner.lr 1e-5.\n\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the placement plan and the per-GPU memory plan, start nothing")
+    parser.set_defaults(trains=trains)
+    return parser
 
 
 def parse_job_args(parser, argv: list[str] | None = None):
     """(job flags, Config): the job's own flags, then the config from everything else.
 
-    A config error exits with status 2 and the message, before anything starts.
+    A config error exits with status 2 and the message, before anything starts; so does
+    `--dry-run`, after printing the plans (status 0 when they fit).
     """
     args, rest = parser.parse_known_args(argv)
     try:
-        return args, parse_cli(rest)
+        cfg = parse_cli(rest)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
+    if args.dry_run:
+        from rayrep.memory import memory_plan
+        from rayrep.placement import make_plan
+
+        lines = [make_plan(cfg, learners=args.trains).describe()]
+        plan = memory_plan(cfg, trains=args.trains)
+        if plan is None:
+            lines.append("memory plan: only for GPU runs of a known model (CPU run, or config.json not at hand)")
+        else:
+            lines.append(plan.describe())
+        print("\n".join(lines))
+        parser.exit(2 if plan is not None and plan.problems() else 0)
+    return args, cfg
 
 
 def run_job(main: Callable[[list[str]], object]) -> None:

@@ -16,6 +16,7 @@ from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
+from rayrep.memory import check_memory
 from rayrep.models import check_context
 from rayrep.placement import Placement, Plan, make_plan
 from rayrep.sync.weights import WeightSync
@@ -55,8 +56,10 @@ class Runtime:
     def start(cfg: Config, model_path: str, train: bool = True) -> "Runtime":
         """Every role's actors; `train=False` starts generators and verifiers only (sampling jobs).
 
-        What the policy cannot do (a context longer than its positions) fails first."""
+        What cannot work fails first: a context longer than the policy's positions, a GPU
+        plan that does not fit in memory."""
         check_context(cfg, model_path)
+        check_memory(cfg, trains=train)
         plan = make_plan(cfg, learners=train)
         started_ray = connect_ray(plan)
         placement = Placement(plan)

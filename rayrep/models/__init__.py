@@ -58,12 +58,13 @@ def config_overrides(cfg: Config, model_path: str) -> dict:
     return overrides
 
 
-def read_model_config(model_path: str):
-    """The checkpoint's model config (`config.json`), or an InputError naming the path."""
+def read_model_config(model_path: str, local_only: bool = False):
+    """The checkpoint's model config (`config.json`), or an InputError naming the path. A hub
+    id is read from the local cache, or (not `local_only`) fetched from the hub."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_path)
+        return AutoConfig.from_pretrained(model_path, local_files_only=local_only)
     except (OSError, ValueError) as err:
         raise InputError(f"model {model_path}: cannot read its config.json ({err})") from None
 

@@ -67,6 +67,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("RAYREP_CACHE_DIR", Path.home() / ".cache" / "rayrep"))
 
 
+def padded_vocab_size(tokenizer) -> int:
+    """The embedding rows of the tiny policy: its tokenizer's size, rounded up to 8."""
+    return 8 * math.ceil(len(tokenizer) / 8)
+
+
 def qwen2_config(spec: TinyPolicySpec, vocab_size: int, tokenizer):
     from transformers import Qwen2Config
 
@@ -133,7 +138,7 @@ def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
     built = build_char_tokenizer()
-    config = qwen2_config(spec, 8 * math.ceil(len(built) / 8), built)
+    config = qwen2_config(spec, padded_vocab_size(built), built)
     config.save_pretrained(out_dir)
     built.save_pretrained(out_dir)
     # Train on exactly the tokenizer that vLLM and transformers will load from the checkpoint.
