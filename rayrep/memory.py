@@ -148,8 +148,8 @@ class MemoryPlan:
 
 def model_shape(cfg: Config, local_only: bool = True) -> ModelShape | None:
     """The policy's shape: the embedded tiny policy's recipe, the checkpoint's config.json
-    (from the local cache only, unless `local_only` is off), or the table of known models;
-    None when none of them can tell."""
+    from a folder or the local cache, the table of known models, or (unless `local_only`)
+    the config.json fetched from the hub; None when none of them can tell."""
     if cfg.model.path == "tiny":
         from rayrep.models import tiny_spec
         from rayrep.models.tiny import padded_vocab_size
@@ -158,13 +158,17 @@ def model_shape(cfg: Config, local_only: bool = True) -> ModelShape | None:
         spec = tiny_spec(cfg)
         return ModelShape(padded_vocab_size(build_char_tokenizer()), spec.hidden_size, spec.intermediate_size,
                           spec.num_layers, spec.num_heads, spec.num_kv_heads, True)
-    try:
-        from rayrep.models import read_model_config
+    from rayrep.models import read_model_config
 
-        return ModelShape.of(read_model_config(cfg.model.path, local_only=local_only))
+    try:
+        return ModelShape.of(read_model_config(cfg.model.path, local_only=True))
     except InputError:
-        known = KNOWN_SHAPES.get(cfg.model.path)
-        return ModelShape.of(known) if known else None
+        pass
+    if cfg.model.path in KNOWN_SHAPES:
+        return ModelShape.of(KNOWN_SHAPES[cfg.model.path])
+    if local_only:
+        return None
+    return ModelShape.of(read_model_config(cfg.model.path))
 
 
 def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:

@@ -60,10 +60,18 @@ def test_paper_presets_hold_the_papers_hyperparameters():
     assert (rlep.learner.lr, rlep.learner.mini_batch_prompts, rlep.learner.weight_decay) == (1e-6, 64, 0.1)
     assert (rlep.learner.clip_low, rlep.learner.clip_high, rlep.learner.dual_clip) == (0.2, 0.28, 10.0)
     assert (rlep.verifier.overlong_buffer, rlep.generator.max_response_tokens) == (512, 3072)
+    assert (rlep.learner.warmup_steps, rlep.run.steps, rlep.model.dtype) == (10, 400, "bfloat16")
+    assert (rlep.generator.eval_samples, rlep.generator.eval_temperature) == (32, 1.0)
     ex = load_preset("qwen2.5-math-7b-exgrpo")
     assert (ex.algorithm.prompts_per_step, ex.algorithm.group_size, ex.run.steps) == (128, 8, 701)
     assert ex.algorithm.std_normalize is False
     assert (ex.algorithm.exgrpo.start_pass_rate, ex.algorithm.exgrpo.replay_ratio) == (0.35, 0.5)
+    assert (ex.learner.clip_low, ex.learner.clip_high, ex.learner.dual_clip) == (0.2, 0.2, 0.0)
+    assert (ex.learner.loss_agg, ex.learner.loss_norm_constant, ex.learner.entropy_coef) == ("seq-mean-token-sum-norm", 8192.0, 0.001)
+    assert (ex.model.rope_theta, ex.model.max_position_embeddings) == (40000.0, 16384)
+    assert (ex.learner.lr, ex.learner.warmup_steps, ex.learner.weight_decay, ex.learner.skip_grad_norm_above) == (1e-6, 0, 0.01, 500.0)
+    assert ex.replay.max_answers_per_question == 0  # the code keeps every answer
+    assert (ex.eval_samples("aime24"), ex.eval_samples("amc23"), ex.eval_samples("math500")) == (32, 32, 1)
 
 
 def test_cli_overrides_any_field_with_both_spellings():

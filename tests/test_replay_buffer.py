@@ -236,6 +236,14 @@ def test_cap_keeps_the_newest_answers_in_order_and_counts_evictions():
         assert_same_answer(got, source)
 
 
+def test_a_cap_of_zero_keeps_every_answer():
+    buffer = ReplayBuffer(0, 0)  # what the ExGRPO code does: no cap
+    for _ in range(3):
+        buffer.add([("q", prompt(0), answers_of(0, 40))])
+    assert buffer.stats()["answers"] == 120 and buffer.stats()["evicted"] == 0
+    assert stored_first_tokens(buffer, "q") == list(range(40)) * 3
+
+
 def test_dedup_by_token_ids_also_within_one_add():
     buffer = ReplayBuffer(0, 8)
     a, b, c = make_answer([5, 6, 7]), make_answer([5, 6]), make_answer([5, 6, 8])
