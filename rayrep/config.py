@@ -86,6 +86,7 @@ class GeneratorConfig:
 @dataclass
 class VerifierConfig:
     num_workers: int = option(1, "verifier actors scoring completions in parallel", min=0)
+    cpus_per_worker: float = option(1.0, "CPUs each verifier's bundle reserves", min=0.01)
     timeout_s: float = option(1.0, "hard wall-clock limit per completion; a slower one scores as wrong and counts as a timeout", min=0.01)
     reward_style: Literal["binary", "dapo"] = option("dapo", "binary: 1 correct / 0 wrong; dapo: +1 / -1")
     overlong_buffer: int = option(512, "DAPO overlong shaping: the penalty ramps over the last this-many tokens", min=0)
@@ -95,7 +96,7 @@ class VerifierConfig:
 @dataclass
 class ReplayConfig:
     num_shards: int = option(2, "replay buffer shard actors; questions are routed by a stable hash of their id (0: in-process)", min=0)
-    cpus_per_shard: float = option(0.5, "CPUs each shard's bundle reserves (shards hold memory and answer a few calls per step)", min=0.01)
+    cpus_per_shard: float = option(0.25, "CPUs each shard's bundle reserves (shards hold memory and answer a few calls per step)", min=0.01)
     max_answers_per_question: int = option(0, "cap on stored answers per question, the oldest evicted beyond it; 0: no cap (the ExGRPO code keeps them all)", min=0)
 
 
@@ -163,7 +164,11 @@ class LearnerConfig:
 class PlacementConfig:
     device: Literal["cpu", "gpu"] = option("cpu", "cpu: gloo and CPU bundles; gpu: NCCL and {'GPU': 1} bundles")
     mode: Literal["colocated", "disaggregated"] = option("colocated", "generators and learners share bundles, or each role gets its own")
-    cpus_per_bundle: int = option(1, "CPUs per bundle; colocated roles take turns, so each uses all of them", min=1)
+    cpus_per_bundle: int = option(1, "CPUs per learner / generator bundle (Ray's accounting); colocated roles take turns in it", min=1)
+    threads: int = option(0, "torch threads of each learner and generator actor; 0: its bundle's CPUs", min=0)
+    cpu_node_resource: str = option("", "a custom resource that CPU nodes advertise: verifiers and replay shards go there (cluster.yaml: rayrep_cpu_node)")
+    wait_timeout_s: float = option(600.0, "how long to wait for an autoscaling cluster to grow to the plan before giving up", min=1.0)
+    cluster_can_grow: Literal["auto", "yes", "no"] = option("auto", "whether the cluster can add nodes; auto: when its autoscaler publishes its node types")
     gpus_per_node: int = option(8, "GPUs per node of the cluster (for the plan's node count)", min=1)
     gpu_memory_gib: float = option(80.0, "memory of one GPU in GiB, for the memory plan checked before a GPU run starts", min=1.0)
 
@@ -392,6 +397,9 @@ def validate(cfg: Config) -> None:
             f"algorithm.prompts_per_step={algo.prompts_per_step}"
         )
     gen, place = cfg.generator, cfg.placement
+    if place.device == "gpu" and place.gpus_per_node % gen.tensor_parallel_size:
+        raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size} must divide "
+                          f"placement.gpus_per_node={place.gpus_per_node}: an engine's GPUs are on one node")
     if place.device == "cpu" and gen.tensor_parallel_size > 1:
         raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size}: CPU engines run on one device (1)")
     if place.mode == "disaggregated" and not gen.num_workers:

@@ -1,19 +1,33 @@
-"""Placement groups: which bundles each role gets, colocated or disaggregated.
+"""Placement groups: which bundles each role gets, on which nodes, and whether the cluster can hold them.
 
-`colocated`: generator i and learner rank i share bundle i of one placement group (they
-take turns: generate, then train). `disaggregated`: generators and learners get placement
-groups of their own. Verifiers get CPU bundles of their own. A bundle is
-`{"CPU": cpus_per_bundle}` on CPU machines and `{"GPU": 1, "CPU": cpus_per_bundle}` on GPU
-clusters; the same code places both.
+`colocated`: generator i and learner rank i share bundle i (they take turns: generate,
+then train). `disaggregated`: generators and learners get bundles of their own. A bundle
+is `{"CPU": cpus_per_bundle}` on CPU machines and `{"GPU": 1, "CPU": cpus_per_bundle}` on
+GPU clusters; the same code places both.
+
+On GPU clusters each role's bundles come in groups of one node (`gpus_per_node` bundles,
+STRICT_PACK): learner ranks 8n .. 8n + 7 share node n, so a node's ranks are contiguous and
+an engine's tensor-parallel GPUs never span nodes. Verifiers and replay-buffer shards get
+CPU bundles of their own (SPREAD), on CPU nodes when `placement.cpu_node_resource` names
+the resource those nodes advertise.
+
+Before anything is created, `Placement` compares the plan with what the cluster has, or
+(autoscaling) could have: an impossible plan fails at once, naming what is missing; a
+plan that fits a grown cluster waits for it, saying what is pending, up to a timeout.
 """
 
 from __future__ import annotations
 
 import math
 import socket
+import time
 from dataclasses import dataclass, field
 
-from rayrep.config import Config
+from rayrep.config import Config, InputError
+
+
+class PlacementError(InputError):
+    """The cluster cannot hold the plan (now, or, when it cannot grow, ever): what is missing."""
 
 
 def free_port() -> int:
@@ -42,32 +56,57 @@ class Plan:
     threads: dict[str, int]
     """Role -> torch threads per actor."""
     nodes: int
-    """Nodes this plan needs at least (GPU bundles per node from placement.gpus_per_node)."""
+    """GPU nodes this plan needs (one per GPU group); CPU runs: 1."""
 
     @property
     def total(self) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for bundles in self.groups.values():
-            for bundle in bundles:
-                for key, value in bundle.items():
-                    total[key] = total.get(key, 0) + value
-        return total
+        return _sum(bundle for bundles in self.groups.values() for bundle in bundles)
 
     def describe(self) -> str:
         lines = ["placement plan:"]
-        for name, bundles in self.groups.items():
-            lines.append(f"  group {name} ({self.strategies[name]}): {len(bundles)} x {bundles[0]}")
+        for names in _runs(list(self.groups)):
+            bundles = self.groups[names[0]]
+            where = "one node each" if self.strategies[names[0]] == "STRICT_PACK" else self.strategies[names[0]]
+            label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1].rsplit('-', 1)[-1]}"
+            lines.append(f"  group{'s' if len(names) > 1 else ''} {label} ({where}): {len(bundles)} x {bundles[0]}")
         for role, slots in self.slots.items():
-            groups = sorted({s.group for s in slots})
-            where = ", ".join(
+            groups = sorted({s.group for s in slots}, key=_group_order)
+            spots = ", ".join(
                 f"{g}[{min(b)}..{max(b)}]" if len(b) > 1 else f"{g}[{b[0]}]"
                 for g in groups
                 for b in [[s.bundle for s in slots if s.group == g]]
             )
+            if len(groups) > 2:
+                spots = f"{spots.split(', ')[0]}, ..., {spots.split(', ')[-1]}"
             lines.append(f"  {role}: {len(slots)} actor(s), each {slots[0].resources}, "
-                         f"{self.threads[role]} thread(s), in {where}")
-        lines.append(f"  total: {self.total}; nodes needed: {self.nodes}")
+                         f"{self.threads[role]} thread(s), in {spots}")
+        lines.append(f"  total: {self.total}; GPU nodes needed: {self.nodes}" if any(
+            "GPU" in b for bs in self.groups.values() for b in bs) else f"  total: {self.total}")
         return "\n".join(lines)
+
+
+def _sum(bundles) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def _group_order(name: str) -> tuple[str, int]:
+    base, _, index = name.rpartition("-")
+    return (base, int(index)) if index.isdigit() else (name, 0)
+
+
+def _runs(names: list[str]) -> list[list[str]]:
+    """Consecutive numbered groups of the same role and shape, for a short description."""
+    runs: list[list[str]] = []
+    for name in names:
+        if runs and _group_order(runs[-1][-1])[0] == _group_order(name)[0] != name:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return runs
 
 
 def generator_count(cfg: Config) -> int:
@@ -79,66 +118,101 @@ def generator_count(cfg: Config) -> int:
 def make_plan(cfg: Config, learners: bool = True) -> Plan:
     """The plan of a run; `learners=False` leaves the learner role out (sampling jobs).
 
-    Engine e of tensor-parallel size T spans bundles e*T .. e*T + T - 1 of its group; its
-    actor sits in the first of them (with T > 1, vLLM places its T workers in all of them).
+    Engine e of tensor-parallel size T spans bundles e*T .. e*T + T - 1 of its role's
+    bundles; its actor sits in the first of them (with T > 1, vLLM places its T workers in
+    all of them).
     """
     place = cfg.placement
     gpu = place.device == "gpu"
     cpus = place.cpus_per_bundle
     bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
     tp = cfg.generator.tensor_parallel_size
-    learners, generators = (cfg.learner.num_workers if learners else 0), generator_count(cfg)
+    learner_count, generators = (cfg.learner.num_workers if learners else 0), generator_count(cfg)
     groups: dict[str, list[dict]] = {}
+    strategies: dict[str, str] = {}
     slots: dict[str, list[RoleSlot]] = {}
+
+    def add_groups(name: str, count: int) -> None:
+        """`count` bundles of the policy's shape: one STRICT_PACK group per node on GPUs."""
+        per_group = place.gpus_per_node if gpu else max(1, count)
+        for k in range(math.ceil(count / per_group)):
+            groups[f"{name}-{k}"] = [dict(bundle) for _ in range(min(per_group, count - k * per_group))]
+            strategies[f"{name}-{k}"] = "STRICT_PACK" if gpu else "PACK"
+
+    def slot(name: str, index: int, resources: dict) -> RoleSlot:
+        per_group = place.gpus_per_node if gpu else len(groups[f"{name}-0"])
+        return RoleSlot(f"{name}-{index // per_group}", index % per_group, resources)
+
     if place.mode == "colocated":
-        groups["policy"] = [dict(bundle) for _ in range(max(learners, generators * tp))]
+        add_groups("policy", max(learner_count, generators * tp))
         # Two roles share each bundle: each asks for half of it, so Ray accounts exactly.
         half = {key: value / 2 for key, value in bundle.items()}
-        if learners:
-            slots["learner"] = [RoleSlot("policy", i, half) for i in range(learners)]
-        slots["generator"] = [RoleSlot("policy", i * tp, half) for i in range(generators)]
+        if learner_count:
+            slots["learner"] = [slot("policy", i, half) for i in range(learner_count)]
+        slots["generator"] = [slot("policy", i * tp, half) for i in range(generators)]
     else:
-        if learners:
-            groups["learners"] = [dict(bundle) for _ in range(learners)]
-            slots["learner"] = [RoleSlot("learners", i, dict(bundle)) for i in range(learners)]
-        groups["generators"] = [dict(bundle) for _ in range(generators * tp)]
-        slots["generator"] = [RoleSlot("generators", i * tp, dict(bundle)) for i in range(generators)]
-    if cfg.verifier.num_workers:
-        groups["verifiers"] = [{"CPU": 1} for _ in range(cfg.verifier.num_workers)]
-        slots["verifier"] = [RoleSlot("verifiers", i, {"CPU": 1}) for i in range(cfg.verifier.num_workers)]
-    if learners and cfg.algorithm.uses_replay and cfg.replay.num_shards:
-        shard = {"CPU": cfg.replay.cpus_per_shard}
-        groups["replay"] = [dict(shard) for _ in range(cfg.replay.num_shards)]
-        slots["replay"] = [RoleSlot("replay", i, dict(shard)) for i in range(cfg.replay.num_shards)]
-    # CPU-only roles spread over the nodes: verifiers share the CPU load, shards the memory.
-    strategies = {name: ("SPREAD" if name in ("verifiers", "replay") else "PACK") for name in groups}
-    gpu_bundles = sum(b.get("GPU", 0) for bs in groups.values() for b in bs)
-    nodes = max(1, math.ceil(gpu_bundles / place.gpus_per_node)) if gpu else 1
-    # Colocated roles take turns, so each may use all of its bundle's cores.
-    threads = {"learner": cpus, "generator": cpus, "verifier": 1, "replay": 1}
-    return Plan(groups, strategies, slots, threads, nodes)
+        if learner_count:
+            add_groups("learners", learner_count)
+            slots["learner"] = [slot("learners", i, dict(bundle)) for i in range(learner_count)]
+        add_groups("generators", generators * tp)
+        slots["generator"] = [slot("generators", i * tp, dict(bundle)) for i in range(generators)]
+    gpu_groups = len(groups) if gpu else 0
+
+    # CPU roles: spread over the nodes (verifiers share the CPU load, shards the memory), on
+    # CPU nodes when the cluster marks them.
+    marker = {place.cpu_node_resource: 0.001} if place.cpu_node_resource else {}
+    cpu_roles = [("verifier", "verifiers", cfg.verifier.num_workers, cfg.verifier.cpus_per_worker)]
+    if learners and cfg.algorithm.uses_replay:
+        cpu_roles.append(("replay", "replay", cfg.replay.num_shards, cfg.replay.cpus_per_shard))
+    for role, name, count, role_cpus in cpu_roles:
+        if count:
+            shape = {"CPU": role_cpus, **marker}
+            groups[name] = [dict(shape) for _ in range(count)]
+            strategies[name] = "SPREAD"
+            slots[role] = [RoleSlot(name, i, dict(shape)) for i in range(count)]
+    # Colocated roles take turns, so each may use all of its bundle's cores (or `placement.threads`).
+    threads = place.threads or cpus
+    return Plan(groups, strategies, slots, {"learner": threads, "generator": threads, "verifier": 1, "replay": 1},
+                nodes=max(1, gpu_groups))
 
 
 class Placement:
     """The placement groups of a plan, created and ready; hands out actor options per slot."""
 
-    def __init__(self, plan: Plan, timeout_s: float = 600):
+    def __init__(self, plan: Plan, timeout_s: float = 600, can_grow: str = "auto", log=print):
+        """Checks the plan against the cluster first (`check_fits`), then creates the groups
+        and waits for them, logging what is pending every 30 s, up to `timeout_s`."""
         import ray
         from ray.util.placement_group import placement_group
 
         self.plan = plan
+        check_fits(plan, can_grow)
         self.groups = {
             name: placement_group(bundles, strategy=plan.strategies[name], name=f"rayrep-{name}")
             for name, bundles in plan.groups.items()
         }
-        ready = [group.ready() for group in self.groups.values()]
-        _, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
-        if pending:
-            available = ray.available_resources()
-            raise RuntimeError(
-                f"placement groups not ready after {timeout_s:.0f} s: the plan needs {plan.total}, "
-                f"the cluster has {available} available\n{plan.describe()}"
-            )
+        waiting = {group.ready(): name for name, group in self.groups.items()}
+        start = time.monotonic()
+        while waiting:
+            left = timeout_s - (time.monotonic() - start)
+            # A progress line every 30 s (sooner under a short timeout).
+            ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=max(0.0, min(30.0, timeout_s / 4, left)))
+            for ref in ready:
+                del waiting[ref]
+            if not waiting:
+                break
+            pending = sorted(waiting.values(), key=_group_order)
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                self.remove()
+                raise PlacementError(
+                    f"placement groups not ready after {timeout_s:.0f} s ({_names(pending)} pending): the plan needs "
+                    f"{plan.total}, the cluster has {_rounded(ray.cluster_resources())} "
+                    f"({_rounded(ray.available_resources())} free)\n{plan.describe()}"
+                )
+            log(f"waiting for the cluster: {_names(pending)} pending for {waited:.0f} s "
+                f"(needs {_rounded(_sum(b for name in pending for b in plan.groups[name]))}; "
+                f"free now {_rounded(ray.available_resources())}; giving up after {timeout_s:.0f} s)")
 
     def options(self, role: str, index: int) -> dict:
         """`.options(...)` for actor `index` of `role`: its bundle and its share of it."""
@@ -146,9 +220,11 @@ class Placement:
 
         slot = self.plan.slots[role][index]
         resources = dict(slot.resources)
+        num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
         return {
-            "num_cpus": resources.pop("CPU", 0),
-            "num_gpus": resources.pop("GPU", 0),
+            "num_cpus": num_cpus,
+            "num_gpus": num_gpus,
+            "resources": resources,  # a CPU node's marker, if any
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.groups[slot.group], placement_group_bundle_index=slot.bundle
             ),
@@ -159,3 +235,59 @@ class Placement:
 
         for group in self.groups.values():
             remove_placement_group(group)
+
+
+def _names(groups) -> str:
+    names = sorted(groups, key=_group_order)
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, ... ({len(names)} groups)"
+
+
+def _rounded(resources: dict) -> dict:
+    """Ray's resource dict without its per-node and memory entries, for messages."""
+    return {k: round(v, 3) for k, v in sorted(resources.items())
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory") and "_group_" not in k}
+
+
+def cluster_capacity(can_grow: str) -> tuple[dict[str, float], list[dict[str, float]], bool]:
+    """(the most of each resource the cluster can have, the node shapes it has or can add,
+    whether it can grow). A cluster can grow when its autoscaler publishes its node types
+    (`can_grow` "auto"), or when told so ("yes"); else it holds what it has now."""
+    import ray
+    from ray._private.state import state
+
+    nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    current = _sum(nodes)
+    grows = can_grow == "yes"
+    if can_grow == "auto":
+        # Ray Train checks its worker groups against the same autoscaler config.
+        config = state.get_cluster_config()
+        grows = config is not None and len(config.node_group_configs) > 0
+        if grows:
+            maximum = state.get_max_resources_from_cluster_config() or {}
+            shapes = [dict(group.resources) for group in config.node_group_configs]
+            return {k: max(v, current.get(k, 0)) for k, v in {**current, **maximum}.items()}, nodes + shapes, True
+    return (current if not grows else {}), nodes, grows
+
+
+def check_fits(plan: Plan, can_grow: str = "auto") -> None:
+    """Refuse at once a plan the cluster cannot hold: more of a resource than it has (or,
+    autoscaling, could have), or a one-node group larger than any node (or node type)."""
+    capacity, shapes, grows = cluster_capacity(can_grow)
+    if grows and not capacity:
+        return  # told it can grow, with no limits known: the placement groups will tell
+    missing = []
+    for resource, need in plan.total.items():
+        have = capacity.get(resource, 0)
+        if need > have + 1e-9:
+            missing.append(f"{resource} {need:g} (the cluster {'can reach' if grows else 'has'} {have:g})")
+    for name, bundles in plan.groups.items():
+        needs = [_sum(bundles)] if plan.strategies[name] == "STRICT_PACK" else bundles
+        for need in needs:
+            if not any(all(shape.get(k, 0) >= v - 1e-9 for k, v in need.items()) for shape in shapes):
+                missing.append(f"group {name}: {need} on one node, which no node{' type' if grows else ''} has")
+                break
+    if missing:
+        raise PlacementError(
+            f"this cluster {'cannot grow to hold' if grows else 'cannot hold, and cannot grow to hold,'} the plan: "
+            f"missing {'; '.join(missing)}\n{plan.describe()}"
+        )

@@ -62,7 +62,7 @@ class Runtime:
         check_memory(cfg, trains=train)
         plan = make_plan(cfg, learners=train)
         started_ray = connect_ray(plan)
-        placement = Placement(plan)
+        placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow)
         generators = GeneratorPool.create(cfg, model_path, placement)
         verifiers = VerifierPool.create(cfg, placement)
         learners = sync = buffer = None

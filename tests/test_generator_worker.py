@@ -16,7 +16,7 @@ def test_split_evenly_covers_everything_in_order():
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_cfg, tiny_policy):
-    cfg = tiny_cfg.replace(**{"generator.num_workers": 2, "placement.cpus_per_bundle": 1})
+    cfg = tiny_cfg.replace(**{"generator.num_workers": 2, "placement.cpus_per_bundle": 1, "placement.threads": 1})
     placement = Placement(make_plan(cfg))
     yield cfg, GeneratorPool.create(cfg, tiny_policy, placement)
     placement.remove()

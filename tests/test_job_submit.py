@@ -1,4 +1,5 @@
-"""End to end: `ray start --head` (token authentication on), then the GRPO baseline through `ray job submit`."""
+"""End to end, as the README says: `ray start --head` with its default resources (2 CPUs on a
+2-core machine; token authentication on), then the GRPO baseline through `ray job submit`."""
 
 import json
 import os
@@ -25,7 +26,7 @@ def ray_head(tiny_policy):
     temp_dir = tempfile.mkdtemp(prefix="rr-", dir="/tmp")  # short: Ray's unix sockets live here
     dashboard = free_port()
     head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--port", str(free_port()), "--num-cpus", "4",
+        [RAY, "start", "--head", "--block", "--port", str(free_port()),
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--temp-dir", temp_dir,
          "--disable-usage-stats"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -43,7 +43,7 @@ def model_with(tiny_policy: str, state: dict[str, torch.Tensor]):
 
 
 def make_learners(cfg, model_path, workers, strategy="fsdp2"):
-    cfg = cfg.replace(**{"learner.num_workers": workers, "learner.strategy": strategy, "placement.cpus_per_bundle": 1,
+    cfg = cfg.replace(**{"learner.num_workers": workers, "learner.strategy": strategy, "placement.cpus_per_bundle": 1, "placement.threads": 1,
                          "generator.num_workers": 1, "verifier.num_workers": 0})
     placement = Placement(make_plan(cfg))
     return cfg, placement, LearnerGroup(cfg, model_path, placement)

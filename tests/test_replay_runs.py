@@ -103,7 +103,7 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
 
 @pytest.fixture(scope="module")
 def learners(ray_cluster, tiny_cfg, tiny_policy):
-    cfg = tiny_cfg.replace(**{"placement.cpus_per_bundle": 1, "verifier.num_workers": 0})
+    cfg = tiny_cfg.replace(**{"placement.cpus_per_bundle": 1, "placement.threads": 1, "verifier.num_workers": 0})
     placement = Placement(make_plan(cfg))
     group = LearnerGroup(cfg, tiny_policy, placement)
     yield group
