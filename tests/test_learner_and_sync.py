@@ -34,6 +34,18 @@ def full_state(learners: LearnerGroup) -> dict[str, torch.Tensor]:
     return ray.get([w.full_state_dict.remote() for w in learners.workers])[0]
 
 
+def logprob_gap(model, rollouts) -> float:
+    """The largest gap between the rollouts' behaviour log-probs and `model`'s log-probs of
+    the same tokens (a transformers forward pass): near 0 when `model` sampled them."""
+    worst = 0.0
+    for r in rollouts:
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        worst = max(worst, float((torch.tensor(r.logprobs) - expected).abs().max()))
+    return worst
+
+
 def model_with(tiny_policy: str, state: dict[str, torch.Tensor]):
     from transformers import AutoModelForCausalLM
 
@@ -203,15 +215,8 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
     prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(tiny_policy), questions, cfg.data.max_prompt_tokens)
 
     def worst_gap(model) -> float:
-        rollouts = [r for per_prompt in generators.gather(generators.generate(
-            prompt_ids, n=2, temperature=1.0, top_p=1.0, max_tokens=24)) for r in per_prompt]
-        gap = 0.0
-        for r in rollouts:
-            with torch.no_grad():
-                logits = model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
-            gap = max(gap, float((torch.tensor(r.logprobs) - expected).abs().max()))
-        return gap
+        sampled = generators.gather(generators.generate(prompt_ids, n=2, temperature=1.0, top_p=1.0, max_tokens=24))
+        return logprob_gap(model, [r for per_prompt in sampled for r in per_prompt])
 
     def as_sent(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.to(getattr(torch, dtype)).float() for name, t in state.items()}
@@ -266,13 +271,5 @@ def test_model_config_overrides_reach_learners_generators_and_checkpoints(ray_cl
     extended = AutoModelForCausalLM.from_pretrained(checkpoint).eval()  # reads the overrides back
     base = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
 
-    def gap(model) -> float:
-        worst = 0.0
-        for r in per_prompt:
-            with torch.no_grad():
-                logits = model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
-            worst = max(worst, float((torch.tensor(r.logprobs) - expected).abs().max()))
-        return worst
-
-    assert gap(extended) < 1e-3 < gap(base)  # the generators ran the extended model, not the base one
+    # the generators ran the extended model, not the base one
+    assert logprob_gap(extended, per_prompt) < 1e-3 < logprob_gap(base, per_prompt)

@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -11,26 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from ray_nodes import RAY, start_ray_node, stop_ray_node
+
 from rayrep.placement import free_port
 
-RAY = str(Path(sys.executable).parent / "ray")
 # Token authentication is off for these two nodes: what this test is about is placement and
 # the weight sync across nodes (the job-submit test runs with authentication on).
 NO_AUTH = dict(os.environ, RAY_AUTH_MODE="disabled")
-
-
-def start_node(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], env=NO_AUTH,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()  # `ray start --block` stops its node when it is terminated
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +26,9 @@ def two_nodes(tiny_policy):
     temp_dir = tempfile.mkdtemp(prefix="rr2-", dir="/tmp")  # short: Ray's unix sockets live here
     port = free_port()
     address = f"127.0.0.1:{port}"
-    head = start_node("--head", "--port", str(port), "--num-cpus", "2", "--resources", '{"node_a": 1}',
-                      "--include-dashboard", "false", "--temp-dir", temp_dir, "--object-store-memory", str(500 * 2**20))
+    head = start_ray_node("--head", "--port", str(port), "--num-cpus", "2", "--resources", '{"node_a": 1}',
+                          "--include-dashboard", "false", "--temp-dir", temp_dir,
+                          "--object-store-memory", str(500 * 2**20), env=NO_AUTH)
     second = None
     try:
         deadline = time.monotonic() + 120
@@ -49,8 +36,8 @@ def two_nodes(tiny_policy):
             if time.monotonic() > deadline or head.poll() is not None:
                 raise RuntimeError("the Ray head did not come up")
             time.sleep(1)
-        second = start_node("--address", address, "--num-cpus", "3", "--resources", '{"node_b": 1}',
-                            "--object-store-memory", str(500 * 2**20))
+        second = start_ray_node("--address", address, "--num-cpus", "3", "--resources", '{"node_b": 1}',
+                                "--object-store-memory", str(500 * 2**20), env=NO_AUTH)
         while "node_b" not in subprocess.run([RAY, "status", "--address", address], capture_output=True, text=True,
                                              env=NO_AUTH).stdout:
             if time.monotonic() > deadline or second.poll() is not None:
@@ -60,7 +47,7 @@ def two_nodes(tiny_policy):
     finally:
         for process in (second, head):
             if process is not None:
-                stop(process)
+                stop_ray_node(process)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

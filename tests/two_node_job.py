@@ -11,7 +11,6 @@ between the generator's behaviour log-probs and the learner's weights' log-probs
 import sys
 
 import ray
-import torch
 
 from rayrep.config import load_preset
 from rayrep.generator.pool import GeneratorPool
@@ -19,7 +18,7 @@ from rayrep.learner.group import LearnerGroup
 from rayrep.placement import Placement, make_plan
 from rayrep.sync.weights import WeightSync
 from rayrep.types import LossSpec
-from test_learner_and_sync import full_state, model_with, synthetic_batch
+from test_learner_and_sync import full_state, logprob_gap, model_with, synthetic_batch
 
 
 def node_of(actor) -> str:
@@ -43,15 +42,9 @@ def main(address: str, tiny_policy: str) -> None:
         trained = model_with(tiny_policy, full_state(learners))
         (rollouts,) = generators.gather(generators.generate([[5, 6, 7, 8, 9]], n=3, temperature=1.0, top_p=1.0,
                                                             max_tokens=16))
-        gap = 0.0
-        for r in rollouts:
-            with torch.no_grad():
-                logits = trained(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
-            gap = max(gap, float((torch.tensor(r.logprobs) - expected).abs().max()))
         print("learner_node", node_of(learners.workers[0]))
         print("generator_node", node_of(generators.workers[0]))
-        print("gap", gap)
+        print("gap", logprob_gap(trained, rollouts))
     finally:
         for worker in generators.workers:
             ray.kill(worker)

@@ -1,0 +1,25 @@
+"""Ray nodes started from the CLI by tests, and stopped through the processes the tests
+started (never `ray stop`, which would stop every Ray process on the machine)."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def start_ray_node(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """`ray start --block ...` in a session of its own, its output discarded."""
+    return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_ray_node(process: subprocess.Popen) -> None:
+    process.terminate()  # `ray start --block` stops its node when it is terminated
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
