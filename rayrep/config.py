@@ -194,7 +194,26 @@ class LoggingConfig:
     out_dir: str = option("runs", "root folder of runs (metrics, checkpoints, plots)")
     run_name: str = option("", "this run's folder under out_dir; empty: algorithm name and time")
     wandb: bool = option(False, "also log metrics to Weights & Biases")
+    wandb_mode: Literal["offline", "online"] = option("offline", "offline: a local wandb run folder in the run's folder, never the network (sync it later with `wandb sync`); online: stream to wandb with the user's key")
     wandb_project: str = option("rayrep", "Weights & Biases project")
+    plots: bool = option(True, "write learning-curve PNGs to <run>/plots at the end of a run")
+
+
+@dataclass
+class ServeConfig:
+    host: str = option("127.0.0.1", "address the HTTP server binds (0.0.0.0 exposes it beyond this machine)")
+    port: int = option(8000, "HTTP port of the server", min=1, max=65535)
+    min_replicas: int = option(1, "replicas (vLLM engines) kept running", min=1)
+    max_replicas: int = option(1, "replicas at most: above min_replicas, Serve adds and removes replicas by load", min=1)
+    target_ongoing_requests: float = option(16.0, "autoscaling aims at this many ongoing requests per replica", min=1.0)
+    max_ongoing_requests: int = option(64, "requests one replica works on at once; more wait in Serve's queue", min=1)
+    cpus_per_replica: float = option(1.0, "CPUs each replica reserves (on GPUs it also takes generator.tensor_parallel_size GPUs)", min=0.01)
+    max_model_len: int = option(0, "context (prompt + answer tokens) of the served engine; 0: the checkpoint's positions", min=0)
+    max_tokens: int = option(1024, "cap on a request's max_tokens (above it: 400); also the default when a request sets none", min=1)
+    max_n: int = option(16, "cap on answers per prompt (n) in one request", min=1)
+    max_prompts: int = option(32, "cap on prompts in one /v1/completions request", min=1)
+    max_temperature: float = option(2.0, "cap on a request's temperature", min=0.0)
+    max_request_bytes: int = option(1_000_000, "larger request bodies get a 413", min=1024)
 
 
 @dataclass
@@ -218,6 +237,7 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def __post_init__(self):
         validate(self)
@@ -422,6 +442,8 @@ def validate(cfg: Config) -> None:
         )
     if learner.dual_clip and learner.dual_clip <= 1:
         raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
+    if cfg.serve.max_replicas < cfg.serve.min_replicas:
+        raise ConfigError(f"serve.max_replicas={cfg.serve.max_replicas} is below serve.min_replicas={cfg.serve.min_replicas}")
     if cfg.verifier.overlong_buffer > cfg.generator.max_response_tokens:
         raise ConfigError(
             f"verifier.overlong_buffer={cfg.verifier.overlong_buffer} exceeds "
@@ -537,12 +559,13 @@ def parse_cli(argv: list[str]) -> Config:
     return from_dict(data)
 
 
-def job_parser(description: str, trains: bool = True):
+def job_parser(description: str, trains: bool = True, dry_run: bool = True):
     """An argparse parser for a job's own flags; config fields go to `parse_job_args`.
 
     Every job takes `--dry-run`: print the placement plan and, for a GPU run, the memory
     plan, then stop, starting nothing (exit 2 when the plan cannot fit). `trains`: the job
-    starts learners (a training run), not only generators and verifiers.
+    starts learners (a training run), not only generators and verifiers. `dry_run=False`:
+    the job has no such plan and defines its own `--dry-run` (the server).
     """
     import argparse
 
@@ -551,9 +574,10 @@ def job_parser(description: str, trains: bool = True):
         epilog="Any config field can be set too, e.g. --preset tiny-cpu --learner.lr 1e-5.\n\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the placement plan and the per-GPU memory plan, start nothing")
-    parser.set_defaults(trains=trains)
+    if dry_run:
+        parser.add_argument("--dry-run", action="store_true",
+                            help="print the placement plan and the per-GPU memory plan, start nothing")
+    parser.set_defaults(trains=trains, plans=dry_run)
     return parser
 
 
@@ -568,7 +592,7 @@ def parse_job_args(parser, argv: list[str] | None = None):
         cfg = parse_cli(rest)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
-    if args.dry_run:
+    if args.plans and args.dry_run:
         from rayrep.memory import memory_plan
         from rayrep.placement import make_plan
 

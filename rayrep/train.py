@@ -19,8 +19,9 @@ from rayrep.algos.grpo import GRPO, keep_informative
 from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.eval import evaluate
-from rayrep.metrics import MetricsLog, progress_line
+from rayrep.metrics import MetricsLog, plot_run, step_fields
 from rayrep.models import resolve_policy
+from rayrep.progress import Progress
 from rayrep.runtime import Runtime
 from rayrep.types import Group
 
@@ -68,7 +69,7 @@ def train(cfg: Config, log=print) -> RunResult:
     questions = cfg.algorithm.prompts_per_step
     result = RunResult(run_dir, final_checkpoint="")
     runtime = Runtime.start(cfg, model_path)
-    metrics = MetricsLog(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_project)
+    metrics = MetricsLog(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_mode)
 
     def evaluation(step: int) -> dict:
         start = time.perf_counter()
@@ -80,8 +81,9 @@ def train(cfg: Config, log=print) -> RunResult:
 
     try:
         algorithm.attach(runtime.buffer, runtime.learners)
+        progress = Progress(cfg.run.steps, "train", unit="step", log=log)
         metrics.log(evaluation(step=0))
-        log(progress_line(result.evals[-1]))
+        progress.update(0, **step_fields(result.evals[-1]))  # step 0 is not a step: the ETA leaves it out
         for step in range(1, cfg.run.steps + 1):
             record: dict = {"step": step}
             step_start = time.perf_counter()
@@ -114,15 +116,28 @@ def train(cfg: Config, log=print) -> RunResult:
             if cfg.run.save_every and step % cfg.run.save_every == 0:
                 runtime.learners.save(str(run_dir / "checkpoints" / f"step-{step}"))
             metrics.log(record)
-            log(progress_line(record))
+            progress.update(step, **step_fields(record))
 
         result.final_checkpoint = runtime.learners.save(str(run_dir / "checkpoints" / "final"))
         algorithm.save(run_dir)
         (run_dir / "evals.json").write_text(json.dumps(result.evals, indent=2))
-        return result
     finally:
         metrics.close()
         runtime.shutdown()
+    if cfg.logging.plots:
+        write_plots(run_dir, log)
+    return result
+
+
+def write_plots(run_dir: Path, log=print) -> None:
+    """The run's learning curves in `<run_dir>/plots`; a failure to draw them is a warning,
+    not a failed run (the checkpoint and metrics are already written)."""
+    try:
+        paths = plot_run(run_dir)
+    except Exception as err:  # whatever matplotlib raises, the run stands
+        log(f"warning: no plots for {run_dir}: {type(err).__name__}: {err}")
+        return
+    log(f"plots: {', '.join(p.name for p in paths)} in {run_dir / 'plots'}")
 
 
 def sample_round(

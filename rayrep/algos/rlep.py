@@ -115,6 +115,7 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
     from transformers import AutoTokenizer
 
     from rayrep.data import encode_prompts, load_split
+    from rayrep.progress import Progress
     from rayrep.runtime import Runtime
 
     settings = cfg.algorithm.rlep
@@ -124,6 +125,7 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
     start = time.perf_counter()
     runtime = Runtime.start(cfg, checkpoint, train=False)
     rows, kept_questions, samples = [], 0, 0
+    progress = Progress(len(prompts), "collect", unit="question", log=log)
     try:
         # Slices bound the memory of one generate call; every generator works on each slice.
         size = max(64, 8 * len(runtime.generators.workers))
@@ -146,7 +148,7 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
                     "data_source": prompt.data_source, "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
                     "logprobs": r.logprobs, "text": r.text, "reward": 1.0, "version": r.version,
                 } for r in successes]
-            log(f"collect: {min(begin + size, len(prompts))}/{len(prompts)} questions, {kept_questions} kept, {len(rows)} successes")
+            progress.update(begin + len(part), kept=kept_questions, successes=len(rows))
     finally:
         runtime.shutdown()
     if not rows:

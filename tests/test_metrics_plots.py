@@ -1,0 +1,218 @@
+"""metrics.jsonl mirrored to an offline wandb run, and a run's learning curves as PNGs (the
+`python -m rayrep.metrics plot` command, run as a subprocess)."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rayrep.metrics import load_run_metrics, plot_curves, read_metrics, step_times
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def step_record(step: int, replay_share: float = 0.0, **extra) -> dict:
+    """A training step's record with the keys a real run logs (values made up)."""
+    return {
+        "step": step, "time_plan": 0.01, "time_generate": 1.5, "time_verify": 0.07, "verifier_ok": 512,
+        "time_build": 0.02, "fresh_entropy": 0.10 - 0.01 * step, "grad_norm": 0.19, "lr": 1e-4,
+        "time_old_logprobs": 1.2, "fresh_tokens": 11514.0, "replay_tokens": 2556.0 * (replay_share > 0),
+        "loss": -0.00025, "time_update": 4.4, "policy_version": step, "time_sync": 0.04,
+        "reward_mean": -0.3 + 0.1 * step, "replay_share": replay_share, "accuracy": 0.35, "response_length": 22.5,
+        "generated_tokens": 11514, "tokens_per_second": 7588.4, "time_step": 6.1, "time": 1796090924.268 + step,
+        **extra,
+    }
+
+
+def eval_record(step: int, pass1: float) -> dict:
+    return {"time_eval": 9.6, "test_avg@4": pass1, "test_pass@1": pass1, "test_pass@4": 0.56, "test_maj@4": 0.32,
+            "test_rayrep/arithmetic/pass@1": pass1}
+
+
+def write_run(folder: Path, records: list[dict]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rayrep.metrics", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---------------------------------------------------------------- wandb, offline
+
+
+def wandb_history(path: Path) -> dict[int, dict]:
+    """The history rows of a `.wandb` run file: {step: {key: value}}.
+
+    wandb has no public Python reader for it, so this reads the file as its writer lays it
+    out: a 7-byte header (":W&B", magic 0xBEE1, version), then LevelDB-log records (4-byte
+    CRC, 2-byte length, 1-byte type: full, first, middle, last) in 32 KiB blocks, each
+    record a `wandb_internal_pb2.Record` protobuf.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    ident, magic, _ = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, f"{path} is not a wandb run file"
+    block, position, pieces, rows = 32768, 7, b"", {}
+    while position + 7 <= len(data):
+        left_in_block = block - position % block
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if left_in_block < 7 or (length == 0 and kind == 0):  # the padding at the end of a block
+            position += left_in_block
+            continue
+        pieces += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            if record.WhichOneof("record_type") == "history":
+                rows[record.history.step.num] = {
+                    item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+    return rows
+
+
+NETWORK_WATCH = textwrap.dedent("""
+    import json, socket, sys
+    from pathlib import Path
+
+    def watch(event, args):  # every name lookup, and every connection that is not a local socket
+        if event in ("socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr") or (
+                event == "socket.connect" and args[0].family != socket.AF_UNIX):
+            print("NETWORK", event, args[1:] if event == "socket.connect" else args, file=sys.stderr, flush=True)
+
+    sys.addaudithook(watch)
+    from rayrep.metrics import MetricsLog
+
+    log = MetricsLog(Path(sys.argv[1]), {"seed": 7}, use_wandb=True, project="rayrep-test", wandb_mode="offline")
+    for record in json.loads(sys.argv[2]):
+        log.log(record)
+    log.close()
+""")
+
+
+def test_wandb_offline_run_holds_the_logged_metrics_and_stays_off_the_network(tmp_path):
+    """A MetricsLog with wandb offline writes an offline run under the run folder whose history
+    holds every number logged, at its step; no name is looked up and no connection leaves the
+    machine from this process (wandb's own usage telemetry included)."""
+    run_dir = tmp_path / "run"
+    records = [
+        {"step": 0, "test_pass@1": 0.25, "time_eval": 9.5},
+        {"step": 1, "reward_mean": -0.5, "accuracy": 0.25, "verifier_ok": 512, "note": "text is not sent"},
+        {"step": 2, "reward_mean": 0.125, "accuracy": 0.75, "grad_norm": float("nan"), "test_pass@1": 0.5},
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+               WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    done = subprocess.run([sys.executable, "-c", NETWORK_WATCH, str(run_dir), json.dumps(records)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "NETWORK" not in done.stderr, done.stderr
+
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline_runs) == 1, list(run_dir.rglob("*"))
+    history = wandb_history(offline_runs[0])
+    assert sorted(history) == [0, 1, 2]
+    expected = {
+        0: {"test_pass@1": 0.25, "time_eval": 9.5},
+        1: {"reward_mean": -0.5, "accuracy": 0.25, "verifier_ok": 512},
+        2: {"reward_mean": 0.125, "accuracy": 0.75, "test_pass@1": 0.5},
+    }
+    for step, values in expected.items():
+        assert {k: history[step].get(k) for k in values} == values
+        assert history[step]["_step"] == step
+    assert "note" not in history[1] and "grad_norm" not in history[2]  # text and NaN stay in metrics.jsonl only
+    logged = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [0, 1, 2] and logged[2]["grad_norm"] is None and logged[1]["note"]
+
+
+# ---------------------------------------------------------------- plots
+
+
+def test_plot_command_writes_each_curve_and_an_overview(tmp_path):
+    rlep = write_run(tmp_path / "rlep", [
+        {"step": 0, **eval_record(0, 0.26)},
+        step_record(1, replay_share=0.18, replay_entropy=0.09),
+        step_record(2, replay_share=0.16, replay_entropy=0.08, **eval_record(2, 0.34)),
+    ])
+    done = run_cli("plot", str(rlep))
+    assert done.returncode == 0, done.stderr
+    written = [Path(line) for line in done.stdout.splitlines()]
+    names = {"reward", "test_accuracy", "entropy", "response_length", "replay_share", "step_time", "overview"}
+    assert {p.name for p in written} == {f"{name}.png" for name in names}
+    for path in written:
+        assert path.parent == rlep / "plots"
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+
+    # GRPO logs a replay share of 0 at every step: no replay panel; eval records only at step 0.
+    grpo = write_run(tmp_path / "grpo", [{"step": 0, **eval_record(0, 0.26)}, step_record(1), step_record(2)])
+    done = run_cli("plot", str(grpo))
+    assert done.returncode == 0, done.stderr
+    assert sorted(Path(line).name for line in done.stdout.splitlines()) == sorted(
+        f"{name}.png" for name in names - {"replay_share"})
+    assert sorted(p.name for p in (grpo / "plots").iterdir()) == sorted(Path(x).name for x in done.stdout.splitlines())
+
+
+@pytest.mark.parametrize("case", ["no folder", "no metrics file", "empty metrics file"])
+def test_plot_command_refuses_a_run_without_metrics(tmp_path, case):
+    run_dir = tmp_path / "run"
+    if case != "no folder":
+        run_dir.mkdir()
+    if case == "empty metrics file":
+        (run_dir / "metrics.jsonl").write_text("\n")
+    named = run_dir if case == "no folder" else run_dir / "metrics.jsonl"
+    done = run_cli("plot", str(run_dir))
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(named) in lines[0] and "Traceback" not in done.stderr, done.stderr
+    assert not (run_dir / "plots").exists()
+
+
+def test_step_time_phases_add_up_to_the_step_and_its_evaluation():
+    """Nested phases come out of their parents (ExGRPO's select is timed within plan, the old
+    log-probs within the update); the untimed rest of the step is `other`; eval is its own part."""
+    records = [
+        {"step": 0, "time_eval": 9.0},
+        {"step": 1, "time_plan": 0.5, "time_select": 0.2, "time_generate": 2.0, "time_verify": 0.1, "time_build": 0.1,
+         "time_old_logprobs": 1.0, "time_update": 3.0, "time_sync": 0.3, "time_step": 6.5, "time": 1796090924.0},
+    ]
+    steps, phases = step_times(records)
+    assert steps == [0, 1]
+    expected = {"plan": [0, 0.3], "select": [0, 0.2], "generate": [0, 2.0], "verify": [0, 0.1], "build": [0, 0.1],
+                "old_logprobs": [0, 1.0], "update": [0, 2.0], "sync": [0, 0.3], "other": [0, 0.5], "eval": [9.0, 0]}
+    assert list(phases) == list(expected)  # the order they run, eval last
+    for name, values in expected.items():
+        assert phases[name] == pytest.approx(values), name
+
+
+def test_metrics_of_the_latest_run_in_a_reused_folder(tmp_path):
+    """A later run with the same run name appends to metrics.jsonl with steps from 0 again;
+    a last line still being written is left out."""
+    run_dir = write_run(tmp_path / "run", [{"step": 0}, {"step": 1, "reward_mean": 0.1}, {"step": 2},
+                                           {"step": 0}, {"step": 1, "reward_mean": 0.7}])
+    with open(run_dir / "metrics.jsonl", "a") as file:
+        file.write('{"step": 2, "rew')
+    assert load_run_metrics(run_dir) == [{"step": 0}, {"step": 1, "reward_mean": 0.7}]
+
+
+def test_failed_plots_leave_a_warning_not_a_failed_run(tmp_path):
+    from rayrep.train import write_plots
+
+    lines = []
+    write_plots(tmp_path / "missing", log=lines.append)
+    assert len(lines) == 1 and lines[0].startswith("warning: no plots for") and "missing" in lines[0]
+
+
+def test_comparison_plot_still_draws(tmp_path):
+    evals = [{"step": 0, "test_pass@1": 0.26}, {"step": 10, "test_pass@1": 0.34}]
+    path = plot_curves({"baseline": evals, "rlep": evals[:1]}, tmp_path / "cmp" / "comparison.png", title="t")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
