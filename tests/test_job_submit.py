@@ -19,7 +19,7 @@ from rayrep.placement import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head(tiny_policy):
     """A Ray head started from the CLI; stopped through the process we started (never `ray stop`)."""
     temp_dir = tempfile.mkdtemp(prefix="rr-", dir="/tmp")  # short: Ray's unix sockets live here
@@ -43,14 +43,16 @@ def ray_head(tiny_policy):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def submit_job(address: str, job: list[str], env: dict) -> subprocess.CompletedProcess:
-    """`ray job submit` of `python <job...>` from the repository, waiting for its end. The head's
-    job agent registers a little after the dashboard answers: a submission it refused for that
-    (nothing was started) is tried again, for up to a minute."""
+def submit_job(address: str, job: list[str], env: dict, options: list[str] = ()) -> subprocess.CompletedProcess:
+    """`ray job submit [options]` of `python <job...>` from the repository (waiting for its end
+    unless `options` say --no-wait). The head's job agent registers a little after the
+    dashboard answers: a submission it refused for that (nothing was started) is tried again,
+    for up to a minute."""
     deadline = time.monotonic() + 60
     while True:
         submit = subprocess.run(
-            [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", sys.executable, *job],
+            [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), *options, "--",
+             sys.executable, *job],
             capture_output=True, text=True, env=env, timeout=900,
         )
         if "No available agent to submit job" not in submit.stderr or time.monotonic() > deadline:
@@ -58,18 +60,71 @@ def submit_job(address: str, job: list[str], env: dict) -> subprocess.CompletedP
         time.sleep(2)
 
 
-def test_grpo_runs_through_ray_job_submit(ray_head, tmp_path):
-    out_dir = tmp_path / "runs"
-    env = dict(os.environ, RAY_AUTH_MODE="token")
+ENV = dict(os.environ, RAY_AUTH_MODE="token")
+
+
+@pytest.fixture(scope="module")
+def submitted_run(ray_head, tmp_path_factory):
+    """A 2-step GRPO run submitted to the head: (`ray job submit`'s result, its run folder)."""
+    out_dir = tmp_path_factory.mktemp("runs")
     submit = submit_job(
         ray_head, ["jobs/grpo.py", "--run.steps", "2", "--run.eval_every", "0",
                    "--algorithm.prompts_per_step", "16", "--learner.mini_batch_prompts", "8",
                    "--data.arithmetic_test_size", "64", "--logging.out_dir", str(out_dir),
-                   "--logging.run_name", "submitted"], env)
+                   "--logging.run_name", "submitted"], ENV)
+    return submit, out_dir / "submitted"
+
+
+def test_grpo_runs_through_ray_job_submit(submitted_run):
+    submit, run_dir = submitted_run
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "succeeded" in submit.stdout
     assert "test pass@1:" in submit.stdout
-    records = [json.loads(line) for line in (out_dir / "submitted" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[-1]["policy_version"] == 2
-    assert (out_dir / "submitted" / "checkpoints" / "final" / "model.safetensors").exists()
+    assert (run_dir / "checkpoints" / "final" / "model.safetensors").exists()
+
+
+def test_the_trained_policy_is_served_by_a_submitted_job_and_stopped_cleanly(ray_head, submitted_run):
+    import openai
+
+    submit, run_dir = submitted_run
+    assert submit.returncode == 0, "the training job failed: see the test above"
+    port = free_port()
+    job = f"serve-{port}"
+    # `ray job stop` waits RAY_JOB_STOP_WAIT_TIME_S (3 s by default) before it kills the job:
+    # the server needs a few more to shut Serve down.
+    runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}})
+    started = submit_job(ray_head, ["jobs/serve.py", "--checkpoint", str(run_dir / "checkpoints" / "final"),
+                                    "--serve.port", str(port)], ENV,
+                         ["--no-wait", "--submission-id", job, "--runtime-env-json", runtime_env])
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+
+    def job_cli(*args: str) -> str:
+        done = subprocess.run([RAY, "job", *args, "--address", ray_head, job], capture_output=True, text=True,
+                              env=ENV, timeout=300)
+        return done.stdout + done.stderr
+
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                models = client.models.list().data
+                break
+            except openai.APIConnectionError:
+                status = job_cli("status")
+                assert "FAILED" not in status and time.monotonic() < deadline, status + job_cli("logs")[-3000:]
+                time.sleep(2)
+        assert [m.id for m in models] == ["submitted/final"]  # named after the run and the checkpoint
+        answer = client.completions.create(model="submitted/final", prompt="Q: 2+5=? Answer in \\boxed{}.\nA: ",
+                                           max_tokens=24)
+        assert answer.choices[0].text and answer.usage.completion_tokens > 0
+    finally:
+        job_cli("stop")
+    logs = job_cli("logs")
+    assert "was stopped" in job_cli("status")
+    assert "shutting down the server" in logs and "server stopped" in logs, logs[-3000:]
+    with pytest.raises(openai.APIConnectionError):  # Serve is gone from the cluster
+        client.models.list()

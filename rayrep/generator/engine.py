@@ -12,31 +12,32 @@ from rayrep.models import config_overrides
 from rayrep.types import Rollout
 
 
-def configure_vllm_env(cfg: Config) -> None:
-    """Environment vLLM reads at import/engine start; call before `import vllm`."""
-    # The in-process engine (no engine-core subprocess) starts in seconds and lets a weight
-    # sync reach the model runner directly through `collective_rpc`.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def configure_vllm_env(cfg: Config, in_process: bool = True) -> None:
+    """Environment vLLM reads at import/engine start; call before `import vllm`.
+
+    `in_process`: the engine core runs in this process. It starts in seconds and lets a weight
+    sync reach the model runner directly through `collective_rpc`. A server wants the core in
+    a process of its own, so that model steps never hold up its event loop.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if cfg.placement.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.generator.cpu_kv_cache_gib))))
 
 
-def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_extension_cls: str | None = None,
-                bundles: list[int] | None = None):
-    """A vLLM `LLM` for the policy at `model_path`, sized by the generator config; `seed`: of
-    its sampling (the config's generator seed, worker 0's, by default). On GPUs, `bundles`
-    are the indices of this engine's bundles in the placement group the caller runs in."""
-    configure_vllm_env(cfg)
-    from vllm import LLM
-
+def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: list[int] | None = None,
+                max_model_len: int | None = None) -> dict:
+    """vLLM engine arguments for the policy at `model_path`, sized by the generator config
+    (the same for the `LLM` of a generator and the async engine of a server); `seed`: of its
+    sampling (the config's generator seed, worker 0's, by default). On GPUs, `bundles` are
+    the indices of this engine's bundles in the placement group the caller runs in."""
     gen = cfg.generator
     kwargs = dict(
         model=model_path,
         dtype=cfg.model.dtype,
         enforce_eager=gen.enforce_eager,
         seed=cfg.seed("generator") if seed is None else seed,
-        max_model_len=cfg.data.max_prompt_tokens + gen.max_response_tokens,
+        max_model_len=max_model_len or cfg.data.max_prompt_tokens + gen.max_response_tokens,
         # Per-token log-probs of the sampling distribution (after temperature / top-p): the
         # behaviour policy that importance ratios are taken against.
         logprobs_mode="processed_logprobs",
@@ -44,20 +45,30 @@ def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_ex
     overrides = config_overrides(cfg, model_path)
     if overrides:  # the same model-config changes as the learners' (rope base, positions)
         kwargs["hf_overrides"] = overrides
-    if worker_extension_cls:
-        kwargs["worker_extension_cls"] = worker_extension_cls
     if cfg.placement.device == "gpu":
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = gen.tensor_parallel_size
         # Colocated, the engine sleeps while the learners update (weights to CPU, KV cache freed).
         kwargs["enable_sleep_mode"] = cfg.placement.takes_turns
         if gen.tensor_parallel_size > 1:
-            # vLLM starts one Ray worker per GPU, in this engine's bundles of the run's group;
+            # vLLM starts one Ray worker per GPU, in this engine's bundles of the group it runs in;
             # colocated, each takes half a GPU, as the learner beside it does.
             kwargs["distributed_executor_backend"] = "ray"
             os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundles or range(gen.tensor_parallel_size)))
             if cfg.placement.takes_turns:
                 os.environ["VLLM_RAY_PER_WORKER_GPUS"] = "0.5"
+    return kwargs
+
+
+def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_extension_cls: str | None = None,
+                bundles: list[int] | None = None):
+    """A vLLM `LLM` for the policy at `model_path` (see `engine_args`), its engine in this process."""
+    configure_vllm_env(cfg)
+    from vllm import LLM
+
+    kwargs = engine_args(cfg, model_path, seed, bundles)
+    if worker_extension_cls:
+        kwargs["worker_extension_cls"] = worker_extension_cls
     return LLM(**kwargs)
 
 

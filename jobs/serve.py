@@ -1,0 +1,80 @@
+"""Serve a policy checkpoint with Ray Serve behind the OpenAI API.
+
+    python jobs/serve.py --checkpoint runs/rlep-pipeline-x/rlep/checkpoints/final
+    python jobs/serve.py                      # the embedded tiny policy (built on first use)
+    ray job submit --working-dir . -- python jobs/serve.py --checkpoint <folder on the cluster> --detach
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming too),
+GET /health, on http://<serve.host>:<serve.port> (127.0.0.1:8000 by default). Replicas,
+autoscaling, per-replica concurrency and the caps on what a request may ask for are the
+`serve.*` config fields. The job serves until it is interrupted (Ctrl-C, `ray job stop`),
+then shuts Serve down; with --detach it deploys onto a running cluster and returns.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from rayrep.config import InputError, job_parser, parse_job_args, run_job
+
+
+def main(argv: list[str]) -> None:
+    parser = job_parser(__doc__, trains=False, dry_run=False)
+    parser.add_argument("--checkpoint", help="policy folder to serve (default: the config's model.path)")
+    parser.add_argument("--name", help="model name clients ask for (default: named after the checkpoint)")
+    parser.add_argument("--detach", action="store_true",
+                        help="deploy onto the running cluster (RAY_ADDRESS) and return, leaving it serving")
+    parser.add_argument("--dry-run", action="store_true", help="check the checkpoint, print the deployment, start nothing")
+    args, cfg = parse_job_args(parser, argv)
+
+    import os
+
+    from rayrep.models import resolve_policy
+    from rayrep.serve.app import build_app, check_checkpoint, deployment_options, model_name, served_context
+
+    checkpoint = args.checkpoint or resolve_policy(cfg)
+    check_checkpoint(checkpoint)
+    context = served_context(cfg, checkpoint)
+    name = args.name or ("tiny" if not args.checkpoint and cfg.model.path == "tiny" else model_name(checkpoint))
+    if args.detach and not os.environ.get("RAY_ADDRESS"):
+        raise InputError("--detach needs a running cluster to leave the server on (RAY_ADDRESS, as under ray job submit)")
+    url = f"http://{cfg.serve.host}:{cfg.serve.port}/v1"
+    if args.dry_run:
+        print(f"would serve {checkpoint} as {name!r} at {url} (context {context} tokens)")
+        print(f"deployment: {deployment_options(cfg)}")
+        return
+
+    import ray
+    from ray import serve
+
+    started_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    if started_ray:
+        ray.init(address="local", include_dashboard=False)
+    else:
+        ray.init(ignore_reinit_error=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # `ray job stop` sends SIGTERM; set after ray.init, which sets its own
+        signal.signal(sig, lambda *_: stop.set())
+    deployed = False
+    try:
+        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+        serve.run(build_app(cfg, checkpoint, name), name="rayrep-policy", route_prefix="/", blocking=False)
+        deployed = True
+        print(f"serving {checkpoint} as {name!r} at {url} (context {context} tokens)", flush=True)
+        print(f"  curl {url}/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"prompt\": \"Q: 2+3=?\\nA: \", \"max_tokens\": 32}}'", flush=True)
+        while not args.detach and not stop.is_set():
+            time.sleep(0.5)
+    finally:
+        if not (args.detach and deployed):  # a failed deployment is taken down too
+            print("shutting down the server", flush=True)
+            serve.shutdown()
+            if started_ray:
+                ray.shutdown()
+            print("server stopped", flush=True)
+
+
+if __name__ == "__main__":
+    run_job(main)

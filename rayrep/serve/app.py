@@ -1,0 +1,296 @@
+"""The trained policy behind OpenAI-compatible routes, as a Ray Serve application.
+
+    GET  /v1/models             the one model: the checkpoint's name
+    POST /v1/completions        text or token-id prompts; streaming with "stream": true
+    POST /v1/chat/completions   messages rendered with the checkpoint's chat template
+    GET  /health                200 once the engine answers
+
+Each replica owns one vLLM async engine (`AsyncLLMEngine`, vLLM's public API) with its core
+in a process of its own, so that model steps never hold up the replica's event loop. Every
+request is checked in full (`openai_api`) before the engine sees it; a bad one gets its 4xx
+and the replica goes on serving. Replica count, autoscaling and per-replica concurrency come
+from `ServeConfig`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException
+
+from rayrep.config import Config, InputError
+from rayrep.serve import openai_api as oai
+
+api = FastAPI(title="rayrep policy server", docs_url=None, redoc_url=None)
+
+
+@api.exception_handler(oai.APIError)
+async def _api_error(_: Request, err: oai.APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
+    # Unknown routes and wrong methods answer in the same error shape as everything else.
+    return JSONResponse(oai.APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+
+async def _last(stream: AsyncIterator):
+    """The final output of a generation (FINAL_ONLY streams yield just that one)."""
+    last = None
+    async for output in stream:
+        last = output
+    return last
+
+
+def served_context(cfg: Config, checkpoint: str) -> int:
+    """Prompt + answer tokens the engine holds: `serve.max_model_len`, or the checkpoint's
+    positions (after the config's overrides)."""
+    from rayrep.models import config_overrides, read_model_config
+
+    positions = config_overrides(cfg, checkpoint).get("max_position_embeddings") or getattr(
+        read_model_config(checkpoint, local_only=True), "max_position_embeddings", 0)
+    if cfg.serve.max_model_len and positions and cfg.serve.max_model_len > positions:
+        raise InputError(f"serve.max_model_len={cfg.serve.max_model_len} exceeds the {positions} positions of "
+                         f"the model at {checkpoint}")
+    context = cfg.serve.max_model_len or positions
+    if not context:
+        raise InputError(f"model {checkpoint}: its config.json gives no max_position_embeddings; set serve.max_model_len")
+    return context
+
+
+def check_checkpoint(checkpoint: str) -> None:
+    """A servable checkpoint folder: config, tokenizer and weights, or an InputError naming
+    what is missing (before anything starts)."""
+    from rayrep.models import read_model_config
+
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        raise InputError(f"checkpoint {checkpoint}: no such folder")
+    read_model_config(checkpoint, local_only=True)
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise InputError(f"checkpoint {checkpoint}: no weights (*.safetensors or *.bin) in the folder")
+    if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists():
+        raise InputError(f"checkpoint {checkpoint}: no tokenizer (tokenizer.json) in the folder")
+
+
+def model_name(checkpoint: str) -> str:
+    """The served model's default name: a run's checkpoint as <run>/<checkpoint>
+    (runs/rlep-1/checkpoints/final -> rlep-1/final), any other folder by its own name."""
+    path = Path(checkpoint).resolve()
+    if path.parent.name == "checkpoints":
+        return f"{path.parent.parent.name}/{path.name}"
+    return path.name
+
+
+# The class comes after every module-level name its methods use: `serve.ingress` pickles it
+# when it is defined, with the names bound at that moment.
+@serve.deployment
+@serve.ingress(api)
+class PolicyServer:
+    def __init__(self, cfg: Config, checkpoint: str, name: str):
+        from transformers import AutoTokenizer
+
+        from rayrep.generator.engine import configure_vllm_env, engine_args
+
+        configure_vllm_env(cfg, in_process=False)
+        from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+        self.cfg, self.caps, self.name = cfg, cfg.serve, name
+        self.context = served_context(cfg, checkpoint)
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.vocab_size = len(self.tokenizer)
+        tp = cfg.generator.tensor_parallel_size
+        # With tensor parallelism the engine's GPUs are bundles 1.. of the replica's group.
+        kwargs = engine_args(cfg, checkpoint, bundles=list(range(1, tp + 1)), max_model_len=self.context)
+        # A server keeps its GPU: no sleep mode, no GPU shared with a learner.
+        kwargs.pop("enable_sleep_mode", None)
+        os.environ.pop("VLLM_RAY_PER_WORKER_GPUS", None)
+        self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def __del__(self):
+        # Serve calls this when it stops the replica: the engine's core process goes with it.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # ------------------------------------------------------------ routes
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        await self.engine.check_health()
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "rayrep",
+                                            "max_model_len": self.context}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        body = oai.parse_completion(await self._json(request), self.caps)
+        self._check_model(body.model)
+        prompts = [self._prompt_ids(p) for p in body.prompts]
+        return await self._answer(body, prompts, "prompt", chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        body = oai.parse_chat(await self._json(request), self.caps)
+        self._check_model(body.model)
+        if not self.tokenizer.chat_template:
+            raise oai.APIError(400, f"The model '{self.name}' has no chat template: use /v1/completions.",
+                               param="messages")
+        ids = self.tokenizer.apply_chat_template(list(body.messages), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return await self._answer(body, [list(ids)], "messages", chat=True)
+
+    # ------------------------------------------------------------ checking
+
+    async def _json(self, request: Request) -> dict:
+        limit = self.caps.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refused before the body is read
+            raise oai.APIError(413, f"The request body is {declared} bytes; this server takes at most {limit}.",
+                               code="request_too_large")
+        return oai.read_json(await request.body(), limit)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.name:
+            raise oai.APIError(404, f"The model '{model}' does not exist; this server serves '{self.name}'.",
+                               param="model", code="model_not_found")
+
+    def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise oai.APIError(400, f"Token id {bad} in 'prompt' is outside the vocabulary (0..{self.vocab_size - 1}).",
+                               param="prompt", code="invalid_value")
+        return list(prompt)
+
+    # ------------------------------------------------------------ generating
+
+    async def _answer(self, body: oai.CompletionRequest | oai.ChatRequest, prompts: list[list[int]], param: str,
+                      chat: bool):
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        s = body.sampling
+        kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+        # One engine request per prompt, its n answers being choices p*n .. p*n + n-1. vLLM
+        # samples n > 1 only at T > 0: greedy answers are asked for one by one.
+        requests = []  # (first choice index, prompt ids, sampling params)
+        for p, ids in enumerate(prompts):
+            limit = oai.answer_tokens(s.max_tokens, len(ids), self.context, self.caps.max_tokens, param)
+            copies = s.n if s.temperature == 0 else 1
+            try:
+                params = SamplingParams(n=s.n // copies, temperature=s.temperature, top_p=s.top_p, max_tokens=limit,
+                                        stop=list(s.stop), seed=s.seed, presence_penalty=s.presence_penalty,
+                                        frequency_penalty=s.frequency_penalty, output_kind=kind)
+            except VLLMClientError as err:
+                raise oai.APIError(400, str(err), param=getattr(err, "parameter", None)) from None
+            requests += [(p * s.n + j, ids, params) for j in range(copies)]
+        request_id = oai.new_id("chatcmpl" if chat else "cmpl")
+        streams = [self._generate(ids, params, f"{request_id}-{i}") for i, (_, ids, params) in enumerate(requests)]
+        firsts = [first for first, _, _ in requests]
+        prompt_tokens = sum(map(len, prompts))
+        if body.stream:
+            events = self._events(request_id, body, streams, firsts, prompt_tokens, chat)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            finals = await asyncio.gather(*(_last(stream) for stream in streams))
+        except VLLMClientError as err:
+            raise oai.APIError(400, str(err), param=getattr(err, "parameter", None)) from None
+        choices, completion_tokens = [], 0
+        for first, output in zip(firsts, finals):
+            for c in output.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append({"index": first + c.index, "text": c.text, "finish_reason": c.finish_reason})
+        choices.sort(key=lambda c: c["index"])
+        return oai.completion_body(request_id, self.name, choices, prompt_tokens, completion_tokens, chat)
+
+    def _generate(self, ids: list[int], params, request_id: str) -> AsyncIterator:
+        from vllm.inputs import TokensPrompt
+
+        return self.engine.generate(TokensPrompt(prompt_token_ids=ids), params, request_id)
+
+    async def _events(self, request_id: str, body, streams: list[AsyncIterator], firsts: list[int],
+                      prompt_tokens: int, chat: bool) -> AsyncIterator[str]:
+        """The server-sent events of a streamed answer: the engine requests' outputs as they
+        come (request r's answers are choices firsts[r] + i), each choice's first chunk
+        opening it, then usage (when asked) and [DONE]."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(r: int, stream: AsyncIterator) -> None:
+            try:
+                async for output in stream:
+                    await queue.put((r, output))
+            except Exception as err:  # reported in the stream: the status line has been sent
+                await queue.put((r, err))
+            finally:
+                await queue.put((r, None))
+
+        tasks = [asyncio.create_task(pump(r, stream)) for r, stream in enumerate(streams)]
+        opened: set[int] = set()
+        completion_tokens = 0
+        try:
+            running = len(tasks)
+            while running:
+                r, output = await queue.get()
+                if output is None:
+                    running -= 1
+                    continue
+                if isinstance(output, Exception):
+                    error = oai.APIError(500, f"Generation failed: {output}", kind="server_error")
+                    yield oai.sse(error.body())
+                    return
+                for c in output.outputs:
+                    index = firsts[r] + c.index
+                    completion_tokens += len(c.token_ids)
+                    yield oai.sse(oai.chunk_body(request_id, self.name, index, c.text, c.finish_reason, chat,
+                                                 first=index not in opened))
+                    opened.add(index)
+            if body.include_usage:
+                yield oai.sse(oai.usage_chunk(request_id, self.name, prompt_tokens, completion_tokens, chat))
+            yield oai.sse("[DONE]")
+        finally:  # a client that went away: stop its generation
+            for task in tasks:
+                task.cancel()
+
+
+# ---------------------------------------------------------------- building the application
+
+
+def deployment_options(cfg: Config) -> dict:
+    """Serve options of the policy deployment: replicas or autoscaling, per-replica
+    concurrency, and the resources of one replica (its engine's GPUs on a GPU run)."""
+    s = cfg.serve
+    options: dict = {"max_ongoing_requests": s.max_ongoing_requests}
+    if s.max_replicas > s.min_replicas:
+        options["autoscaling_config"] = {"min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
+                                         "target_ongoing_requests": s.target_ongoing_requests}
+    else:
+        options["num_replicas"] = s.min_replicas
+    actor = {"num_cpus": s.cpus_per_replica}
+    tp = cfg.generator.tensor_parallel_size
+    if cfg.placement.device == "gpu" and tp == 1:
+        actor["num_gpus"] = 1
+    elif cfg.placement.device == "gpu":
+        # The replica and its engine's tensor-parallel workers on one node: vLLM starts one
+        # Ray worker per GPU bundle of the replica's placement group.
+        options["placement_group_bundles"] = [{"CPU": s.cpus_per_replica}] + [{"GPU": 1}] * tp
+        options["placement_group_strategy"] = "STRICT_PACK"
+    options["ray_actor_options"] = actor
+    return options
+
+
+def build_app(cfg: Config, checkpoint: str, name: str):
+    """The Serve application of the policy at `checkpoint`, served as model `name`."""
+    return PolicyServer.options(**deployment_options(cfg)).bind(cfg, checkpoint, name)
