@@ -75,6 +75,7 @@ class GeneratorConfig:
     top_p: float = option(1.0, "nucleus sampling of training rollouts", min=0.0, max=1.0)
     max_response_tokens: int = option(3072, "longest response a rollout may generate", min=1)
     eval_temperature: float = option(1.0, "sampling temperature of evaluation", min=0.0)
+    eval_top_p: float = option(1.0, "nucleus sampling of evaluation (both papers: 1.0)", min=0.0, max=1.0)
     eval_samples: int = option(4, "answers sampled per test question in evaluation (avg@k, pass@k, maj@k)", min=1)
     eval_samples_by_source: tuple[str, ...] = option((), "benchmarks sampled another number of times, as data_source=k entries (ExGRPO: avg@32 on AIME and AMC)")
     gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take (GPU only)", min=0.05, max=1.0)

@@ -1,23 +1,33 @@
 """Evaluation: avg@k, unbiased pass@k, maj@k, and the one path that evaluates a policy.
 
 Cheap to import (no torch, no ray): `maj_at_k` loads the math verifier only when called,
-`evaluate` runs on a runtime's generator and verifier pools.
+`evaluate` runs on a runtime's generator and verifier pools; `format_table`, `eval_report`
+and `write_report` turn its metrics into the table and the JSON file of `jobs/eval.py`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import operator
-from typing import TYPE_CHECKING, Iterable, Sequence
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rayrep.config import Config
+    from rayrep.generator.pool import PendingRollouts
+    from rayrep.progress import Progress
     from rayrep.runtime import Runtime
     from rayrep.types import Prompt
+    from rayrep.verifier.pool import VerifierPool
     from rayrep.verifier.sandbox import MathSandbox
 
-__all__ = ["avg_at_k", "evaluate", "evaluate_checkpoint", "maj_at_k", "pass_at_k", "pass_ks", "summarize",
-           "summarize_by_source"]
+__all__ = ["avg_at_k", "check_report_path", "default_report_path", "eval_report", "eval_slices", "evaluate",
+           "evaluate_checkpoint", "format_table", "maj_at_k", "pass_at_k", "pass_ks", "score_answers", "summarize",
+           "summarize_by_source", "write_report"]
 
 
 def _as_count(name: str, value: object) -> int:
@@ -209,43 +219,276 @@ def summarize_by_source(
     return out
 
 
-def evaluate(runtime: Runtime, cfg: Config, prompts: Sequence[Prompt], prompt_ids: Sequence[list[int]]) -> dict[str, float]:
+# ---------------------------------------------------------------------------------------
+# evaluating a policy: sampling and scoring in slices, the table, the report
+
+EVAL_SLICES = 20
+"""An evaluation that reports progress cuts its questions into about this many slices, a line each..."""
+MIN_SLICE_ANSWERS = 256
+"""...but gives each generator at least this many answers per slice: an engine's batch lasts as long
+as its slowest answer, so small slices would leave the engines idle between them."""
+
+
+def eval_slices(samples: Sequence[int], generators: int = 1) -> list[range]:
+    """Contiguous ranges of question indices covering all of them in order, `samples[i]` being
+    the answers sampled for question i: each range holds about 1/EVAL_SLICES of the answers,
+    and at least MIN_SLICE_ANSWERS per generator (the last one may hold fewer)."""
+    target = max(math.ceil(sum(samples) / EVAL_SLICES), MIN_SLICE_ANSWERS * max(1, generators))
+    slices, start, answers = [], 0, 0
+    for index, count in enumerate(samples):
+        answers += count
+        if answers >= target:
+            slices.append(range(start, index + 1))
+            start, answers = index + 1, 0
+    if start < len(samples):
+        slices.append(range(start, len(samples)))
+    return slices
+
+
+def _score_in_slices(
+    verifiers: VerifierPool,
+    prompts: Sequence[Prompt],
+    slices: Sequence[range],
+    sample_slice: Callable[[range], list[PendingRollouts]],
+    progress: Progress | None,
+) -> dict[str, float]:
+    """Sample each slice of questions (`sample_slice(indices)`; the next slice's sampling starts
+    before this one is scored), score it on the verifier pool, and summarize every verdict at
+    the end: the metrics are those of one slice holding all questions, whatever the slicing."""
+    from collections import Counter
+
+    from rayrep.generator.pool import GeneratorPool
+
+    if not prompts:
+        raise ValueError("no questions to evaluate")
+    correct: list[list[bool]] = []
+    majority: list[bool] = []
+    lengths: list[int] = []
+    statuses: Counter = Counter()
+    if progress is not None:
+        progress.update(0)  # the roles are up: the rate clock starts now
+    upcoming = sample_slice(slices[0])
+    for position, part in enumerate(slices):
+        pending = upcoming
+        if position + 1 < len(slices):
+            upcoming = sample_slice(slices[position + 1])  # the generators go on while this slice is scored
+        verdicts = verifiers.check(pending, [prompts[i].ground_truth for i in part], majority=True)
+        lengths.extend(len(r.response_ids) for rollouts in GeneratorPool.gather(pending) for r in rollouts)
+        correct.extend(verdicts.correct)
+        majority.extend(verdicts.majority)
+        statuses.update(verdicts.statuses)
+        if progress is not None:
+            progress.update(part.stop, **{"pass@1": sum(sum(row) / len(row) for row in correct) / len(correct)})
+    summary = summarize_by_source([p.data_source for p in prompts], correct, majority)
+    summary["mean_response_tokens"] = sum(lengths) / max(1, len(lengths))
+    summary["verifier_timeouts"] = statuses.get("timeout", 0)
+    summary["verifier_errors"] = statuses.get("error", 0)
+    return summary
+
+
+def evaluate(
+    runtime: Runtime,
+    cfg: Config,
+    prompts: Sequence[Prompt],
+    prompt_ids: Sequence[list[int]],
+    progress: Progress | None = None,
+) -> dict[str, float]:
     """The one evaluation path (training-time evaluations and `jobs/eval.py`): avg@k,
     pass@k and maj@k of the generators' current weights on `prompts`, per benchmark and
     aggregated (`summarize_by_source`).
 
     Samples `cfg.eval_samples(data_source)` answers per question (`generator.eval_samples`,
     or a benchmark's own count from `generator.eval_samples_by_source`) at
-    `generator.eval_temperature` on the generator pool; the verifier pool scores them and
-    judges each question's majority answer. Also returns the mean response length and the
-    verifier's timeouts and errors.
+    `generator.eval_temperature` and `eval_top_p`, up to `generator.max_response_tokens`
+    tokens, on the generator pool; the verifier pool scores them and judges each question's
+    majority answer. Also returns the mean response length and the verifier's timeouts and
+    errors.
+
+    `progress`: sample and score the questions in slices (`eval_slices`) and report each
+    (questions done, pooled pass@1 so far); the metrics are computed over all answers at the
+    end, as without slices. (The answers themselves, drawn from each engine's seeded
+    sampler, depend on how the calls are batched, as with any other change of batch.)
+    None (training's evaluations): one generate call for all questions, no output.
     """
     gen = cfg.generator
-    pending = runtime.generators.generate(
-        list(prompt_ids), n=[cfg.eval_samples(p.data_source) for p in prompts], temperature=gen.eval_temperature,
-        top_p=1.0, max_tokens=gen.max_response_tokens,
-    )
-    verdicts = runtime.verifiers.check(pending, [p.ground_truth for p in prompts], majority=True)
-    lengths = [len(r.response_ids) for per_prompt in runtime.generators.gather(pending) for r in per_prompt]
-    summary = summarize_by_source([p.data_source for p in prompts], verdicts.correct, verdicts.majority)
-    summary["mean_response_tokens"] = sum(lengths) / max(1, len(lengths))
-    summary["verifier_timeouts"] = verdicts.statuses.get("timeout", 0)
-    summary["verifier_errors"] = verdicts.statuses.get("error", 0)
+    samples = [cfg.eval_samples(p.data_source) for p in prompts]
+    slices = [range(len(prompts))] if progress is None else eval_slices(samples, len(runtime.generators.workers))
+
+    def sample_slice(part: range) -> list[PendingRollouts]:
+        return runtime.generators.generate(
+            [prompt_ids[i] for i in part], n=[samples[i] for i in part], temperature=gen.eval_temperature,
+            top_p=gen.eval_top_p, max_tokens=gen.max_response_tokens,
+        )
+
+    return _score_in_slices(runtime.verifiers, prompts, slices, sample_slice, progress)
+
+
+def score_answers(
+    verifiers: VerifierPool,
+    prompts: Sequence[Prompt],
+    answers: Sequence[Sequence[str]],
+    progress: Progress | None = None,
+) -> dict[str, float]:
+    """`evaluate`'s metrics for given answer texts instead of sampled ones: `answers[i]` are
+    the k answers to `prompts[i]`. The same slicing, verifier-pool scoring and summary; no
+    `mean_response_tokens` (texts have no token ids). Needs Ray (answers travel as objects)."""
+    import ray
+
+    from rayrep.generator.pool import PendingRollouts, split_evenly
+    from rayrep.types import Rollout
+
+    if len(answers) != len(prompts):
+        raise ValueError(f"{len(answers)} lists of answers for {len(prompts)} prompts")
+    rollouts = [[Rollout([], [], [], text, "stop") for text in texts] for texts in answers]
+    shares = max(1, len(verifiers.workers))
+    slices = [range(len(prompts))] if progress is None else eval_slices([len(t) for t in answers], shares)
+
+    def sample_slice(part: range) -> list[PendingRollouts]:
+        # one share per verifier, indexed within the slice, as the generator pool hands them out
+        return [PendingRollouts(share, ray.put([rollouts[part[i]] for i in share]))
+                for share in split_evenly(len(part), shares) if len(share)]
+
+    summary = _score_in_slices(verifiers, prompts, slices, sample_slice, progress)
+    del summary["mean_response_tokens"]
     return summary
 
 
-def evaluate_checkpoint(cfg: Config, model_path: str) -> dict[str, float]:
-    """`evaluate` of the policy at `model_path` on the configured test split, on a runtime
-    of generators and verifiers started for it (and stopped afterwards)."""
+def evaluate_checkpoint(
+    cfg: Config, model_path: str, prompts: Sequence[Prompt] | None = None, progress: Progress | None = None
+) -> dict[str, float]:
+    """`evaluate` of the policy at `model_path` on `prompts` (default: the configured test
+    split), on a runtime of generators and verifiers started for it (and stopped afterwards).
+    Bad input (a prompt file or row, a folder that is not a checkpoint, a prompt too long)
+    fails with an `InputError` before any actor starts."""
     from transformers import AutoTokenizer
 
     from rayrep.data import encode_prompts, load_split
+    from rayrep.models import read_model_config
     from rayrep.runtime import Runtime
 
-    prompts = load_split(cfg.data, "test")
+    prompts = load_split(cfg.data, "test") if prompts is None else prompts
+    read_model_config(model_path)  # names the path when it holds no checkpoint
     prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(model_path), prompts, cfg.data.max_prompt_tokens)
     runtime = Runtime.start(cfg, model_path, train=False)
     try:
-        return evaluate(runtime, cfg, prompts, prompt_ids)
+        return evaluate(runtime, cfg, prompts, prompt_ids, progress)
     finally:
         runtime.shutdown()
+
+
+POOLED, MEAN = "all (pooled)", "mean of benchmarks"
+"""The table's aggregate rows: every question weighs the same; every benchmark weighs the same."""
+
+
+def format_table(metrics: Mapping[str, float]) -> str:
+    """The evaluation's table, in percent: one row per benchmark (`data_source`) with its
+    questions, k, avg@k, pass@1, pass@j for j in `pass_ks(k)` and maj@k; then the aggregates
+    of `summarize_by_source`: pooled over all questions (avg@k, pass@j and maj@k only when
+    every benchmark has the same k) and the plain mean over benchmarks (pass@1 and maj@k).
+    "-" where a row has no such number. Pure: `metrics` as `evaluate` returns them."""
+    per_source: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        source, slash, name = key.rpartition("/")
+        if slash:
+            per_source.setdefault(source, {})[name] = value
+
+    def k_of(values: Mapping[str, float]) -> int | None:
+        return next((int(name[4:]) for name in values if name.startswith("avg@")), None)
+
+    extra_ks = sorted({int(name[5:]) for values in per_source.values() for name in values
+                       if name.startswith("pass@")} - {1})
+    header = ["benchmark", "questions", "k", "avg@k", "pass@1", *(f"pass@{j}" for j in extra_ks), "maj@k"]
+
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}"
+
+    def row(label: str, questions: object, k: int | None, values: Mapping[str, float], maj: float | None) -> list[str]:
+        return [label, "-" if questions is None else str(questions), "-" if k is None else str(k),
+                percent(values.get(f"avg@{k}")), *(percent(values.get(f"pass@{j}")) for j in [1, *extra_ks]),
+                percent(maj)]
+
+    rows = [header]
+    for source, values in sorted(per_source.items()):
+        k = k_of(values)
+        rows.append(row(source, int(values["questions"]), k, values, values.get(f"maj@{k}")))
+    pooled = {name: value for name, value in metrics.items() if "/" not in name}
+    k = k_of(pooled)
+    rows.append(row(POOLED, int(pooled["questions"]), k, pooled, pooled.get(f"maj@{k}")))
+    rows.append(row(MEAN, None, None, {"pass@1": metrics["mean_pass@1"]}, metrics["mean_maj@k"]))
+    widths = [max(len(r[column]) for r in rows) for column in range(len(header))]
+    lines = ["  ".join([r[0].ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(r[1:], widths[1:]))])
+             for r in rows]
+    lines.insert(len(per_source) + 1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def eval_report(
+    cfg: Config, checkpoint: str, prompts: Sequence[Prompt], metrics: Mapping[str, float], seconds: float
+) -> dict:
+    """Everything an evaluation produced, as `jobs/eval.py` writes it to JSON: the checkpoint,
+    the prompt files (none: the embedded task's test split), the sampling settings (k per
+    benchmark), every metric, the time taken, and the whole config."""
+    gen = cfg.generator
+    return {
+        "checkpoint": checkpoint,
+        "prompt_files": list(cfg.data.test_files),
+        "questions": len(prompts),
+        "sampling": {
+            "temperature": gen.eval_temperature,
+            "top_p": gen.eval_top_p,
+            "max_tokens": gen.max_response_tokens,
+            "k": {source: cfg.eval_samples(source) for source in sorted({p.data_source for p in prompts})},
+            "seed": cfg.seed("generator"),
+        },
+        "metrics": dict(metrics),
+        "eval_seconds": round(seconds, 1),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": cfg.to_dict(),
+    }
+
+
+def default_report_path(out_dir: str | Path, checkpoint: str, when: float | None = None) -> Path:
+    """`<out_dir>/eval/<checkpoint name>-<YYYYmmdd-HHMMSS>.json`: a run's checkpoint
+    (`<run>/checkpoints/<name>`) is named `<run>-<name>`, a hub id by its last part."""
+    path = Path(checkpoint)
+    name = path.name or "checkpoint"
+    if path.parent.name == "checkpoints" and path.parent.parent.name:
+        name = f"{path.parent.parent.name}-{name}"
+    return Path(out_dir) / "eval" / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}.json"
+
+
+def check_report_path(path: str | Path) -> None:
+    """Refuse, before any sampling, a report path that cannot be written (a folder, or under a
+    folder that cannot be created or written), with an `InputError` naming it."""
+    from rayrep.config import InputError
+
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"report {path}: is a folder; give a file name")
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"report {path}: cannot be written ({existing} is not a writable folder)")
+
+
+def write_report(path: str | Path, report: Mapping) -> Path:
+    """Write `report` as JSON to `path` atomically: a temporary file beside it, then a rename,
+    so that no reader sees half a file and a failed write leaves none behind."""
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            json.dump(report, file, indent=2)
+            file.write("\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
