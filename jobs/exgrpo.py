@@ -23,8 +23,10 @@ def main(argv: list[str]) -> dict:
     if not any(a.startswith("--algorithm.std_normalize") for a in argv):
         argv = [*argv, "--algorithm.std_normalize", "false"]
     args, cfg = parse_job_args(parser, argv)
-    out = Path(args.out or Path(cfg.logging.out_dir) / f"exgrpo-{time.strftime('%Y%m%d-%H%M%S')}")
-    return compare_with_baseline(cfg, "exgrpo", out, args.baseline_checkpoint)
+    if args.resume == "":
+        parser.error("--resume takes the pipeline folder to continue: --resume runs/exgrpo-<time>")
+    out = Path(args.resume or args.out or Path(cfg.logging.out_dir) / f"exgrpo-{time.strftime('%Y%m%d-%H%M%S')}")
+    return compare_with_baseline(cfg, "exgrpo", out, args.baseline_checkpoint, resume=args.resume is not None)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ from rayrep.config import job_parser, parse_job_args, run_job
 
 def main(argv: list[str]):
     parser = job_parser(__doc__)
-    _, cfg = parse_job_args(parser, argv + ["--algorithm.name", "grpo"])
+    args, cfg = parse_job_args(parser, argv + ["--algorithm.name", "grpo"])
 
     from rayrep.train import train
 
-    result = train(cfg)
+    result = train(cfg, resume=args.resume is not None)
     first, last = result.evals[0], result.evals[-1]
     print(f"\nrun: {result.run_dir}\nfinal checkpoint: {result.final_checkpoint}")
     print(f"test pass@1: {first['test_pass@1']:.3f} at step 0 -> {last['test_pass@1']:.3f} at step {last['step']}")

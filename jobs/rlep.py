@@ -24,8 +24,11 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--pool", help="skip collection: replay this experience pool")
     parser.add_argument("--out", help="pipeline folder (default: runs/rlep-pipeline-<time>)")
     args, cfg = parse_job_args(parser, argv)
-    out = Path(args.out or Path(cfg.logging.out_dir) / f"rlep-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
-    return compare_with_baseline(cfg, "rlep", out, args.baseline_checkpoint, args.pool)
+    if args.resume == "":
+        parser.error("--resume takes the pipeline folder to continue: --resume runs/rlep-pipeline-<time>")
+    out = Path(args.resume or args.out or Path(cfg.logging.out_dir) / f"rlep-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
+    return compare_with_baseline(cfg, "rlep", out, args.baseline_checkpoint, args.pool,
+                                 resume=args.resume is not None)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import json
+import math
 import sys
 import tomllib
 import types
@@ -221,7 +222,8 @@ class ServeConfig:
 class RunConfig:
     steps: int = option(400, "rollout steps", min=0)
     eval_every: int = option(20, "evaluate on the test set every this-many steps (0: only at the start and end)", min=0)
-    save_every: int = option(0, "save a checkpoint every this-many steps (0: only at the end)", min=0)
+    save_every: int = option(0, "save a run checkpoint (policy, optimizer, buffer, sampler, random state) every this-many steps (0: only at the end)", min=0)
+    keep_checkpoints: int = option(2, "keep the newest this-many step checkpoints (and the final one); 0: keep all", min=0)
     seed: int = option(0, "the run's seed: every other seed (data order, sampling, replay draws, learner init) derives from it unless set explicitly", min=0)
 
 
@@ -254,6 +256,15 @@ class Config:
         if explicit >= 0:
             return explicit + index
         return derive_seed(self.run.seed, role, index)
+
+    def sampling_seeds(self, key: str, count: int) -> list[int]:
+        """One vLLM seed per prompt of a generate call named `key` ("rollout-<step>-<round>",
+        "eval", "collect"): a prompt's answers then depend on the run seed, the call and its
+        place in the call only, so a resumed run samples what the uninterrupted one did, on
+        any number of engines. Every evaluation uses the same seeds (common random numbers:
+        two evaluations differ by the policy, not by the draw)."""
+        base = self.seed("generator")
+        return [derive_seed(base, key, i) for i in range(count)]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -345,7 +356,15 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            # NaN passes every range check and no knob means anything at infinity (TOML and
+            # float() both read "nan" and "inf"); an int beyond float's range is infinite too.
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{name}: expected a finite number, got {number!r}")
+            return number
         raise ConfigError(f"{name}: expected a number, got {value!r}")
     if kind is str:
         if isinstance(value, str):
@@ -489,7 +508,9 @@ def _config_file_text(path: str) -> tuple[str, str]:
 def _parse_toml(origin: str, text: str) -> dict:
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
+    # Besides TOMLDecodeError (a ValueError): a plain ValueError for an integer over Python's
+    # digit limit, RecursionError for arrays nested thousands deep.
+    except (ValueError, RecursionError) as err:
         raise ConfigError(f"{origin}: {err}") from None
 
 
@@ -525,10 +546,11 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def parse_cli(argv: list[str]) -> Config:
+def parse_cli(argv: list[str], base: dict | None = None) -> Config:
     """Build a Config from `--preset NAME`, `--config FILE.toml` and `--section.field VALUE` args.
 
-    Later sources override earlier ones: preset < config file < field overrides.
+    Later sources override earlier ones: preset < config file < field overrides. `base`: a
+    saved config (a run's config.json) in place of the preset.
     """
     preset, files, overrides = DEFAULT_PRESET, [], []
     kinds = {name: kind for name, kind, _ in _field_specs()}
@@ -552,12 +574,28 @@ def parse_cli(argv: list[str]) -> Config:
             close = [k for k in kinds if k.endswith("." + key.rpartition(".")[2])]
             hint = f"; did you mean {', '.join('--' + k for k in close)}?" if close else ""
             raise ConfigError(f"unknown config field --{key}{hint}")
-    data = _parse_toml(*_preset_text(preset))
+    if base is not None and preset != DEFAULT_PRESET:
+        raise ConfigError("--preset does not apply when resuming: the run's own config.json is the base")
+    data = base if base is not None else _parse_toml(*_preset_text(preset))
     for path in files:
         data = _merge(data, _parse_toml(*_config_file_text(path)))
     for key, text in overrides:
         _set_dotted(data, key, _parse_text(text, kinds[key], key))
     return from_dict(data)
+
+
+def resume_base(run_dir: str) -> dict:
+    """A stopped run's saved config (`RUN_DIR/config.json`), pointed at that folder."""
+    path = Path(run_dir) / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--resume {run_dir}: {path} is not a run's config ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--resume {run_dir}: {path} is not a run's config")
+    folder = Path(run_dir).resolve()
+    data.setdefault("logging", {}).update(out_dir=str(folder.parent), run_name=folder.name)
+    return data
 
 
 def job_parser(description: str, trains: bool = True, dry_run: bool = True):
@@ -578,6 +616,11 @@ def job_parser(description: str, trains: bool = True, dry_run: bool = True):
     if dry_run:
         parser.add_argument("--dry-run", action="store_true",
                             help="print the placement plan and the per-GPU memory plan, start nothing")
+    if trains:
+        parser.add_argument("--resume", nargs="?", const="", metavar="RUN_DIR",
+                            help="continue a stopped run from its latest complete checkpoint: the run in "
+                                 "RUN_DIR (its config.json, then any overrides given here), or without "
+                                 "RUN_DIR the one --logging.run_name names")
     parser.set_defaults(trains=trains, plans=dry_run)
     return parser
 
@@ -590,7 +633,10 @@ def parse_job_args(parser, argv: list[str] | None = None):
     """
     args, rest = parser.parse_known_args(argv)
     try:
-        cfg = parse_cli(rest)
+        cfg = parse_cli(rest, base=resume_base(args.resume) if getattr(args, "resume", None) else None)
+        if getattr(args, "resume", None) == "" and not cfg.logging.run_name:
+            raise ConfigError("--resume without a RUN_DIR needs --logging.run_name to name the run "
+                              "(a pipeline: --resume <its folder>)")
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
     if args.plans and args.dry_run:

@@ -305,19 +305,20 @@ def evaluate(
     errors.
 
     `progress`: sample and score the questions in slices (`eval_slices`) and report each
-    (questions done, pooled pass@1 so far); the metrics are computed over all answers at the
-    end, as without slices. (The answers themselves, drawn from each engine's seeded
-    sampler, depend on how the calls are batched, as with any other change of batch.)
+    (questions done, pooled pass@1 so far); each question is sampled with its own seed
+    (`Config.sampling_seeds("eval", ...)`), so the answers and metrics are those of one
+    call for all questions.
     None (training's evaluations): one generate call for all questions, no output.
     """
     gen = cfg.generator
     samples = [cfg.eval_samples(p.data_source) for p in prompts]
+    seeds = cfg.sampling_seeds("eval", len(prompts))  # per question: the same answers however sliced
     slices = [range(len(prompts))] if progress is None else eval_slices(samples, len(runtime.generators.workers))
 
     def sample_slice(part: range) -> list[PendingRollouts]:
         return runtime.generators.generate(
             [prompt_ids[i] for i in part], n=[samples[i] for i in part], temperature=gen.eval_temperature,
-            top_p=gen.eval_top_p, max_tokens=gen.max_response_tokens,
+            top_p=gen.eval_top_p, max_tokens=gen.max_response_tokens, seeds=[seeds[i] for i in part],
         )
 
     return _score_in_slices(runtime.verifiers, prompts, slices, sample_slice, progress)

@@ -41,15 +41,18 @@ def compare_with_baseline(
     baseline_checkpoint: str | None = None,
     pool: str | None = None,
     log=print,
+    resume: bool = False,
 ) -> dict:
     """Run the pipeline into `out` and return the comparison (also written to
     `out/comparison.json`, with the plot beside it). `cfg` holds the method's settings;
     the baseline run takes the same config with `algorithm.name = "grpo"`: the same
     advantage, loss and schedule, so the comparison isolates replay (against ExGRPO, the
-    paper's on-policy baseline with its Dr.GRPO advantage)."""
+    paper's on-policy baseline with its Dr.GRPO advantage).
+
+    `resume`: continue a stopped pipeline in `out` at the stage it stopped: a finished run is
+    reused, a stopped one resumes from its latest checkpoint, a written pool is kept."""
     from rayrep.algos.rlep import collect_pool
     from rayrep.buffer.files import check_pool_file
-    from rayrep.train import train
 
     # What is given on the command line is checked before any stage starts.
     if baseline_checkpoint and not (Path(baseline_checkpoint) / "config.json").is_file():
@@ -59,18 +62,22 @@ def compare_with_baseline(
     start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(**{"logging.out_dir": str(out)})
+    (out / "config.json").write_text(cfg.to_json())  # what `--resume <out>` starts from
     label = LABELS[method]
     stages = 4 if method == "rlep" else 3
     if baseline_checkpoint:
         checkpoint, base_evals = baseline_checkpoint, checkpoint_evals(baseline_checkpoint, cfg)
     else:
         log(f"== 1/{stages} baseline (GRPO/DAPO) ==")
-        baseline = train(cfg.replace(**{"algorithm.name": "grpo", "logging.run_name": "baseline"}), log=log)
+        baseline = run_stage(cfg.replace(**{"algorithm.name": "grpo", "logging.run_name": "baseline"}), resume, log)
         checkpoint, base_evals = baseline.final_checkpoint, baseline.evals
 
     method_cfg = cfg.replace(**{"algorithm.name": method, "logging.run_name": method})
     comparison: dict = {}
     if method == "rlep":
+        if not pool and resume and (out / "pool.json").is_file():  # written after its pool: both complete
+            pool = json.loads((out / "pool.json").read_text())["pool"]
+            log(f"== 2/{stages} experience pool: {pool}, collected before ==")
         if not pool:
             log(f"== 2/{stages} experience pool from {checkpoint} ==")
             stats = collect_pool(cfg, checkpoint, out / "pool.parquet", log=log)
@@ -80,7 +87,7 @@ def compare_with_baseline(
         comparison["pool"] = str(pool)
 
     log(f"== {stages - 1}/{stages} {label} from the base policy ==")
-    run = train(method_cfg, log=log)
+    run = run_stage(method_cfg, resume, log)
 
     log(f"== {stages}/{stages} comparison ==")
     comparison.update(compare_runs(base_evals, run.evals))
@@ -91,3 +98,21 @@ def compare_with_baseline(
     log(comparison_table(("baseline", label), comparison))
     log(f"plot: {plot}\npipeline folder: {out} ({comparison['minutes']} min)")
     return comparison
+
+
+def run_stage(cfg: Config, resume: bool, log=print):
+    """One training stage of the pipeline; resuming, a finished run is reused and a stopped
+    one continues from its latest checkpoint (one stopped before its first checkpoint starts over)."""
+    from rayrep.checkpoint import latest_checkpoint
+    from rayrep.train import RunResult, keep_metrics_until, run_dir_for, train
+
+    run_dir = run_dir_for(cfg)
+    if resume:
+        final, evals = run_dir / "checkpoints" / "final", run_dir / "evals.json"
+        if final.exists() and evals.is_file():
+            log(f"{run_dir}: finished before, reused")
+            return RunResult(run_dir, str(final), json.loads(evals.read_text()))
+        if latest_checkpoint(run_dir) is not None:
+            return train(cfg, log=log, resume=True)
+        keep_metrics_until(run_dir / "metrics.jsonl", -1)  # a start that saved nothing: start over
+    return train(cfg, log=log)

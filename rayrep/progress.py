@@ -32,6 +32,8 @@ class Progress:
         unit: the name of one unit, in the counter and the rate ("step", "question").
         log: receives each line (`print` by default; a run's `log` function).
         clock: seconds as a float, monotonic; tests pass a fake one.
+        done: units already done before this process (a resumed run's steps): they count
+            in the bar, not in the rate.
     """
 
     def __init__(
@@ -42,12 +44,13 @@ class Progress:
         unit: str = "step",
         log: Callable[[str], object] = print,
         clock: Callable[[], float] = time.monotonic,
+        done: int = 0,
     ):
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total!r}")
         self.total, self.label, self.unit, self.log, self.clock = total, label, unit, log, clock
         self.started = clock()
-        self.rate_since, self.rate_done = self.started, 0
+        self.rate_since, self.rate_done = self.started, done
 
     def update(self, done: int, /, **latest: object) -> str:
         """Logs and returns one line: progress, elapsed time, ETA, the `latest` values, the rate.

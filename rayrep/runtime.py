@@ -53,8 +53,11 @@ class Runtime:
     started_ray: bool
 
     @staticmethod
-    def start(cfg: Config, model_path: str, train: bool = True) -> "Runtime":
+    def start(cfg: Config, model_path: str, train: bool = True, policy_version: int = 0,
+              generator_path: str | None = None) -> "Runtime":
         """Every role's actors; `train=False` starts generators and verifiers only (sampling jobs).
+        `generator_path`: the generators' weights when they are not `model_path`'s (a resumed
+        run's checkpoint), of policy version `policy_version`.
 
         What cannot work fails first: a context longer than the policy's positions, a GPU
         plan that does not fit in memory."""
@@ -63,12 +66,12 @@ class Runtime:
         plan = make_plan(cfg, learners=train)
         started_ray = connect_ray(plan)
         placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow)
-        generators = GeneratorPool.create(cfg, model_path, placement)
+        generators = GeneratorPool.create(cfg, generator_path or model_path, placement, policy_version)
         verifiers = VerifierPool.create(cfg, placement)
         learners = sync = buffer = None
         if train:
             learners = LearnerGroup(cfg, model_path, placement)
-            sync = WeightSync(cfg, learners, generators)
+            sync = WeightSync(cfg, learners, generators, policy_version)
             if cfg.algorithm.uses_replay:
                 replay = cfg.replay
                 buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed, placement)

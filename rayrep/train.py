@@ -16,7 +16,9 @@ from pathlib import Path
 
 from rayrep.algos import make_algorithm
 from rayrep.algos.grpo import GRPO, keep_informative
-from rayrep.config import Config
+from rayrep.checkpoint import (RunState, begin_save, finish_save, latest_checkpoint, mark_final, read_run_state,
+                               rng_state, set_rng_state)
+from rayrep.config import Config, InputError
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.eval import evaluate
 from rayrep.metrics import MetricsLog, plot_run, step_fields
@@ -48,11 +50,13 @@ def timed(record: dict, phase: str) -> Iterator[None]:
     record[f"time_{phase}"] = record.get(f"time_{phase}", 0.0) + time.perf_counter() - start
 
 
-def train(cfg: Config, log=print) -> RunResult:
+def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
+    """Run `cfg.run.steps` steps; `resume`: continue the run in `run_dir_for(cfg)` from its
+    latest complete checkpoint (`rayrep.checkpoint`), as if it had never stopped."""
     model_path = resolve_policy(cfg, log=log)
 
-    # Everything that can be wrong with the data (or an experience pool) fails here,
-    # before any actor starts and before the run's folder is written.
+    # Everything that can be wrong with the data (or an experience pool, or the checkpoint
+    # to resume from) fails here, before any actor starts and before the run's folder is written.
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -61,14 +65,22 @@ def train(cfg: Config, log=print) -> RunResult:
     prompt_ids = dict(zip((p.uid for p in train_prompts), encode_prompts(tokenizer, train_prompts, cfg.data.max_prompt_tokens)))
     test_ids = encode_prompts(tokenizer, test_prompts, cfg.data.max_prompt_tokens)
     algorithm = make_algorithm(cfg, train_prompts, prompt_ids)
-
     run_dir = run_dir_for(cfg)
+    checkpoint, state = resume_point(cfg, run_dir) if resume else (None, None)
+
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
     sampler = PromptSampler(train_prompts, seed=cfg.seed("data"))
     questions = cfg.algorithm.prompts_per_step
     result = RunResult(run_dir, final_checkpoint="")
-    runtime = Runtime.start(cfg, model_path)
+    if state is not None:
+        sampler.restore(state.sampler)
+        result.evals = state.evals
+        keep_metrics_until(run_dir / "metrics.jsonl", state.step)
+    # A resumed run's generators start from the checkpoint's weights; its learners from the
+    # base policy, whose every weight the learner checkpoint's fp32 masters then replace.
+    runtime = Runtime.start(cfg, model_path, policy_version=state.policy_version if state else 0,
+                            generator_path=str(checkpoint) if checkpoint else None)
     metrics = MetricsLog(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_mode)
 
     def evaluation(step: int) -> dict:
@@ -79,12 +91,36 @@ def train(cfg: Config, log=print) -> RunResult:
         result.evals.append(record)
         return record
 
+    def save(step: int) -> Path:
+        partial = begin_save(run_dir, step)
+        runtime.learners.save(str(partial))  # the policy, as a Hugging Face checkpoint
+        learner = runtime.learners.save_state(str(partial / "learner")) if resumable(cfg) else None
+        if runtime.buffer is not None:
+            runtime.buffer.snapshot(partial / "buffer")
+        return finish_save(partial, RunState(
+            step=step, policy_version=runtime.sync.version, sampler=sampler.state(),
+            buffer_rng=rng_state(runtime.buffer.rng) if runtime.buffer is not None else None,
+            algorithm=algorithm.state(), evals=result.evals, learner=learner, config=cfg.to_dict(),
+        ), cfg.run.keep_checkpoints)
+
     try:
+        if state is not None:
+            runtime.learners.load_state(str(checkpoint / "learner"), state.learner)
         algorithm.attach(runtime.buffer, runtime.learners)
-        progress = Progress(cfg.run.steps, "train", unit="step", log=log)
-        metrics.log(evaluation(step=0))
-        progress.update(0, **step_fields(result.evals[-1]))  # step 0 is not a step: the ETA leaves it out
-        for step in range(1, cfg.run.steps + 1):
+        first = state.step + 1 if state else 1
+        progress = Progress(cfg.run.steps, "train", unit="step", log=log, done=first - 1)
+        if state is None:
+            metrics.log(evaluation(step=0))
+            progress.update(0, **step_fields(result.evals[-1]))  # step 0 is not a step: the ETA leaves it out
+        else:
+            if runtime.buffer is not None:
+                runtime.buffer.restore(checkpoint / "buffer")
+                set_rng_state(runtime.buffer.rng, state.buffer_rng)
+            algorithm.load_state(state.algorithm)
+            log(f"resumed {run_dir} at step {state.step} (policy version {state.policy_version}) from {checkpoint.name}")
+            progress.update(state.step)
+        saved = checkpoint
+        for step in range(first, cfg.run.steps + 1):
             record: dict = {"step": step}
             step_start = time.perf_counter()
 
@@ -113,13 +149,14 @@ def train(cfg: Config, log=print) -> RunResult:
             record["time_step"] = time.perf_counter() - step_start
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 or step == cfg.run.steps:
                 record.update(evaluation(step))
-            if cfg.run.save_every and step % cfg.run.save_every == 0:
-                runtime.learners.save(str(run_dir / "checkpoints" / f"step-{step}"))
-            metrics.log(record)
+            metrics.log(record)  # before the checkpoint: a checkpoint's steps are all in the log
+            if step == cfg.run.steps or cfg.run.save_every and step % cfg.run.save_every == 0:
+                saved = save(step)
             progress.update(step, **step_fields(record))
 
-        result.final_checkpoint = runtime.learners.save(str(run_dir / "checkpoints" / "final"))
-        algorithm.save(run_dir)
+        if saved is None:  # no steps to take: the checkpoint of the policy as it is
+            saved = save(cfg.run.steps)
+        result.final_checkpoint = str(mark_final(run_dir, saved))
         (run_dir / "evals.json").write_text(json.dumps(result.evals, indent=2))
     finally:
         metrics.close()
@@ -127,6 +164,42 @@ def train(cfg: Config, log=print) -> RunResult:
     if cfg.logging.plots:
         write_plots(run_dir, log)
     return result
+
+
+def resumable(cfg: Config) -> bool:
+    """Whether the learners' strategy keeps a checkpoint of its optimizer state (FSDP2 does;
+    with DeepSpeed a run's checkpoints hold the policy weights and the driver's state only)."""
+    return cfg.learner.strategy == "fsdp2"
+
+
+def resume_point(cfg: Config, run_dir: Path) -> tuple[Path, RunState]:
+    """The latest complete checkpoint of the run and its state, or an InputError that says
+    why the run cannot be resumed (checked before anything starts)."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise InputError(f"{run_dir}: no complete checkpoint to resume from (checkpoints/step-<N>)")
+    state = read_run_state(checkpoint)
+    if state.learner is None or not resumable(cfg):
+        raise InputError(f"{checkpoint}: resuming needs the learners' optimizer state, which only "
+                         "learner.strategy='fsdp2' keeps (this run's or the checkpoint's is 'deepspeed')")
+    if state.step > cfg.run.steps:
+        raise InputError(f"{checkpoint} is at step {state.step}, beyond run.steps={cfg.run.steps}")
+    saved_algorithm = state.config.get("algorithm", {}).get("name")
+    if saved_algorithm != cfg.algorithm.name:
+        raise InputError(f"{checkpoint} is a {saved_algorithm!r} run; this config's algorithm.name is {cfg.algorithm.name!r}")
+    return checkpoint, state
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop the records a stopped run logged after its checkpoint's step (the resumed run
+    logs them again), atomically."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    staging = path.with_suffix(".jsonl.tmp")
+    staging.write_text("".join(line + "\n" for line in kept))
+    staging.replace(path)
 
 
 def write_plots(run_dir: Path, log=print) -> None:
@@ -158,10 +231,12 @@ def sample_round(
         record[name] = record.get(name, 0.0) + value if name.startswith("time_") else record.get(name, value)
 
     gen = cfg.generator
+    rounds = record["sampling_rounds"] = record.get("sampling_rounds", 0) + 1
     with timed(record, "generate"):
         pending = runtime.generators.generate(
             [prompt_ids[p.uid] for p in plan.prompts], n=[n for _, n in plan.requests],
             temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
+            seeds=cfg.sampling_seeds(f"rollout-{record['step']}-{rounds}", len(plan.prompts)),
         )
         rollouts = runtime.generators.gather(pending)
 

@@ -70,7 +70,7 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
     assert all(r["fresh_clip_frac"] == 0 for r in later)  # fresh tokens unclipped in the mixed phase
     assert all(r["optimizer_steps"] == 2 and r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in records)
     assert [r["policy_version"] for r in records] == [1, 2, 3]  # each step synced new weights
-    assert (run.run_dir / "buffer" / "answers.parquet").exists()
+    assert (run.run_dir / "checkpoints" / "final" / "buffer" / "answers.parquet").exists()
 
 
 @pytest.mark.parametrize("name", ["grpo", "rlep", "exgrpo"])

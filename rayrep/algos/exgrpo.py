@@ -144,5 +144,8 @@ class ExGRPO(GRPO):
         metrics.update({f"buffer_bucket_{k}": n for k, n in sorted(stats["buckets"].items())})
         return metrics
 
-    def save(self, run_dir) -> None:
-        self.buffer.snapshot(run_dir / "buffer")
+    def state(self) -> dict:
+        return {"collecting": self.collecting}
+
+    def load_state(self, state: dict) -> None:
+        self.collecting = bool(state["collecting"])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from rayrep.algos.advantages import group_advantages
@@ -57,8 +56,12 @@ class GRPO:
     def attach(self, buffer: ReplayBuffer | None, learners: LearnerGroup | None) -> None:
         """Called once the actors are up, with the run's replay buffer (None for GRPO) and learners."""
 
-    def save(self, run_dir: Path) -> None:
-        """Persist what a resumed run would need besides the weights (the replay buffer)."""
+    def state(self) -> dict:
+        """What a resumed run needs of the algorithm besides the buffer (JSON values)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state()` of a checkpoint."""
 
     # ------------------------------------------------------------------ the step
 

@@ -129,11 +129,13 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
     try:
         # Slices bound the memory of one generate call; every generator works on each slice.
         size = max(64, 8 * len(runtime.generators.workers))
+        seeds = cfg.sampling_seeds("collect", len(prompts))
         for begin in range(0, len(prompts), size):
             part, ids = prompts[begin : begin + size], prompt_ids[begin : begin + size]
             pending = runtime.generators.generate(
                 ids, n=settings.collect_samples, temperature=settings.collect_temperature,
                 top_p=settings.collect_top_p, max_tokens=cfg.generator.max_response_tokens,
+                seeds=seeds[begin : begin + size],
             )
             rollouts = runtime.generators.gather(pending)
             correct = runtime.verifiers.check(pending, [p.ground_truth for p in part]).correct

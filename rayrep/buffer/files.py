@@ -119,13 +119,20 @@ def _list_array(values: np.ndarray, lengths: np.ndarray, value_type: pa.DataType
 
 
 def _column(table: pa.Table, name: str, path: Path, first_row: int = 0) -> pa.ChunkedArray:
+    """Column `name`, without nulls, as its type in ANSWER_SCHEMA / QUESTION_SCHEMA."""
     if name not in table.column_names:
         raise BufferFileError(f"{path}: no column {name!r}")
     column = table.column(name)
     if column.null_count:
         row = first_row + int(np.nonzero(column.is_null().to_numpy())[0][0])
         raise BufferFileError(f"{path}, row {row + 1}: {name} is null")
-    return column
+    # As the schema's type: another writer's widths are fine (int64 ids, float64 rewards); a
+    # value that does not fit (a string for a number, a scalar for a list, an overflow) is not.
+    expected = _COLUMN_TYPES[name]
+    try:
+        return column.cast(expected)  # a safe cast: no overflow, no truncation
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as err:
+        raise BufferFileError(f"{path}: column {name!r} is {column.type}, expected {expected} ({err})") from None
 
 
 def _scalars(table: pa.Table, name: str, path: Path, dtype, first_row: int = 0) -> np.ndarray:
@@ -200,6 +207,8 @@ ANSWER_SCHEMA = pa.schema([
     ("step", pa.int32()),
 ])
 QUESTION_SCHEMA = pa.schema([("uid", pa.string()), ("bucket", pa.int32()), ("retired", pa.bool_())])
+_COLUMN_TYPES = {f.name: f.type for schema in (ANSWER_SCHEMA, QUESTION_SCHEMA) for f in schema}
+"""What `_column` gives each column of a snapshot or pool, whatever the file holds."""
 
 
 def write_snapshot(parts: list[dict], directory: Path) -> Path:
@@ -265,11 +274,13 @@ def read_snapshot(directory: Path) -> tuple[list[tuple[str, QuestionAnswers]], l
     except ValueError:
         raise BufferFileError(f"{directory / 'answers.parquet'}: metadata rayrep.evicted is not a number") from None
     retired = []
-    for row in questions.to_pylist():
-        if row["retired"]:
-            retired.append(row["uid"])
-        elif row["uid"] in entries:
-            entries[row["uid"]].bucket = row["bucket"]
+    question_path = directory / "questions.parquet"
+    columns = [_column(questions, name, question_path).to_pylist() for name in ("uid", "bucket", "retired")]
+    for uid, bucket, is_retired in zip(*columns):
+        if is_retired:
+            retired.append(uid)
+        elif uid in entries:
+            entries[uid].bucket = bucket
     return sorted(entries.items()), retired, evicted
 
 

@@ -359,7 +359,9 @@ class ReplayShard:
                 members.setdefault(entry.bucket, []).append(uid)
         chosen = []
         for k in sorted(per_bucket):
-            pool = members.get(k, [])
+            # In id order, not the order questions arrived in: a shard restored from a
+            # snapshot (a resumed run) then draws exactly what the original one would have.
+            pool = sorted(members.get(k, []))
             chosen += rng.sample(pool, min(per_bucket[k], len(pool)))
         return chosen
 

@@ -66,6 +66,15 @@ class PromptSampler:
         random.Random(f"{self.seed}-{self.epoch}").shuffle(self.order)
         self.position = 0
 
+    def state(self) -> dict:
+        """Where the sampler is (the order of an epoch follows from the seed and the epoch)."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def restore(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self._shuffle()
+        self.position = state["position"]
+
     def next(self, count: int) -> list[Prompt]:
         batch = []
         while len(batch) < count:

@@ -137,6 +137,8 @@ def _read_jsonl(path: Path) -> list[tuple[int, object]]:
                 except json.JSONDecodeError as err:
                     message = f"invalid JSON ({err.msg}, column {err.colno})"
                     raise PromptFileError(message, path=path, row=line_number) from None
+                except (ValueError, RecursionError) as err:  # an integer over the digit limit, deep nesting
+                    raise PromptFileError(f"invalid JSON ({err})", path=path, row=line_number) from None
     except UnicodeDecodeError as err:
         message = f"not UTF-8 text ({err.reason} at byte {err.start} of a line)"
         raise PromptFileError(message, path=path) from None
@@ -151,6 +153,8 @@ def _read_json(path: Path) -> list[tuple[int, object]]:
     except json.JSONDecodeError as err:
         message = f"invalid JSON ({err.msg}, line {err.lineno}, column {err.colno})"
         raise PromptFileError(message, path=path) from None
+    except (ValueError, RecursionError) as err:  # an integer over the digit limit, deep nesting
+        raise PromptFileError(f"invalid JSON ({err})", path=path) from None
     if not isinstance(data, list):
         message = f"a .json prompt file must hold a list of rows, got {_type_name(data)}"
         raise PromptFileError(message, path=path)
@@ -167,7 +171,16 @@ def _read_parquet(path: Path) -> list[tuple[int, object]]:
         raise PromptFileError(f"cannot read as parquet ({err})", path=path) from None
     # One conversion for the whole table: per-row scalar conversions are orders of
     # magnitude slower on a 17k-row set.
-    return list(enumerate(table.to_pylist(), start=1))
+    try:
+        return list(enumerate(table.to_pylist(), start=1))
+    except (pa.ArrowException, OverflowError, ValueError) as err:
+        # A date, time or duration beyond Python's range (in any column): name the column.
+        for name in table.column_names:
+            try:
+                table.column(name).to_pylist()
+            except (pa.ArrowException, OverflowError, ValueError):
+                raise PromptFileError(f"holds a value Python cannot represent ({err})", path=path, field=name) from None
+        raise PromptFileError(f"cannot convert the rows ({err})", path=path) from None
 
 
 def _parse_row(row, default_source: str) -> tuple[Prompt, str]:
@@ -189,6 +202,8 @@ def _parse_row(row, default_source: str) -> tuple[Prompt, str]:
         data_source = default_source
     elif not isinstance(data_source, str) or not data_source.strip():
         raise _RowError("data_source", f"must be a non-empty string, got {data_source!r}")
+    else:
+        _unicode(data_source, "data_source")
 
     # A null field is an absent one: parquet has a null wherever a row lacks a column, or
     # a struct lacks a key that other rows have.
@@ -221,7 +236,7 @@ def _parse_messages(prompt) -> tuple[dict, ...]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise _RowError("prompt", "is empty")
-        return ({"role": "user", "content": prompt},)
+        return ({"role": "user", "content": _unicode(prompt, "prompt")},)
     if not isinstance(prompt, (list, tuple)):
         raise _RowError("prompt", f"must be a chat list or a string, got {_type_name(prompt)}")
     if not prompt:
@@ -236,7 +251,7 @@ def _parse_messages(prompt) -> tuple[dict, ...]:
             raise _RowError(f"{field}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
             raise _RowError(f"{field}.content", f"must be a string, got {_type_name(content)}")
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": _unicode(content, f"{field}.content")})
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
         raise _RowError("prompt", "has no non-empty user message")
     return tuple(messages)
@@ -254,7 +269,7 @@ def _parse_ground_truth(value) -> str:
         raise _RowError(field, f"must be a string or a number, got {_type_name(value)}")
     if not value.strip():
         raise _RowError(field, "is empty")
-    return value
+    return _unicode(value, field)
 
 
 def _index(extra_info) -> str | None:
@@ -275,7 +290,17 @@ def _index(extra_info) -> str | None:
         raise _RowError(field, f"must be a string or an integer, got {_type_name(index)}")
     if not index.strip():
         raise _RowError(field, "is empty")
-    return index
+    return _unicode(index, field)
+
+
+def _unicode(text: str, field: str) -> str:
+    """`text`, unless it holds a lone surrogate (which JSON's \\ud800 escape gives): no
+    tokenizer, hash or file encoding takes one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _RowError(field, f"is not valid Unicode (a lone surrogate at character {err.start})") from None
+    return text
 
 
 def content_uid(data_source: str, messages, ground_truth: str) -> str:

@@ -45,6 +45,11 @@ def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: 
     overrides = config_overrides(cfg, model_path)
     if overrides:  # the same model-config changes as the learners' (rope base, positions)
         kwargs["hf_overrides"] = overrides
+    if cfg.placement.device == "cpu":
+        # Prompts are prefilled whole: a prefill cut in chunks discards the token sampled for
+        # its first chunk and rewinds that request's seeded generator, which vLLM does with
+        # a generator offset that only CUDA generators have.
+        kwargs["enable_chunked_prefill"] = False
     if cfg.placement.device == "gpu":
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = gen.tensor_parallel_size
@@ -80,18 +85,21 @@ def sample(
     temperature: float,
     top_p: float,
     max_tokens: int,
-    seed: int | None = None,
+    seeds: list[int] | None = None,
     version: int = 0,
 ) -> list[list[Rollout]]:
     """`n` rollouts for each prompt (given as token ids; `n` may differ per prompt), with
-    their behaviour log-probs."""
+    their behaviour log-probs. `seeds`: one per prompt, so that a prompt's answers depend on
+    its seed alone, not on which engine samples it or what else is in the batch (a resumed
+    run repeats the uninterrupted one); None: the engine's own random stream."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
+    seeds = [None] * len(prompt_ids) if seeds is None else list(seeds)
     params = [
         SamplingParams(n=count, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0)
-        for count in counts
+        for count, seed in zip(counts, seeds)
     ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
     per_prompt = []

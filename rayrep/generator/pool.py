@@ -36,7 +36,7 @@ class GeneratorPool:
         self.workers = workers
 
     @staticmethod
-    def create(cfg: Config, model_path: str, placement: Placement) -> "GeneratorPool":
+    def create(cfg: Config, model_path: str, placement: Placement, version: int = 0) -> "GeneratorPool":
         from rayrep.generator.worker import RemoteGeneratorWorker
 
         threads = placement.plan.threads["generator"]
@@ -45,14 +45,16 @@ class GeneratorPool:
         for i, slot in enumerate(placement.plan.slots["generator"]):
             bundles = list(range(slot.bundle, slot.bundle + tp))
             workers.append(RemoteGeneratorWorker.options(**placement.options("generator", i)).remote(
-                cfg, model_path, i, threads, bundles))
+                cfg, model_path, i, threads, bundles, version))
         ray.get([w.policy_version.remote() for w in workers])  # engines up before anything else
         return GeneratorPool(workers)
 
     def generate(
-        self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int
+        self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int,
+        seeds: list[int] | None = None,
     ) -> list[PendingRollouts]:
-        """Start sampling `n` rollouts per prompt (`n` may differ per prompt) across the workers.
+        """Start sampling `n` rollouts per prompt (`n` may differ per prompt) across the workers;
+        `seeds`: one per prompt (see `rayrep.generator.engine.sample`).
 
         Returns at once; each share's ref resolves to its prompts' rollouts.
         """
@@ -61,7 +63,8 @@ class GeneratorPool:
         for worker, indices in zip(self.workers, split_evenly(len(prompt_ids), len(self.workers))):
             if len(indices):
                 ref = worker.generate.remote(
-                    [prompt_ids[i] for i in indices], [counts[i] for i in indices], temperature, top_p, max_tokens
+                    [prompt_ids[i] for i in indices], [counts[i] for i in indices], temperature, top_p, max_tokens,
+                    None if seeds is None else [seeds[i] for i in indices],
                 )
                 shares.append(PendingRollouts(indices, ref))
         return shares

@@ -14,14 +14,15 @@ from rayrep.types import Rollout
 
 
 class GeneratorWorker:
-    def __init__(self, cfg: Config, model_path: str, worker_index: int, threads: int, bundles: list[int]):
+    def __init__(self, cfg: Config, model_path: str, worker_index: int, threads: int, bundles: list[int],
+                 version: int = 0):
         import torch
 
         from rayrep.generator.engine import make_engine
 
         torch.set_num_threads(threads)
         self.cfg = cfg
-        self.version = 0
+        self.version = version  # the policy version of `model_path` (a resumed run's checkpoint: its own)
         self.asleep = False
         self.llm = make_engine(
             cfg,
@@ -32,13 +33,13 @@ class GeneratorWorker:
         )
 
     def generate(
-        self, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float, max_tokens: int
+        self, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float, max_tokens: int,
+        seeds: list[int] | None = None,
     ) -> list[list[Rollout]]:
         from rayrep.generator.engine import sample
 
-        return sample(
-            self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, version=self.version
-        )
+        return sample(self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                      seeds=seeds, version=self.version)
 
     def join_weight_group(self, host: str, port: int, world_size: int, first_rank: int) -> None:
         """Every worker of the engine joins: tensor-parallel rank t as group rank first_rank + t."""

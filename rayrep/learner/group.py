@@ -62,6 +62,14 @@ class LearnerGroup:
             metrics["loss"] = metrics.pop("loss_sum") / steps
         return metrics
 
+    def save_state(self, folder: str) -> dict:
+        """Every rank writes its shards of the optimizer's state to `folder` (a file system
+        every learner node sees); returns the shared part, for the run checkpoint's JSON."""
+        return ray.get([w.save_state.remote(folder) for w in self.workers])[0]
+
+    def load_state(self, folder: str, shared: dict) -> None:
+        ray.get([w.load_state.remote(folder, shared) for w in self.workers])
+
     def offload(self) -> None:
         """Every rank's state off the GPU while the colocated generators run (where the roles take turns)."""
         ray.get([w.offload.remote() for w in self.workers])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -113,6 +114,68 @@ class FSDP2Sharding:
         for name, param in self.model.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             yield name, full.detach()
+
+
+    # A learner checkpoint is one safetensors file per rank (this rank's shard of every fp32
+    # master and AdamW moment: FSDP2 shards dim 0 as torch.chunk does) and the scheduler's
+    # state. Concatenating the files along dim 0 gives the full tensors back, so a group of
+    # any size can load it; no pickle is involved.
+
+    def save_state(self, folder: Path, rank: int, world_size: int) -> dict:
+        """Write this rank's shards to `folder`; returns the small state every rank shares
+        (per-parameter AdamW step counts, the scheduler), for the caller to write once."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors, steps = {}, {}
+        for name, param in self.model.named_parameters():
+            tensors[f"param/{name}"] = _local(param).detach().to("cpu", copy=True).contiguous()
+            state = self.optimizer.state.get(param)
+            if state:
+                tensors[f"exp_avg/{name}"] = _local(state["exp_avg"]).to("cpu", copy=True).contiguous()
+                tensors[f"exp_avg_sq/{name}"] = _local(state["exp_avg_sq"]).to("cpu", copy=True).contiguous()
+                steps[name] = float(state["step"])
+        save_file(tensors, folder / f"rank-{rank:05d}-of-{world_size:05d}.safetensors", metadata={"format": "pt"})
+        return {"strategy": "fsdp2", "world_size": world_size, "adam_steps": steps,
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state(self, folder: Path, shared: dict) -> None:
+        """Load a learner checkpoint written by a group of any size: each tensor is rebuilt
+        whole from the old shards, one at a time, and this rank keeps its own shard of it."""
+        from safetensors import safe_open
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        files = sorted(folder.glob("rank-*.safetensors"))
+        if len(files) != shared["world_size"]:
+            raise FileNotFoundError(f"{folder}: {len(files)} rank files, the checkpoint was written by "
+                                    f"{shared['world_size']} learners")
+        handles = [safe_open(str(f), framework="pt") for f in files]
+
+        def shard_of(kind: str, name: str, like: torch.Tensor) -> torch.Tensor:
+            full = torch.cat([h.get_tensor(f"{kind}/{name}") for h in handles], dim=0)
+            full = full.to(_local(like).device)
+            if isinstance(like, DTensor):  # every rank holds the full tensor: no communication
+                return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+            return full
+
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                _local(param).copy_(_local(shard_of("param", name, param)))
+                if name in shared["adam_steps"]:
+                    self.optimizer.state[param] = {
+                        "step": torch.tensor(shared["adam_steps"][name], dtype=torch.float32),
+                        "exp_avg": shard_of("exp_avg", name, param),
+                        "exp_avg_sq": shard_of("exp_avg_sq", name, param),
+                    }
+        # The schedule resumes where it stopped, and so does the optimizer's learning rate.
+        self.scheduler.load_state_dict(shared["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly distributed) tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class DeepSpeedSharding:

@@ -310,6 +310,26 @@ class LearnerWorker:
             return save_checkpoint(state, base_model_path, path, self.config_overrides)
         return None
 
+    def save_state(self, folder: str) -> dict | None:
+        """Write this rank's part of the learner checkpoint (fp32 masters, AdamW moments) to
+        `folder`; rank 0 returns the state all ranks share (see `FSDP2Sharding.save_state`)."""
+        from pathlib import Path
+
+        moved = self.onload()
+        shared = self.sharding.save_state(Path(folder), self.rank, self.world_size)
+        if moved:
+            self.offload()
+        return shared if self.rank == 0 else None
+
+    def load_state(self, folder: str, shared: dict) -> None:
+        """Continue from a learner checkpoint, written by a group of this size or another."""
+        from pathlib import Path
+
+        moved = self.onload()
+        self.sharding.load_state(Path(folder), shared)
+        if moved:
+            self.offload()
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

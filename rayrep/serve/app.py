@@ -83,7 +83,7 @@ def check_checkpoint(checkpoint: str) -> None:
 def model_name(checkpoint: str) -> str:
     """The served model's default name: a run's checkpoint as <run>/<checkpoint>
     (runs/rlep-1/checkpoints/final -> rlep-1/final), any other folder by its own name."""
-    path = Path(checkpoint).resolve()
+    path = Path(os.path.abspath(checkpoint))  # as named: `final` is a link to the last step's folder
     if path.parent.name == "checkpoints":
         return f"{path.parent.parent.name}/{path.name}"
     return path.name

@@ -31,7 +31,7 @@ def engine_ranks(engines: int, tensor_parallel_size: int) -> list[list[int]]:
 
 
 class WeightSync:
-    def __init__(self, cfg: Config, learners: LearnerGroup, generators: GeneratorPool):
+    def __init__(self, cfg: Config, learners: LearnerGroup, generators: GeneratorPool, version: int = 0):
         self.learners, self.generators = learners, generators
         self.manifest = learners.weight_manifest(int(cfg.sync.bucket_mb * 2**20))
         host, port = learners.rendezvous_address()
@@ -42,7 +42,7 @@ class WeightSync:
             learners.join_weight_group(host, port, world)
             + [g.join_weight_group.remote(host, port, world, r[0]) for g, r in zip(generators.workers, ranks)]
         )
-        self.version = 0
+        self.version = version
 
     def push(self) -> dict[str, float]:
         """Broadcast the current weights to every generator; returns timing and size."""

@@ -6,15 +6,23 @@ longer than that. Verdict statuses (ok / no_answer / timeout / error) come back 
 scores so the driver can count timeouts and errors per step. For evaluation, the pool
 also votes: each question's majority answer (maj@k) is judged where its answers are.
 
+A verifier actor that dies (its process killed, its node lost) loses no work: the pool
+starts a new one in the same placement-group bundle and sends it the dead one's shares
+again, up to `MAX_RETRIES` times per share, then fails naming the verifier and the cause.
+Each call's `Verdicts.statuses` counts the replacements and the re-sent completions.
+
 With `verifier.num_workers = 0` the pool scores in-process through the same sandbox code.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import Counter
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayrep.config import Config
 from rayrep.eval import maj_at_k
@@ -23,11 +31,24 @@ from rayrep.placement import Placement
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
 
+logger = logging.getLogger(__name__)
+
+MAX_RETRIES = 3
+"""How many times one share is sent again after the verifier scoring it died."""
+
+REPLACEMENT_READY_TIMEOUT_S = 300.0
+"""A new verifier starts in seconds (an interpreter and its sandbox); one that is not up after
+this long will not be (its bundle is not coming back), and the check fails instead of waiting."""
+
 
 @dataclass
 class Verdicts:
     """Correctness of each rollout, prompt by prompt; how many verdicts of each status; and,
-    when asked for, whether each prompt's majority answer is correct."""
+    when asked for, whether each prompt's majority answer is correct.
+
+    `statuses` counts verdicts by status (ok / no_answer / timeout / error) and, only when
+    a verifier died during the call, the recovery: `replaced` (new verifier actors started)
+    and `retried_items` (completions sent again to a verifier)."""
 
     correct: list[list[bool]]
     statuses: Counter
@@ -60,6 +81,10 @@ class VerifierWorker:
     def check(self, rollouts: list[list[Rollout]], truths: list[str], majority: bool) -> Verdicts:
         return _check(self.sandbox, rollouts, truths, self.timeout_s, majority)
 
+    def pid(self) -> int:
+        """The actor's process id; answering at all shows that the actor is alive."""
+        return os.getpid()
+
     def close(self) -> None:
         self.sandbox.close()
 
@@ -68,22 +93,33 @@ class VerifierWorker:
 RemoteVerifierWorker = ray.remote(VerifierWorker)
 
 
+def _start_worker(timeout_s: float, placement: Placement | None, index: int) -> ray.actor.ActorHandle:
+    """Verifier `index`, in its bundle of `placement` (or on one CPU anywhere)."""
+    options = placement.options("verifier", index) if placement else {"num_cpus": 1}
+    return RemoteVerifierWorker.options(**options).remote(timeout_s)
+
+
+def _cause(error: BaseException, limit: int = 600) -> str:
+    """Ray's multi-line death report (which actor, which process, why), on one line."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class VerifierPool:
-    def __init__(self, timeout_s: float, workers: list[ray.actor.ActorHandle] | None = None):
-        """`workers`: VerifierWorker handles; empty or None scores in-process."""
+    def __init__(self, timeout_s: float, workers: list[ray.actor.ActorHandle] | None = None,
+                 placement: Placement | None = None):
+        """`workers`: VerifierWorker handles; empty or None scores in-process. `placement`:
+        where worker i was started (`placement.options("verifier", i)`), so that a dead
+        worker's replacement takes its bundle; None: one CPU anywhere."""
         self.timeout_s = timeout_s
         self.workers = workers or []
+        self.placement = placement
 
     @staticmethod
     def create(cfg: Config, placement: Placement | None = None) -> "VerifierPool":
-        count = cfg.verifier.num_workers
-        workers = [
-            RemoteVerifierWorker.options(**(placement.options("verifier", i) if placement else {"num_cpus": 1})).remote(
-                cfg.verifier.timeout_s
-            )
-            for i in range(count)
-        ]
-        return VerifierPool(cfg.verifier.timeout_s, workers)
+        timeout_s = cfg.verifier.timeout_s
+        workers = [_start_worker(timeout_s, placement, i) for i in range(cfg.verifier.num_workers)]
+        return VerifierPool(timeout_s, workers, placement)
 
     def check(self, pending: list[PendingRollouts], truths: list[str], majority: bool = False) -> Verdicts:
         """Verdicts for the rollouts of `pending` (from `GeneratorPool.generate`), in prompt order.
@@ -91,8 +127,13 @@ class VerifierPool:
         `truths[i]` is the ground truth of prompt i. The shares' refs go to the verifier
         actors as they are: rollouts travel from generator to verifier through the object
         store, not through the driver. `majority`: also judge each prompt's majority answer.
+
+        A share whose verifier dies goes again to that verifier's replacement (counted in
+        `statuses` as `replaced` and `retried_items`); after `MAX_RETRIES` such deaths for
+        one share, RuntimeError. Other errors (a share's ref that failed upstream) propagate.
         """
         per_share = [[truths[i] for i in share.indices] for share in pending]
+        counts: Counter = Counter()
         if not self.workers:
             from rayrep.verifier.math import default_sandbox
 
@@ -101,17 +142,86 @@ class VerifierPool:
                 for share, share_truths in zip(pending, per_share)
             ]
         else:
-            results = ray.get([
-                self.workers[i % len(self.workers)].check.remote(share.ref, share_truths, majority)
-                for i, (share, share_truths) in enumerate(zip(pending, per_share))
-            ])
+            results = self._check_on_workers(pending, per_share, majority, counts)
         merged = Verdicts([], Counter(), [] if majority else None)
         for part in results:
             merged.correct.extend(part.correct)
             merged.statuses.update(part.statuses)
             if majority:
                 merged.majority.extend(part.majority)
+        merged.statuses.update(counts)
         return merged
 
+    def _check_on_workers(self, pending: list[PendingRollouts], per_share: list[list[str]], majority: bool,
+                          counts: Counter) -> list[Verdicts]:
+        """Share i on worker i mod n; a share whose worker died, again on its replacement."""
+        results: list[Verdicts | None] = [None] * len(pending)
+        retries = [0] * len(pending)
+        calls: dict[ray.ObjectRef, tuple[int, int, ray.actor.ActorHandle]] = {}
+
+        def submit(share: int) -> None:
+            slot = share % len(self.workers)
+            worker = self.workers[slot]
+            ref = worker.check.remote(pending[share].ref, per_share[share], majority)
+            calls[ref] = (share, slot, worker)
+
+        for share in range(len(pending)):
+            submit(share)
+        while calls:
+            [ref], _ = ray.wait(list(calls), num_returns=1)
+            share, slot, worker = calls.pop(ref)
+            try:
+                results[share] = ray.get(ref)
+            except RayActorError as error:
+                # The share's ref may carry an upstream actor's death (a generator's): only
+                # a verifier that no longer answers is replaced.
+                if worker is self.workers[slot] and self._alive(worker):
+                    raise
+                retries[share] += 1
+                if retries[share] > MAX_RETRIES:
+                    raise RuntimeError(
+                        f"verifier {slot} died {retries[share]} times on one share of {len(per_share[share])} "
+                        f"prompt(s) (the first actor and {MAX_RETRIES} replacements); last cause: {_cause(error)}"
+                    ) from error
+                if worker is self.workers[slot]:  # not yet replaced (a worker may hold several shares)
+                    self._replace(slot, error)
+                    counts["replaced"] += 1
+                submit(share)
+                continue
+            if retries[share]:
+                counts["retried_items"] += retries[share] * sum(len(row) for row in results[share].correct)
+        return results
+
+    @staticmethod
+    def _alive(worker: ray.actor.ActorHandle) -> bool:
+        """Whether the worker still answers (after any calls queued before this one)."""
+        try:
+            ray.get(worker.pid.remote())
+        except RayActorError:
+            return False
+        return True
+
+    def _replace(self, slot: int, cause: BaseException) -> None:
+        """A new worker `slot` in the dead one's bundle, up and answering."""
+        logger.warning("verifier %d died (%s); starting a replacement", slot, _cause(cause))
+        ray.kill(self.workers[slot], no_restart=True)  # frees the bundle, should it only seem dead
+        worker = _start_worker(self.timeout_s, self.placement, slot)
+        self.workers[slot] = worker
+        try:
+            ray.get(worker.pid.remote(), timeout=REPLACEMENT_READY_TIMEOUT_S)
+        except GetTimeoutError:
+            ray.kill(worker, no_restart=True)
+            raise RuntimeError(
+                f"verifier {slot} died ({_cause(cause)}) and its replacement did not start within "
+                f"{REPLACEMENT_READY_TIMEOUT_S:.0f} s (is its placement-group bundle gone with its node?)"
+            ) from cause
+        except RayActorError:
+            pass  # it died already: the share's next call finds out, and counts it
+
     def shutdown(self) -> None:
-        ray.get([worker.close.remote() for worker in self.workers])
+        """Closes every live worker's sandbox; a dead worker has nothing left to close."""
+        for closed in [worker.close.remote() for worker in self.workers]:
+            try:
+                ray.get(closed)
+            except RayActorError:
+                pass

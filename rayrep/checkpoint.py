@@ -1,0 +1,167 @@
+"""Run checkpoints: everything a run needs to continue exactly where it stopped.
+
+    <run>/checkpoints/step-<N>/     one complete checkpoint after step N
+        config.json, model.safetensors, tokenizer files   the policy (a Hugging Face checkpoint)
+        learner/rank-<r>-of-<W>.safetensors                fp32 masters and AdamW moments, by rank
+        buffer/answers.parquet, questions.parquet          the replay buffer (replay methods)
+        run_state.json                                     step, policy version, sampler position,
+                                                           random state, algorithm state, evaluations
+    <run>/checkpoints/final -> step-<last>                 the end of the run (a link)
+
+A checkpoint is written in `.step-<N>.partial` and renamed into place when complete, so
+every `step-<N>` folder is complete: a process killed mid-save leaves the previous ones as
+they were, and the next save or resume sweeps the partial folder away. Nothing in a
+checkpoint is pickled: safetensors, Parquet and JSON only. The learner files hold each
+rank's shards and load into a learner group of any size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rayrep.config import InputError
+
+FORMAT = 1
+STATE_FILE = "run_state.json"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class RunState:
+    """What a run's driver holds besides the actors' state."""
+
+    step: int
+    policy_version: int
+    sampler: dict
+    """`PromptSampler.state()`: epoch and position."""
+    buffer_rng: list | None
+    """The replay buffer client's random state (`random.Random.getstate()` as JSON), or None."""
+    algorithm: dict
+    """`algorithm.state()`: e.g. ExGRPO's one-way switch."""
+    evals: list[dict]
+    learner: dict | None
+    """The learner checkpoint's shared state (None: the strategy keeps none, weights only)."""
+    config: dict = field(default_factory=dict)
+    format: int = FORMAT
+
+
+def rng_state(rng: random.Random) -> list:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_rng_state(rng: random.Random, state: list) -> None:
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The complete step checkpoints of a run, oldest first."""
+    folder = checkpoints_dir(run_dir)
+    found = []
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            match = _STEP.match(entry.name)
+            if match and entry.is_dir() and not entry.is_symlink() and (entry / STATE_FILE).is_file():
+                found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = step_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def read_run_state(checkpoint: Path) -> RunState:
+    """A checkpoint's run state, or an InputError naming the file and what is wrong."""
+    path = Path(checkpoint) / STATE_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad UTF-8, bad JSON, huge numbers
+        raise InputError(f"{path}: not a readable run state ({err})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise InputError(f"{path}: run-state format {data.get('format') if isinstance(data, dict) else None!r}, "
+                         f"this version reads format {FORMAT}")
+    try:
+        return RunState(**data)
+    except TypeError as err:
+        raise InputError(f"{path}: {err}") from None
+
+
+def begin_save(run_dir: Path, step: int) -> Path:
+    """A fresh partial folder for the checkpoint of `step` (earlier partial ones removed)."""
+    sweep_partial(run_dir)
+    partial = checkpoints_dir(run_dir) / f".step-{step}.partial"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    return partial
+
+
+def finish_save(partial: Path, state: RunState, keep: int) -> Path:
+    """Write the run state last, make the checkpoint current by renaming it into place, and
+    prune: the newest `keep` step checkpoints stay (0: all), and always the final one."""
+    (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+    _sync(partial)
+    if os.environ.get("RAYREP_FAILPOINT") == f"save-{state.step}":  # tests: die with the checkpoint all but done
+        os.kill(os.getpid(), signal.SIGKILL)
+    target = partial.parent / f"step-{state.step}"
+    if target.exists():  # the same step saved again (a resumed run's end): replaced whole
+        shutil.rmtree(target)
+    os.replace(partial, target)
+    _sync(partial.parent)
+    if keep:
+        final = final_target(partial.parent.parent)
+        for _, old in step_checkpoints(partial.parent.parent)[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def mark_final(run_dir: Path, checkpoint: Path) -> Path:
+    """Point `<run>/checkpoints/final` at `checkpoint` (atomically: a new link renamed over the old)."""
+    final = checkpoints_dir(run_dir) / "final"
+    link = final.with_name(".final.link")
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(checkpoint.name)
+    if final.is_dir() and not final.is_symlink():  # a folder from an older version
+        shutil.rmtree(final)
+    os.replace(link, final)
+    return final
+
+
+def final_target(run_dir: Path) -> Path | None:
+    final = checkpoints_dir(run_dir) / "final"
+    return final.resolve() if final.is_symlink() else None
+
+
+def sweep_partial(run_dir: Path) -> None:
+    """Remove what a save killed half-way left behind."""
+    folder = checkpoints_dir(run_dir)
+    if folder.is_dir():
+        for entry in folder.glob(".step-*"):  # partial folders and the policy's staging ones
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _sync(path: Path) -> None:
+    """Flush a folder's entries to disk, so that a rename after it is not reordered before it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,133 @@
+"""Checkpoints and resume, with real failures: a run SIGKILLed after a checkpoint resumes and
+repeats the uninterrupted run exactly; a run resumes on another number of learners."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from rayrep.checkpoint import read_run_state, step_checkpoints
+from rayrep.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+# ExGRPO, so that the buffer, its random draws and the algorithm's switch are all in play.
+RUN = ["--algorithm.name", "exgrpo", "--algorithm.std_normalize", "false", "--algorithm.exgrpo.start_pass_rate", "0",
+       "--run.steps", "4", "--run.eval_every", "2", "--run.save_every", "2", "--run.keep_checkpoints", "0",
+       "--algorithm.prompts_per_step", "16", "--learner.mini_batch_prompts", "8", "--data.arithmetic_test_size", "32",
+       "--logging.plots", "false"]
+# What differs between two runs that took the same steps: the clock.
+CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
+
+
+def job(out: Path, name: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "jobs/train.py", *RUN, "--logging.out_dir", str(out),
+                             "--logging.run_name", name, *extra], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    output, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("time_") and k not in CLOCK}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_policy, tmp_path_factory):
+    """An uninterrupted run, and the same run SIGKILLed once its step-2 checkpoint is written
+    (the whole job: driver, Ray and every actor), then resumed."""
+    out = tmp_path_factory.mktemp("runs")
+    whole = job(out, "whole")
+    finish(whole)
+
+    killed = job(out, "killed")
+    checkpoint = out / "killed" / "checkpoints" / "step-2" / "run_state.json"
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists():
+        assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0][-4000:]
+        time.sleep(0.2)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    resumed_output = finish(subprocess.Popen(
+        [sys.executable, "jobs/train.py", "--resume", str(out / "killed")], cwd=REPO, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return out, resumed_output
+
+
+def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
+    out, output = runs
+    assert "resumed" in output and "at step 2" in output
+    whole = read_metrics(out / "whole" / "metrics.jsonl")
+    resumed = read_metrics(out / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # what the killed run logged after step 2 is gone
+    for mine, theirs in zip(resumed, whole):
+        assert comparable(mine) == comparable(theirs), mine["step"]
+    assert resumed[-1]["buffer_answers"] > 0 and resumed[-1]["exgrpo_collecting"] == 1.0
+
+    # The last checkpoints hold the same buffer, sampler position and policy version.
+    a, b = read_run_state(out / "whole" / "checkpoints" / "final"), read_run_state(out / "killed" / "checkpoints" / "final")
+    assert (a.step, a.policy_version, a.sampler, a.buffer_rng, a.algorithm) == \
+           (b.step, b.policy_version, b.sampler, b.buffer_rng, b.algorithm) == (a.step, 4, a.sampler, a.buffer_rng, a.algorithm)
+    for name in ("answers.parquet", "questions.parquet"):
+        assert pq.read_table(out / "whole" / "checkpoints" / "final" / "buffer" / name).equals(
+            pq.read_table(out / "killed" / "checkpoints" / "final" / "buffer" / name))
+    assert [step for step, _ in step_checkpoints(out / "killed")] == [2, 4]
+    assert not list((out / "killed" / "checkpoints").glob(".step-*"))  # nothing half-written left
+
+
+def test_a_run_resumes_on_another_number_of_learners(runs, tmp_path):
+    out, _ = runs
+    # A copy of the interrupted run's step-2 checkpoint, resumed by two learners instead of one.
+    run = tmp_path / "two"
+    (run / "checkpoints").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(out / "killed" / "checkpoints" / "step-2"), str(run / "checkpoints")], check=True)
+    (run / "config.json").write_text((out / "killed" / "config.json").read_text())
+    metrics = read_metrics(out / "killed" / "metrics.jsonl")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics if r["step"] <= 2))
+    finish(subprocess.Popen([sys.executable, "jobs/train.py", "--resume", str(run), "--learner.num_workers", "2"],
+                            cwd=REPO, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    two = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in two] == [0, 1, 2, 3, 4] and two[-1]["policy_version"] == 4
+    # Step 3 samples from the checkpoint's weights with the same seeds: the same rollouts,
+    # whatever the learner count; its update (and so step 4) may differ in the last digits.
+    one = {r["step"]: r for r in metrics}
+    for key in ("accuracy", "reward_mean", "response_length", "generated_tokens"):
+        assert two[3][key] == one[3][key], key
+    assert abs(two[4]["accuracy"] - one[4]["accuracy"]) < 0.1
+    assert read_run_state(run / "checkpoints" / "final").learner["world_size"] == 2
+
+
+def test_a_job_killed_while_saving_resumes_from_the_checkpoint_before(runs, tmp_path):
+    out, _ = runs
+    # The driver is SIGKILLed with its step-4 checkpoint written but not yet renamed into place.
+    env = dict(os.environ, RAYREP_FAILPOINT="save-4")
+    killed = subprocess.Popen([sys.executable, "jobs/train.py", *RUN, "--logging.out_dir", str(tmp_path),
+                               "--logging.run_name", "saving"], cwd=REPO, start_new_session=True, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = killed.communicate(timeout=900)
+    assert killed.returncode == -signal.SIGKILL, output[-3000:]
+    try:
+        os.killpg(killed.pid, signal.SIGKILL)  # the rest of the job: its local Ray cluster
+    except ProcessLookupError:
+        pass
+    run = tmp_path / "saving"
+    assert [step for step, _ in step_checkpoints(run)] == [2]
+    assert (run / "checkpoints" / ".step-4.partial" / "run_state.json").exists()  # complete, but not current
+
+    output = finish(subprocess.Popen([sys.executable, "jobs/train.py", "--resume", str(run)], cwd=REPO,
+                                     start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    assert "at step 2" in output
+    assert [step for step, _ in step_checkpoints(run)] == [2, 4]
+    assert not list((run / "checkpoints").glob(".step-*"))
+    whole = read_metrics(out / "whole" / "metrics.jsonl")
+    again = read_metrics(run / "metrics.jsonl")
+    assert [comparable(r) for r in again] == [comparable(r) for r in whole]
