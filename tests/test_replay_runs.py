@@ -79,7 +79,9 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
     filter sees every group whole (fresh and replayed rollouts)."""
     changes = {"algorithm.name": name, "algorithm.dynamic_sampling": True, "run.steps": 3, "logging.run_name": name}
     if name == "rlep":
-        changes["algorithm.rlep.pool"] = pool_stats["pool"]
+        # G = 4: fresh groups that all fail (kept only through their replays) are common
+        # enough that three steps surely hold some (about 1 in 5 groups).
+        changes.update({"algorithm.rlep.pool": pool_stats["pool"], "algorithm.group_size": 4})
     if name == "exgrpo":
         changes.update({"algorithm.std_normalize": False, "algorithm.exgrpo.start_pass_rate": 0.0})
     cfg = small(tiny_cfg, tmp_path, **changes)
