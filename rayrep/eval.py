@@ -12,6 +12,7 @@ import math
 import operator
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -251,12 +252,14 @@ def _score_in_slices(
     slices: Sequence[range],
     sample_slice: Callable[[range], list[PendingRollouts]],
     progress: Progress | None,
+    complete: Callable[[list[PendingRollouts], Counter], list[PendingRollouts]] | None = None,
 ) -> dict[str, float]:
     """Sample each slice of questions (`sample_slice(indices)`; the next slice's sampling starts
     before this one is scored), score it on the verifier pool, and summarize every verdict at
-    the end: the metrics are those of one slice holding all questions, whatever the slicing."""
-    from collections import Counter
-
+    the end: the metrics are those of one slice holding all questions, whatever the slicing.
+    `complete`: `GeneratorPool.complete`, which makes a slice's shares whole (a dead generator
+    replaced, its prompts asked again) before they are scored; its counts are reported as
+    `generator_replaced` and `generator_retried_prompts` when not zero."""
     from rayrep.generator.pool import GeneratorPool
 
     if not prompts:
@@ -265,6 +268,7 @@ def _score_in_slices(
     majority: list[bool] = []
     lengths: list[int] = []
     statuses: Counter = Counter()
+    recovery: Counter = Counter()
     if progress is not None:
         progress.update(0)  # the roles are up: the rate clock starts now
     upcoming = sample_slice(slices[0])
@@ -272,6 +276,8 @@ def _score_in_slices(
         pending = upcoming
         if position + 1 < len(slices):
             upcoming = sample_slice(slices[position + 1])  # the generators go on while this slice is scored
+        if complete is not None:
+            pending = complete(pending, recovery)
         verdicts = verifiers.check(pending, [prompts[i].ground_truth for i in part], majority=True)
         lengths.extend(len(r.response_ids) for rollouts in GeneratorPool.gather(pending) for r in rollouts)
         correct.extend(verdicts.correct)
@@ -283,6 +289,7 @@ def _score_in_slices(
     summary["mean_response_tokens"] = sum(lengths) / max(1, len(lengths))
     summary["verifier_timeouts"] = statuses.get("timeout", 0)
     summary["verifier_errors"] = statuses.get("error", 0)
+    summary.update({f"generator_{name}": n for name, n in recovery.items() if n})
     return summary
 
 
@@ -302,7 +309,8 @@ def evaluate(
     `generator.eval_temperature` and `eval_top_p`, up to `generator.max_response_tokens`
     tokens, on the generator pool; the verifier pool scores them and judges each question's
     majority answer. Also returns the mean response length and the verifier's timeouts and
-    errors.
+    errors, and, when a generator died meanwhile (replaced, its questions sampled again with
+    their seeds), `generator_replaced` and `generator_retried_prompts`.
 
     `progress`: sample and score the questions in slices (`eval_slices`) and report each
     (questions done, pooled pass@1 so far); each question is sampled with its own seed
@@ -321,7 +329,7 @@ def evaluate(
             top_p=gen.eval_top_p, max_tokens=gen.max_response_tokens, seeds=[seeds[i] for i in part],
         )
 
-    return _score_in_slices(runtime.verifiers, prompts, slices, sample_slice, progress)
+    return _score_in_slices(runtime.verifiers, prompts, slices, sample_slice, progress, runtime.generators.complete)
 
 
 def score_answers(

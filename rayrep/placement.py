@@ -291,3 +291,26 @@ def check_fits(plan: Plan, can_grow: str = "auto") -> None:
             f"this cluster {'cannot grow to hold' if grows else 'cannot hold, and cannot grow to hold,'} the plan: "
             f"missing {'; '.join(missing)}\n{plan.describe()}"
         )
+
+
+# ---------------------------------------------------------------------- actors that die
+# The generator and verifier pools start a dead actor's replacement in its bundle (`Placement.options`).
+
+
+def responds(actor) -> bool:
+    """Whether `actor` (a role's actor with a `pid()` method) still answers, after any calls
+    queued on it before this one."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(actor.pid.remote())
+    except RayActorError:
+        return False
+    return True
+
+
+def death_cause(error: BaseException, limit: int = 600) -> str:
+    """Ray's multi-line death report (which actor, which process, why), on one line."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

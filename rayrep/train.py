@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
         summary = evaluate(runtime, cfg, test_prompts, test_ids)
         record = {"step": step, "time_eval": time.perf_counter() - start}
         record.update({f"test_{k}": v for k, v in summary.items() if "@" in k})
+        record.update({f"eval_{k}": v for k, v in summary.items() if k.startswith("generator_")})
         result.evals.append(record)
         return record
 
@@ -223,8 +225,10 @@ def sample_round(
     exclude: frozenset[str] = frozenset(),
 ) -> list[Group]:
     """One round of a step: the algorithm plans it (B questions, from the sampler and, for
-    the replay methods, the buffer), the generators sample the planned fresh rollouts, the
-    verifiers mark them, and the planned replays join their groups."""
+    the replay methods, the buffer), the generators sample the planned fresh rollouts (a
+    generator that dies is replaced and its prompts asked again, counted as
+    `generator_replaced` and `generator_retried_prompts`), the verifiers mark them, and the
+    planned replays join their groups."""
     with timed(record, "plan"):
         plan = algorithm.plan(sampler, cfg.algorithm.prompts_per_step, exclude)
     for name, value in plan.metrics.items():  # a refill round's planning adds to its time
@@ -238,7 +242,11 @@ def sample_round(
             temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
             seeds=cfg.sampling_seeds(f"rollout-{record['step']}-{rounds}", len(plan.prompts)),
         )
+        recovery: Counter = Counter()  # a generator that died: replaced, its prompts asked again
+        pending = runtime.generators.complete(pending, recovery)
         rollouts = runtime.generators.gather(pending)
+    for name, n in recovery.items():
+        record[f"generator_{name}"] = record.get(f"generator_{name}", 0) + n
 
     with timed(record, "verify"):
         verdicts = runtime.verifiers.check(pending, [p.ground_truth for p in plan.prompts])

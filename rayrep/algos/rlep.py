@@ -18,6 +18,7 @@ advantages are taken over all G' = G + M answers. Unlike the public code:
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -125,6 +126,7 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
     start = time.perf_counter()
     runtime = Runtime.start(cfg, checkpoint, train=False)
     rows, kept_questions, samples = [], 0, 0
+    recovery: Counter = Counter()
     progress = Progress(len(prompts), "collect", unit="question", log=log)
     try:
         # Slices bound the memory of one generate call; every generator works on each slice.
@@ -137,6 +139,7 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
                 top_p=settings.collect_top_p, max_tokens=cfg.generator.max_response_tokens,
                 seeds=seeds[begin : begin + size],
             )
+            pending = runtime.generators.complete(pending, recovery)  # a dead generator: replaced, asked again
             rollouts = runtime.generators.gather(pending)
             correct = runtime.verifiers.check(pending, [p.ground_truth for p in part]).correct
             for prompt, sampled, marks in zip(part, rollouts, correct):
@@ -159,4 +162,5 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
     return {
         "pool": str(out_path), "questions": len(prompts), "kept_questions": kept_questions, "successes": len(rows),
         "samples": samples, "success_rate": len(rows) / max(1, samples), "seconds": time.perf_counter() - start,
+        **{f"generator_{name}": n for name, n in recovery.items() if n},
     }

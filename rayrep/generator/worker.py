@@ -6,6 +6,8 @@ through the weight-sync group. On colocated GPUs it sleeps while the learners up
 
 from __future__ import annotations
 
+import os
+
 import ray
 
 from rayrep.config import Config
@@ -46,6 +48,10 @@ class GeneratorWorker:
         backend = self.cfg.placement.collective_backend
         self.llm.collective_rpc("rayrep_join_weight_group", args=(host, port, world_size, first_rank, backend))
 
+    def leave_weight_group(self) -> None:
+        """Every worker of the engine leaves the group (it is rebuilt when a generator is replaced)."""
+        self.llm.collective_rpc("rayrep_leave_weight_group")
+
     def sleep(self) -> bool:
         """Free the GPU for the learners (vLLM sleep level 1: weights to CPU memory, KV cache
         dropped). Only where the roles take turns on GPUs; elsewhere (CPU) nothing to free.
@@ -76,6 +82,10 @@ class GeneratorWorker:
 
     def policy_version(self) -> int:
         return self.version
+
+    def pid(self) -> int:
+        """The actor's process id; answering at all shows that the actor is alive."""
+        return os.getpid()
 
 
 # The class stays plain (importable by name) so Ray pickles its methods by reference.

@@ -91,9 +91,14 @@ class LearnerGroup:
         """Rank 0 joins as group rank 0; returns refs to wait on with the generators' joins."""
         return [self.workers[0].join_weight_group.remote(host, port, world_size)]
 
-    def broadcast_weights(self, manifest: WeightManifest) -> list[ray.ObjectRef]:
-        """Every rank gathers, rank 0 broadcasts; returns refs (wait on them with the receivers')."""
-        return [w.broadcast_weights.remote(manifest) for w in self.workers]
+    def leave_weight_group(self) -> list[ray.ObjectRef]:
+        """Rank 0 leaves the weight group (to rebuild it); returns refs to wait on with the generators'."""
+        return [self.workers[0].leave_weight_group.remote()]
+
+    def broadcast_weights(self, manifest: WeightManifest, onload: bool = False) -> list[ray.ObjectRef]:
+        """Every rank gathers, rank 0 broadcasts; returns refs (wait on them with the receivers').
+        `onload`: the learners' state is off the GPU now (the generators hold it)."""
+        return [w.broadcast_weights.remote(manifest, onload) for w in self.workers]
 
     def save(self, path: str) -> str:
         return ray.get([w.save.remote(path, self.base_model_path) for w in self.workers])[0]

@@ -277,11 +277,20 @@ class LearnerWorker:
         if self.rank == 0:
             self.weight_group = open_group(host, port, world_size, 0, self.cfg.placement.collective_backend, self.device)
 
-    def broadcast_weights(self, manifest: WeightManifest) -> float:
-        """Gather full tensors (all ranks) and broadcast them from rank 0; returns seconds spent."""
+    def leave_weight_group(self) -> None:
+        """Rank 0 leaves the weight group (it is rebuilt when a generator is replaced)."""
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
+
+    def broadcast_weights(self, manifest: WeightManifest, onload: bool = False) -> float:
+        """Gather full tensors (all ranks) and broadcast them from rank 0; returns seconds spent.
+        `onload`: the state is off the GPU (a sync while colocated generators hold it, for a
+        replaced generator): the weights come back for the gathers and leave again."""
         from rayrep.sync.collective import send_buckets
 
         start = time.perf_counter()
+        moved = onload and self.onload(optimizer=False)
         with torch.no_grad():
             # Every rank iterates together: under FSDP2 each tensor is an all-gather.
             tensors = (tensor for _, tensor in self.sharding.full_tensors())
@@ -290,6 +299,8 @@ class LearnerWorker:
             else:
                 for _ in tensors:  # take part in the all-gathers
                     pass
+        if moved:
+            self.offload(optimizer=False)
         return time.perf_counter() - start
 
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor] | None:

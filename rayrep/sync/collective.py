@@ -79,7 +79,11 @@ class WeightGroup:
         self.group.broadcast([tensor], options).wait()
 
     def close(self) -> None:
-        # Dropping the references lets the backend tear its connections down.
+        """Leave the group. A member may have died (the group is left to be rebuilt with its
+        replacement): abort drops every connection without waiting on the dead peer, and
+        dropping the references tears the backend and the store down."""
+        if self.group is not None:
+            self.group.abort()
         self.group = None
         self.store = None
 

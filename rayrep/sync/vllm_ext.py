@@ -41,6 +41,14 @@ class WeightSyncExtension:
         rank = first_rank + getattr(self, "rank", 0)
         self._rayrep_group = open_group(host, port, world_size, rank, backend, self._rayrep_device())
 
+    def rayrep_leave_weight_group(self) -> None:
+        """Leave the group (to join a rebuilt one, after a generator was replaced); a worker
+        that never joined one has nothing to leave."""
+        group = getattr(self, "_rayrep_group", None)
+        if group is not None:
+            group.close()
+            self._rayrep_group = None
+
     def rayrep_receive_weights(self, manifest: WeightManifest) -> int:
         """Receive every bucket and load them in one `reload_weights` call; returns tensors loaded."""
         loaded = 0

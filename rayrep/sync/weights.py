@@ -4,9 +4,11 @@ Learner rank 0 is rank 0 of a dedicated group (gloo on CPU, NCCL on GPU) whose o
 members are the generator workers. A sync gathers full tensors from the FSDP shards
 bucket by bucket and broadcasts each bucket; generators load everything in one
 `reload_weights` and move to the new policy version.
-"""
 
-from __future__ import annotations
+A group admits no new member: when a generator is replaced (`GeneratorPool.complete`),
+every member leaves and a new group is made with the replacement in it (`rebuild`), which
+then receives the current weights at the current version.
+"""
 
 from __future__ import annotations
 
@@ -32,24 +34,43 @@ def engine_ranks(engines: int, tensor_parallel_size: int) -> list[list[int]]:
 
 class WeightSync:
     def __init__(self, cfg: Config, learners: LearnerGroup, generators: GeneratorPool, version: int = 0):
-        self.learners, self.generators = learners, generators
+        self.cfg, self.learners, self.generators = cfg, learners, generators
         self.manifest = learners.weight_manifest(int(cfg.sync.bucket_mb * 2**20))
-        host, port = learners.rendezvous_address()
-        ranks = engine_ranks(len(generators.workers), cfg.generator.tensor_parallel_size)
+        self.version = version
+        self._join()
+        generators.sync = self  # a replaced generator's weights come from here
+
+    def _join(self) -> None:
+        """A new rendezvous: learner rank 0 and every worker of every engine of the pool as it is now."""
+        host, port = self.learners.rendezvous_address()
+        ranks = engine_ranks(len(self.generators.workers), self.cfg.generator.tensor_parallel_size)
         world = 1 + sum(len(r) for r in ranks)
         # Every member's join must be in flight together: the rendezvous waits for all.
         ray.get(
-            learners.join_weight_group(host, port, world)
-            + [g.join_weight_group.remote(host, port, world, r[0]) for g, r in zip(generators.workers, ranks)]
+            self.learners.join_weight_group(host, port, world)
+            + [g.join_weight_group.remote(host, port, world, r[0]) for g, r in zip(self.generators.workers, ranks)]
         )
-        self.version = version
 
     def push(self) -> dict[str, float]:
-        """Broadcast the current weights to every generator; returns timing and size."""
+        """Broadcast the current weights to every generator, as the next policy version;
+        returns timing and size."""
         self.version += 1
+        return self._send(onload=False)
+
+    def rebuild(self) -> dict[str, float]:
+        """After a generator was replaced (`GeneratorPool.complete`): a group admits no new
+        member, so every member leaves it and a new one is made with the pool's generators as
+        they are now; then the current weights go to all of them at the current version (no
+        new version: the survivors receive what they hold). Called while the generators hold
+        the GPUs, so the learners bring their weights back for it."""
+        ray.get(self.learners.leave_weight_group() + [g.leave_weight_group.remote() for g in self.generators.workers])
+        self._join()
+        return self._send(onload=True)
+
+    def _send(self, onload: bool) -> dict[str, float]:
         start = time.perf_counter()
         ray.get(
-            self.learners.broadcast_weights(self.manifest)
+            self.learners.broadcast_weights(self.manifest, onload)
             + [g.receive_weights.remote(self.manifest, self.version) for g in self.generators.workers]
         )
         seconds = time.perf_counter() - start

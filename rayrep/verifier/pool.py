@@ -27,7 +27,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rayrep.config import Config
 from rayrep.eval import maj_at_k
 from rayrep.generator.pool import PendingRollouts
-from rayrep.placement import Placement
+from rayrep.placement import Placement, death_cause, responds
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
 
@@ -97,12 +97,6 @@ def _start_worker(timeout_s: float, placement: Placement | None, index: int) -> 
     """Verifier `index`, in its bundle of `placement` (or on one CPU anywhere)."""
     options = placement.options("verifier", index) if placement else {"num_cpus": 1}
     return RemoteVerifierWorker.options(**options).remote(timeout_s)
-
-
-def _cause(error: BaseException, limit: int = 600) -> str:
-    """Ray's multi-line death report (which actor, which process, why), on one line."""
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class VerifierPool:
@@ -175,13 +169,13 @@ class VerifierPool:
             except RayActorError as error:
                 # The share's ref may carry an upstream actor's death (a generator's): only
                 # a verifier that no longer answers is replaced.
-                if worker is self.workers[slot] and self._alive(worker):
+                if worker is self.workers[slot] and responds(worker):
                     raise
                 retries[share] += 1
                 if retries[share] > MAX_RETRIES:
                     raise RuntimeError(
                         f"verifier {slot} died {retries[share]} times on one share of {len(per_share[share])} "
-                        f"prompt(s) (the first actor and {MAX_RETRIES} replacements); last cause: {_cause(error)}"
+                        f"prompt(s) (the first actor and {MAX_RETRIES} replacements); last cause: {death_cause(error)}"
                     ) from error
                 if worker is self.workers[slot]:  # not yet replaced (a worker may hold several shares)
                     self._replace(slot, error)
@@ -192,18 +186,9 @@ class VerifierPool:
                 counts["retried_items"] += retries[share] * sum(len(row) for row in results[share].correct)
         return results
 
-    @staticmethod
-    def _alive(worker: ray.actor.ActorHandle) -> bool:
-        """Whether the worker still answers (after any calls queued before this one)."""
-        try:
-            ray.get(worker.pid.remote())
-        except RayActorError:
-            return False
-        return True
-
     def _replace(self, slot: int, cause: BaseException) -> None:
         """A new worker `slot` in the dead one's bundle, up and answering."""
-        logger.warning("verifier %d died (%s); starting a replacement", slot, _cause(cause))
+        logger.warning("verifier %d died (%s); starting a replacement", slot, death_cause(cause))
         ray.kill(self.workers[slot], no_restart=True)  # frees the bundle, should it only seem dead
         worker = _start_worker(self.timeout_s, self.placement, slot)
         self.workers[slot] = worker
@@ -212,7 +197,7 @@ class VerifierPool:
         except GetTimeoutError:
             ray.kill(worker, no_restart=True)
             raise RuntimeError(
-                f"verifier {slot} died ({_cause(cause)}) and its replacement did not start within "
+                f"verifier {slot} died ({death_cause(cause)}) and its replacement did not start within "
                 f"{REPLACEMENT_READY_TIMEOUT_S:.0f} s (is its placement-group bundle gone with its node?)"
             ) from cause
         except RayActorError:

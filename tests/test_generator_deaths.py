@@ -1,0 +1,251 @@
+"""A generator (vLLM engine actor) that dies loses no prompts and hangs nothing, on a real local Ray cluster.
+
+Two generators sit in their placement group's bundles, as in a run. One is SIGKILLed in the
+middle of a generate call: `GeneratorPool.complete` starts a replacement in the dead one's
+bundle and asks it the dead one's prompts again; with per-prompt seeds every answer is the
+one an undisturbed call gives. With learners and a weight sync, the replacement joins a
+rebuilt weight group and samples from the learners' current weights at the current policy
+version. In a real training run, a generator killed during step 2's generation costs nothing:
+the run logs what an undisturbed run logs, plus the replacement's counts.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import psutil
+import pytest
+import ray
+
+from rayrep.data import encode_prompts, load_split
+from rayrep.generator.pool import GeneratorPool
+from rayrep.learner.group import LearnerGroup
+from rayrep.metrics import read_metrics
+from rayrep.placement import Placement, make_plan
+from rayrep.sync.weights import WeightSync
+from rayrep.train import train
+from rayrep.types import LossSpec
+
+# What differs between two runs that took the same steps: the clock (as in tests/test_resume.py).
+CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
+
+
+def two_generators(cfg):
+    return cfg.replace(**{"generator.num_workers": 2, "placement.cpus_per_bundle": 1, "placement.threads": 1,
+                          "verifier.num_workers": 0})
+
+
+def questions(cfg, tiny_policy, count):
+    from transformers import AutoTokenizer
+
+    prompts = load_split(cfg.data, "train")[:count]
+    return encode_prompts(AutoTokenizer.from_pretrained(tiny_policy), prompts, cfg.data.max_prompt_tokens)
+
+
+def free_in_bundles(placement, count: int, settle_s: float = 30.0) -> list[float]:
+    """The CPU left free in each of the generators' `count` bundles (Ray reports it as
+    `CPU_group_<index>_<group id>`), once no actor is starting or stopping in them."""
+    group = placement.groups[placement.plan.slots["generator"][0].group]
+    keys = [f"CPU_group_{i}_{group.id.hex()}" for i in range(count)]
+    deadline, last = time.monotonic() + settle_s, None
+    while time.monotonic() < deadline:  # Ray's view settles within a second or so
+        free = [ray.available_resources().get(key, 0.0) for key in keys]
+        if free == last:
+            return free
+        last = free
+        time.sleep(1.0)
+    return last
+
+
+def sample(generators, prompt_ids, seeds, counts=None, kill_after_s=None):
+    """Every prompt's rollouts from one generate call made whole by `complete`; `kill_after_s`:
+    SIGKILL generator 1's process that long after the call started."""
+    killer = None
+    if kill_after_s is not None:  # (asked first: the actor answers once its calls before are done)
+        killer = threading.Timer(kill_after_s, os.kill, (ray.get(generators.workers[1].pid.remote()), signal.SIGKILL))
+    pending = generators.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds)
+    if killer is not None:
+        killer.start()
+    done = generators.complete(pending, counts)
+    if killer is not None:
+        killer.join()
+    return GeneratorPool.gather(done)
+
+
+def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_sampled_again(
+        ray_cluster, tiny_cfg, tiny_policy):
+    cfg = two_generators(tiny_cfg)
+    placement = Placement(make_plan(cfg, learners=False))
+    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    try:
+        prompt_ids = questions(cfg, tiny_policy, 48)
+        seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
+        sample(generators, prompt_ids, cfg.sampling_seeds("warm-up", len(prompt_ids)))  # the engines' first call
+        counts = Counter()
+        start = time.monotonic()
+        undisturbed = sample(generators, prompt_ids, seeds, counts)
+        undisturbed_s = time.monotonic() - start
+        assert counts == {}
+
+        dead, occupied = generators.workers[1], free_in_bundles(placement, 2)
+        assert occupied == [0.5, 0.5]  # each generator takes half of its bundle (the learner's half is free)
+        dead_pid = ray.get(dead.pid.remote())
+        start = time.monotonic()
+        recovered = sample(generators, prompt_ids, seeds, counts, kill_after_s=undisturbed_s / 3)
+        assert time.monotonic() - start > undisturbed_s / 3  # the call was still running when it died
+        assert counts == {"replaced": 1, "retried_prompts": 24}  # generator 1's share: prompts 24..47
+        assert [len(rollouts) for rollouts in recovered] == [8] * 48
+        assert recovered == undisturbed  # the same tokens, log-probs and texts: the seeds decide them
+        replacement = generators.workers[1]
+        assert replacement is not dead and ray.get(replacement.pid.remote()) != dead_pid
+        assert free_in_bundles(placement, 2) == occupied  # the replacement took the dead one's bundle
+        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [0, 0]
+        # The next call runs on the healthy pool again, with nothing to count.
+        counts = Counter()
+        assert sample(generators, prompt_ids, seeds, counts) == undisturbed and counts == {}
+    finally:
+        for worker in generators.workers:
+            ray.kill(worker)
+        placement.remove()
+
+
+def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_policy(
+        ray_cluster, tiny_cfg, tiny_policy):
+    """The learners moved the policy away from the checkpoint (version 1): the replacement,
+    which loads the checkpoint, must get the learners' weights and version before it samples;
+    later syncs reach every generator through the rebuilt group."""
+    from test_learner_and_sync import synthetic_batch
+
+    cfg = two_generators(tiny_cfg).replace(**{"learner.num_workers": 1, "learner.lr": 1e-3, "learner.warmup_steps": 0})
+    placement = Placement(make_plan(cfg))
+    learners = LearnerGroup(cfg, tiny_policy, placement)
+    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    try:
+        sync = WeightSync(cfg, learners, generators)
+        prompt_ids = questions(cfg, tiny_policy, 16)
+        seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
+        base = sample(generators, prompt_ids, seeds)
+        learners.update(synthetic_batch(), LossSpec())
+        assert sync.push()["policy_version"] == 1
+        trained = sample(generators, prompt_ids, seeds)
+        assert trained[8:] != base[8:]  # generator 1's share: the weights moved enough to change its answers
+
+        ray.kill(generators.workers[1])  # dead before the call: its share fails at once
+        counts = Counter()
+        recovered = sample(generators, prompt_ids, seeds, counts)
+        assert counts == {"replaced": 1, "retried_prompts": 8}
+        assert recovered == trained  # version 1's answers, not the checkpoint's
+        assert {r.version for rollouts in recovered for r in rollouts} == {1}
+        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [1, 1]
+        assert sync.version == 1  # the rebuild sent the same weights again: no new version
+
+        learners.update(synthetic_batch(seed=1), LossSpec())
+        assert sync.push()["policy_version"] == 2  # through the rebuilt group, to both generators
+        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [2, 2]
+        again = sample(generators, prompt_ids, seeds)
+        assert again[:8] != trained[:8] and again[8:] != trained[8:]  # both engines took version 2's weights
+    finally:
+        for worker in generators.workers:
+            ray.kill(worker)
+        learners.shutdown()
+        placement.remove()
+
+
+@pytest.mark.timeout(300)  # a hang fails here instead of at the suite's limit
+def test_a_replacement_that_cannot_start_ends_in_a_clear_error(ray_cluster, tiny_cfg, tiny_policy, monkeypatch):
+    """The generators' placement group is removed (as when its node is lost for good): both
+    generators die with it, and their replacements wait for bundles that never come back. The
+    wait is bounded (shrunk here with monkeypatch from its 900 s to 5 s), then an error names the
+    generator and why."""
+    import rayrep.generator.pool
+
+    monkeypatch.setattr(rayrep.generator.pool, "REPLACEMENT_READY_TIMEOUT_S", 5.0)
+    cfg = two_generators(tiny_cfg)
+    placement = Placement(make_plan(cfg, learners=False))
+    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    try:
+        pending = generators.generate([[5, 6, 7, 8]] * 4, n=2, temperature=1.0, top_p=1.0, max_tokens=8)
+        placement.remove()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"generator 0 died \(ActorDiedError: .*\) and its replacement did not "
+                                               r"start within 5 s \(is its placement-group bundle gone"):
+            generators.complete(pending)
+        assert time.monotonic() - start < 60
+    finally:
+        for worker in generators.workers:
+            ray.kill(worker)
+
+
+def generator_processes() -> list[psutil.Process]:
+    """This test process's generator actors (Ray titles a worker process `ray::<class>[.<method>]`);
+    only descendants of this process: never another cluster's on the same machine."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.cmdline()[:1] and child.cmdline()[0].startswith("ray::GeneratorWorker"):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+def kill_during_generation(run_dir, step, stop: threading.Event, killed: list) -> None:
+    """Once step `step - 1` is logged, SIGKILL the first generator seen in a `generate` call."""
+    metrics = run_dir / "metrics.jsonl"
+    while not stop.is_set():
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if any(json.loads(line)["step"] == step - 1 for line in lines if line.strip()):
+            break
+        time.sleep(0.05)
+    while not stop.is_set():
+        for process in generator_processes():
+            try:
+                if ".generate" in process.cmdline()[0]:
+                    process.send_signal(signal.SIGKILL)
+                    killed.append(process.pid)
+                    return
+            except psutil.Error:
+                pass
+        time.sleep(0.005)
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if not k.startswith(("time_", "generator_")) and k not in CLOCK}
+
+
+@pytest.mark.timeout(900)
+def test_a_generator_killed_during_a_training_step_loses_nothing(ray_cluster, tiny_cfg, tiny_policy, tmp_path):
+    cfg = tiny_cfg.replace(**{
+        "run.steps": 3, "run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
+        "data.arithmetic_test_size": 32, "generator.num_workers": 2, "logging.out_dir": str(tmp_path),
+        "logging.plots": False,
+    })
+    undisturbed = train(cfg.replace(**{"logging.run_name": "undisturbed"}), log=lambda _: None)
+
+    stop, killed = threading.Event(), []
+    watcher = threading.Thread(target=kill_during_generation, args=(tmp_path / "disturbed", 2, stop, killed))
+    watcher.start()
+    try:
+        disturbed = train(cfg.replace(**{"logging.run_name": "disturbed"}), log=lambda _: None)
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(killed) == 1
+
+    expected = read_metrics(undisturbed.run_dir / "metrics.jsonl")
+    records = read_metrics(disturbed.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # every step, and the evaluations at 0 and 3
+    # One generator died in step 2 and was replaced; its 8 prompts were sampled again.
+    assert [(r.get("generator_replaced"), r.get("generator_retried_prompts")) for r in records] == \
+           [(None, None), (None, None), (1, 8), (None, None)]
+    # Nothing lost, nothing sampled from the wrong weights: the run is the undisturbed one, metric
+    # for metric (the same 16 groups of 8 answers, the same tokens, the same updates and evaluations).
+    for mine, theirs in zip(records, expected):
+        assert comparable(mine) == comparable(theirs), mine["step"]
+    assert records[2]["group_size_min"] == records[2]["group_size_max"] == 8
+    assert records[2]["optimizer_steps"] == 2  # 16 questions in mini-batches of 8: none missing
+    assert records[-1]["policy_version"] == 3
