@@ -26,7 +26,8 @@ def main(argv: list[str]) -> dict:
     if args.resume == "":
         parser.error("--resume takes the pipeline folder to continue: --resume runs/exgrpo-<time>")
     out = Path(args.resume or args.out or Path(cfg.logging.out_dir) / f"exgrpo-{time.strftime('%Y%m%d-%H%M%S')}")
-    return compare_with_baseline(cfg, "exgrpo", out, args.baseline_checkpoint, resume=args.resume is not None)
+    return compare_with_baseline(cfg, "exgrpo", out, args.baseline_checkpoint, resume=args.resume is not None,
+                                 restarts=args.auto_resume)
 
 
 if __name__ == "__main__":

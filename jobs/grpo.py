@@ -12,9 +12,9 @@ def main(argv: list[str]):
     parser = job_parser(__doc__)
     args, cfg = parse_job_args(parser, argv + ["--algorithm.name", "grpo"])
 
-    from rayrep.train import train
+    from rayrep.train import train_resuming
 
-    result = train(cfg, resume=args.resume is not None)
+    result = train_resuming(cfg, resume=args.resume is not None, restarts=args.auto_resume)
     first, last = result.evals[0], result.evals[-1]
     print(f"\nrun: {result.run_dir}\nfinal checkpoint: {result.final_checkpoint}")
     print(f"test pass@1: {first['test_pass@1']:.3f} at step 0 -> {last['test_pass@1']:.3f} at step {last['step']}")

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> dict:
         parser.error("--resume takes the pipeline folder to continue: --resume runs/rlep-pipeline-<time>")
     out = Path(args.resume or args.out or Path(cfg.logging.out_dir) / f"rlep-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
     return compare_with_baseline(cfg, "rlep", out, args.baseline_checkpoint, args.pool,
-                                 resume=args.resume is not None)
+                                 resume=args.resume is not None, restarts=args.auto_resume)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,19 @@ def finish_save(partial: Path, state: RunState, keep: int) -> Path:
     return target
 
 
+def link_files(source: Path, target: Path) -> None:
+    """`source`'s files in `target` as hard links (copies where the file system has none):
+    a checkpoint takes the run's latest buffer snapshot without writing it again; the
+    snapshot's next write replaces its files (new ones, renamed in), never the linked ones."""
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file():
+            try:
+                os.link(path, target / path.name)
+            except OSError:
+                shutil.copy2(path, target / path.name)
+
+
 def mark_final(run_dir: Path, checkpoint: Path) -> Path:
     """Point `<run>/checkpoints/final` at `checkpoint` (atomically: a new link renamed over the old)."""
     final = checkpoints_dir(run_dir) / "final"

@@ -100,6 +100,7 @@ class ReplayConfig:
     num_shards: int = option(2, "replay buffer shard actors; questions are routed by a stable hash of their id (0: in-process)", min=0)
     cpus_per_shard: float = option(0.25, "CPUs each shard's bundle reserves (shards hold memory and answer a few calls per step)", min=0.01)
     max_answers_per_question: int = option(0, "cap on stored answers per question, the oldest evicted beyond it; 0: no cap (the ExGRPO code keeps them all)", min=0)
+    snapshot_every: int = option(1, "steps between snapshots of the buffer (<run>/replay/), from which a shard that dies is restored; what it was given since is lost and counted (replay_shard_lost_*): 1 loses nothing; 0: the checkpoints' snapshots only", min=0)
 
 
 @dataclass
@@ -621,6 +622,10 @@ def job_parser(description: str, trains: bool = True, dry_run: bool = True):
                             help="continue a stopped run from its latest complete checkpoint: the run in "
                                  "RUN_DIR (its config.json, then any overrides given here), or without "
                                  "RUN_DIR the one --logging.run_name names")
+        parser.add_argument("--auto-resume", nargs="?", type=int, const=3, default=0, metavar="N",
+                            help="when a learner dies, continue the run from its latest complete checkpoint "
+                                 "on its own, up to N times (default 3); without it the job stops and says "
+                                 "how to resume")
     parser.set_defaults(trains=trains, plans=dry_run)
     return parser
 
@@ -634,6 +639,8 @@ def parse_job_args(parser, argv: list[str] | None = None):
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = parse_cli(rest, base=resume_base(args.resume) if getattr(args, "resume", None) else None)
+        if getattr(args, "auto_resume", 0) < 0:
+            raise ConfigError(f"--auto-resume {args.auto_resume}: the number of restarts cannot be negative")
         if getattr(args, "resume", None) == "" and not cfg.logging.run_name:
             raise ConfigError("--resume without a RUN_DIR needs --logging.run_name to name the run "
                               "(a pipeline: --resume <its folder>)")
@@ -657,9 +664,15 @@ def parse_job_args(parser, argv: list[str] | None = None):
 def run_job(main: Callable[[list[str]], object]) -> None:
     """A job's entry point: `main(sys.argv[1:])`. Bad input (an `InputError`: a config value,
     a prompt file, a pool, one of their rows) ends the job with its one-line message and
-    exit status 2, not a traceback."""
+    exit status 2, not a traceback; a learner's death (`LearnerDied`) with its message (what
+    died, the checkpoint left, how to resume) and status 1."""
+    from rayrep.learner import LearnerDied
+
     try:
         main(sys.argv[1:])
     except InputError as err:
         print(f"{Path(sys.argv[0]).name}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except LearnerDied as death:  # its message says what happened and what to do
+        print(f"{Path(sys.argv[0]).name}: {death}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -252,7 +252,7 @@ def _score_in_slices(
     slices: Sequence[range],
     sample_slice: Callable[[range], list[PendingRollouts]],
     progress: Progress | None,
-    complete: Callable[[list[PendingRollouts], Counter], list[PendingRollouts]] | None = None,
+    complete: Callable[[list[PendingRollouts], Counter], tuple[list[PendingRollouts], list]] | None = None,
 ) -> dict[str, float]:
     """Sample each slice of questions (`sample_slice(indices)`; the next slice's sampling starts
     before this one is scored), score it on the verifier pool, and summarize every verdict at
@@ -277,9 +277,11 @@ def _score_in_slices(
         if position + 1 < len(slices):
             upcoming = sample_slice(slices[position + 1])  # the generators go on while this slice is scored
         if complete is not None:
-            pending = complete(pending, recovery)
+            pending, rollouts = complete(pending, recovery)
+        else:
+            rollouts = GeneratorPool.gather(pending)
         verdicts = verifiers.check(pending, [prompts[i].ground_truth for i in part], majority=True)
-        lengths.extend(len(r.response_ids) for rollouts in GeneratorPool.gather(pending) for r in rollouts)
+        lengths.extend(len(r.response_ids) for sampled in rollouts for r in sampled)
         correct.extend(verdicts.correct)
         majority.extend(verdicts.majority)
         statuses.update(verdicts.statuses)

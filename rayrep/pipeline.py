@@ -42,6 +42,7 @@ def compare_with_baseline(
     pool: str | None = None,
     log=print,
     resume: bool = False,
+    restarts: int = 0,
 ) -> dict:
     """Run the pipeline into `out` and return the comparison (also written to
     `out/comparison.json`, with the plot beside it). `cfg` holds the method's settings;
@@ -50,7 +51,9 @@ def compare_with_baseline(
     paper's on-policy baseline with its Dr.GRPO advantage).
 
     `resume`: continue a stopped pipeline in `out` at the stage it stopped: a finished run is
-    reused, a stopped one resumes from its latest checkpoint, a written pool is kept."""
+    reused, a stopped one resumes from its latest checkpoint, a written pool is kept.
+    `restarts`: how many times a training stage whose learner died continues on its own
+    (`rayrep.train.train_resuming`)."""
     from rayrep.algos.rlep import collect_pool
     from rayrep.buffer.files import check_pool_file
 
@@ -69,7 +72,7 @@ def compare_with_baseline(
         checkpoint, base_evals = baseline_checkpoint, checkpoint_evals(baseline_checkpoint, cfg)
     else:
         log(f"== 1/{stages} baseline (GRPO/DAPO) ==")
-        baseline = run_stage(cfg.replace(**{"algorithm.name": "grpo", "logging.run_name": "baseline"}), resume, log)
+        baseline = run_stage(cfg.replace(**{"algorithm.name": "grpo", "logging.run_name": "baseline"}), resume, log, restarts)
         checkpoint, base_evals = baseline.final_checkpoint, baseline.evals
 
     method_cfg = cfg.replace(**{"algorithm.name": method, "logging.run_name": method})
@@ -87,7 +90,7 @@ def compare_with_baseline(
         comparison["pool"] = str(pool)
 
     log(f"== {stages - 1}/{stages} {label} from the base policy ==")
-    run = run_stage(method_cfg, resume, log)
+    run = run_stage(method_cfg, resume, log, restarts)
 
     log(f"== {stages}/{stages} comparison ==")
     comparison.update(compare_runs(base_evals, run.evals))
@@ -100,11 +103,11 @@ def compare_with_baseline(
     return comparison
 
 
-def run_stage(cfg: Config, resume: bool, log=print):
+def run_stage(cfg: Config, resume: bool, log=print, restarts: int = 0):
     """One training stage of the pipeline; resuming, a finished run is reused and a stopped
     one continues from its latest checkpoint (one stopped before its first checkpoint starts over)."""
     from rayrep.checkpoint import latest_checkpoint
-    from rayrep.train import RunResult, keep_metrics_until, run_dir_for, train
+    from rayrep.train import RunResult, keep_metrics_until, run_dir_for, train_resuming
 
     run_dir = run_dir_for(cfg)
     if resume:
@@ -113,6 +116,6 @@ def run_stage(cfg: Config, resume: bool, log=print):
             log(f"{run_dir}: finished before, reused")
             return RunResult(run_dir, str(final), json.loads(evals.read_text()))
         if latest_checkpoint(run_dir) is not None:
-            return train(cfg, log=log, resume=True)
+            return train_resuming(cfg, log=log, resume=True, restarts=restarts)
         keep_metrics_until(run_dir / "metrics.jsonl", -1)  # a start that saved nothing: start over
-    return train(cfg, log=log)
+    return train_resuming(cfg, log=log, restarts=restarts)

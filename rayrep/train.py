@@ -17,11 +17,12 @@ from pathlib import Path
 
 from rayrep.algos import make_algorithm
 from rayrep.algos.grpo import GRPO, keep_informative
-from rayrep.checkpoint import (RunState, begin_save, finish_save, latest_checkpoint, mark_final, read_run_state,
-                               rng_state, set_rng_state)
+from rayrep.checkpoint import (RunState, begin_save, finish_save, latest_checkpoint, link_files, mark_final,
+                               read_run_state, rng_state, set_rng_state)
 from rayrep.config import Config, InputError
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.eval import evaluate
+from rayrep.learner import LearnerDied
 from rayrep.metrics import MetricsLog, plot_run, step_fields
 from rayrep.models import resolve_policy
 from rayrep.progress import Progress
@@ -93,23 +94,33 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
         result.evals.append(record)
         return record
 
+    replay_dir = run_dir / "replay"
+
+    def snapshot_buffer() -> None:
+        """The buffer as it is now in `replay_dir`, the restore point of a shard that dies
+        (not written again when nothing changed)."""
+        if runtime.buffer.changed or runtime.buffer.restore_point != replay_dir:
+            runtime.buffer.snapshot(replay_dir)
+
     def save(step: int) -> Path:
         partial = begin_save(run_dir, step)
         runtime.learners.save(str(partial))  # the policy, as a Hugging Face checkpoint
         learner = runtime.learners.save_state(str(partial / "learner")) if resumable(cfg) else None
         if runtime.buffer is not None:
-            runtime.buffer.snapshot(partial / "buffer")
+            snapshot_buffer()
+            link_files(replay_dir, partial / "buffer")
         return finish_save(partial, RunState(
             step=step, policy_version=runtime.sync.version, sampler=sampler.state(),
             buffer_rng=rng_state(runtime.buffer.rng) if runtime.buffer is not None else None,
             algorithm=algorithm.state(), evals=result.evals, learner=learner, config=cfg.to_dict(),
         ), cfg.run.keep_checkpoints)
 
+    first = state.step + 1 if state else 1
+    step, saved = first, checkpoint  # (the step in progress, the latest checkpoint: what a learner's death reports)
     try:
         if state is not None:
             runtime.learners.load_state(str(checkpoint / "learner"), state.learner)
         algorithm.attach(runtime.buffer, runtime.learners)
-        first = state.step + 1 if state else 1
         progress = Progress(cfg.run.steps, "train", unit="step", log=log, done=first - 1)
         if state is None:
             metrics.log(evaluation(step=0))
@@ -121,7 +132,8 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
             algorithm.load_state(state.algorithm)
             log(f"resumed {run_dir} at step {state.step} (policy version {state.policy_version}) from {checkpoint.name}")
             progress.update(state.step)
-        saved = checkpoint
+        if runtime.buffer is not None:
+            snapshot_buffer()  # (RLEP's pool, a resumed buffer): what a shard that dies comes back with
         for step in range(first, cfg.run.steps + 1):
             record: dict = {"step": step}
             step_start = time.perf_counter()
@@ -146,6 +158,11 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                 runtime.hand_over_to_generators()
 
             record.update(algorithm.after_update(step, step_batch))
+            if runtime.buffer is not None:
+                if cfg.replay.snapshot_every and step % cfg.replay.snapshot_every == 0:
+                    with timed(record, "snapshot"):
+                        snapshot_buffer()
+                record.update(runtime.buffer.take_recovery())  # replay shards that died this step
             record.update(step_batch.metrics)
             record.update(rollout_stats(step_batch.seen, record["time_generate"]))
             record["time_step"] = time.perf_counter() - step_start
@@ -160,12 +177,44 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
             saved = save(cfg.run.steps)
         result.final_checkpoint = str(mark_final(run_dir, saved))
         (run_dir / "evals.json").write_text(json.dumps(result.evals, indent=2))
+    except Exception as error:
+        # A learner's state (its shard of the weights and optimizer) dies with it: the run
+        # cannot go on, but its last checkpoint can.
+        dead = runtime.learners.dead()
+        if dead:
+            ranks = "; ".join(f"learner rank {rank} died ({why})" for rank, why in sorted(dead.items()))
+            raise LearnerDied(
+                f"{ranks}: the run stopped in step {step}. Its latest complete checkpoint is "
+                f"{saved or 'none yet'}; continue with --resume {run_dir} (a pipeline: --resume <its folder>), "
+                "or give the job --auto-resume to restart on its own", run_dir) from error
+        raise
     finally:
         metrics.close()
         runtime.shutdown()
     if cfg.logging.plots:
         write_plots(run_dir, log)
     return result
+
+
+def train_resuming(cfg: Config, log=print, resume: bool = False, restarts: int = 0) -> RunResult:
+    """`train`, started again when a learner dies, up to `restarts` times: from the run's
+    latest complete checkpoint (as `resume` does), or from the beginning when it has none."""
+    attempt = 0
+    while True:
+        try:
+            return train(cfg, log=log, resume=resume)
+        except LearnerDied as death:
+            attempt += 1
+            if attempt > restarts:
+                raise
+            # The same run folder again (a run named by its start time would get a new one).
+            cfg = cfg.replace(**{"logging.out_dir": str(death.run_dir.parent), "logging.run_name": death.run_dir.name})
+            latest = latest_checkpoint(death.run_dir)
+            resume = latest is not None and resumable(cfg)
+            if not resume:
+                keep_metrics_until(death.run_dir / "metrics.jsonl", -1)  # it starts over
+            log(f"{death}\nrestart {attempt} of {restarts}: "
+                f"{'from ' + latest.name if resume else 'from the beginning (no checkpoint to resume from)'}")
 
 
 def resumable(cfg: Config) -> bool:
@@ -243,8 +292,7 @@ def sample_round(
             seeds=cfg.sampling_seeds(f"rollout-{record['step']}-{rounds}", len(plan.prompts)),
         )
         recovery: Counter = Counter()  # a generator that died: replaced, its prompts asked again
-        pending = runtime.generators.complete(pending, recovery)
-        rollouts = runtime.generators.gather(pending)
+        pending, rollouts = runtime.generators.complete(pending, recovery)
     for name, n in recovery.items():
         record[f"generator_{name}"] = record.get(f"generator_{name}", 0) + n
 

@@ -1,14 +1,18 @@
 """Checkpoints and resume, with real failures: a run SIGKILLed after a checkpoint resumes and
-repeats the uninterrupted run exactly; a run resumes on another number of learners."""
+repeats the uninterrupted run exactly; a run resumes on another number of learners; a run
+whose generator, replay shard and learner are killed in turn (`--auto-resume`) ends as the
+uninterrupted run ends, with each death counted."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -131,3 +135,63 @@ def test_a_job_killed_while_saving_resumes_from_the_checkpoint_before(runs, tmp_
     whole = read_metrics(out / "whole" / "metrics.jsonl")
     again = read_metrics(run / "metrics.jsonl")
     assert [comparable(r) for r in again] == [comparable(r) for r in whole]
+
+
+def kill_in_turn(job: subprocess.Popen, run: Path, stop: threading.Event, killed: list) -> None:
+    """In the job's process tree: once step 0 is logged, SIGKILL its generator in a `generate`
+    call (step 1's rollouts); once step 1 is logged, a replay shard; once the step-2 checkpoint
+    is complete, its learner in an `update` call (step 3)."""
+    def logged(step: int) -> bool:
+        path = run / "metrics.jsonl"
+        return path.exists() and any(json.loads(line)["step"] == step for line in path.read_text().splitlines() if line.strip())
+
+    stages = [(lambda: logged(0), "ray::GeneratorWorker.generate"), (lambda: logged(1), "ray::ReplayShard"),
+              (lambda: (run / "checkpoints" / "step-2" / "run_state.json").exists(), "ray::LearnerWorker.update")]
+    for ready, title in stages:
+        while not stop.is_set() and not ready():
+            time.sleep(0.05)
+        while not stop.is_set():
+            try:
+                victims = [p for p in psutil.Process(job.pid).children(recursive=True)
+                           if p.cmdline()[:1] and p.cmdline()[0].startswith(title)]
+            except psutil.Error:
+                victims = []
+            if victims:
+                victims[0].send_signal(signal.SIGKILL)
+                killed.append(title)
+                break
+            time.sleep(0.005)
+
+
+def test_a_run_whose_actors_die_in_turn_ends_as_the_uninterrupted_one(runs):
+    out, _ = runs
+    job_process = job(out, "deaths", "--auto-resume")
+    stop, killed = threading.Event(), []
+    watcher = threading.Thread(target=kill_in_turn, args=(job_process, out / "deaths", stop, killed))
+    watcher.start()
+    try:
+        output = finish(job_process)
+    finally:
+        stop.set()
+        watcher.join()
+    (out / "deaths.log").write_text(output)
+    assert killed == ["ray::GeneratorWorker.generate", "ray::ReplayShard", "ray::LearnerWorker.update"]
+    # The learner's death stopped the run in step 3, said so, and the job went on from step 2.
+    assert "learner rank 0 died" in output and "the run stopped in step 3" in output, output[-3000:]
+    assert "restart 1 of 3: from step-2" in output and "at step 2" in output
+
+    records = read_metrics(out / "deaths" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    # Step 1: the generator was replaced and all 16 prompts sampled again; step 2: the shard was
+    # restored from step 1's snapshot, losing nothing.
+    assert (records[1].get("generator_replaced"), records[1].get("generator_retried_prompts")) == (1, 16)
+    assert {k: v for k, v in records[2].items() if k.startswith("replay_shard_")} == \
+           {"replay_shard_replaced": 1, "replay_shard_lost_answers": 0, "replay_shard_lost_question_updates": 0}
+    assert not any(k.startswith(("generator_", "replay_shard_")) for r in records[3:] for k in r)
+    whole = read_metrics(out / "whole" / "metrics.jsonl")
+    for mine, theirs in zip(records, whole):
+        assert without_recovery(mine) == without_recovery(theirs), mine["step"]
+
+
+def without_recovery(record: dict) -> dict:
+    return {k: v for k, v in comparable(record).items() if not k.startswith(("generator_", "replay_shard_"))}

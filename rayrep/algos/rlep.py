@@ -139,8 +139,8 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
                 top_p=settings.collect_top_p, max_tokens=cfg.generator.max_response_tokens,
                 seeds=seeds[begin : begin + size],
             )
-            pending = runtime.generators.complete(pending, recovery)  # a dead generator: replaced, asked again
-            rollouts = runtime.generators.gather(pending)
+            # A dead generator: replaced, its prompts asked again.
+            pending, rollouts = runtime.generators.complete(pending, recovery)
             correct = runtime.verifiers.check(pending, [p.ground_truth for p in part]).correct
             for prompt, sampled, marks in zip(part, rollouts, correct):
                 samples += len(sampled)

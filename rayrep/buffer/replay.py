@@ -10,24 +10,40 @@ the same code). In a run, the shards are placed and started with the other roles
 Snapshots are Parquet files (schema version in the file metadata): `answers.parquet`
 holds one row per stored answer, `questions.parquet` one row per question (bucket,
 retired).
+
+A shard that dies (its process killed, its node lost) is started anew in its bundle and
+restored from the buffer's last snapshot (its questions only), and the call that found it
+dead is asked of it again. What was written to it since that snapshot is lost: the buffer
+counts it (`take_recovery`: `replay_shard_replaced`, `replay_shard_lost_answers`,
+`replay_shard_lost_question_updates`), so a run that snapshots after every step's writes
+loses nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import random
-from collections.abc import Callable
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayrep.buffer.shard import Answer, PackedAnswers, RemoteReplayShard, ReplayShard
+from rayrep.placement import MAX_RETRIES, death_cause, responds, too_many_deaths
 
 if TYPE_CHECKING:
     from rayrep.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_READY_TIMEOUT_S = 300.0
+"""A new shard starts in seconds and then loads its share of the snapshot; one that is not
+restored after this long will not be (its bundle is not coming back), and the call fails."""
 
 SNAPSHOT_SCHEMA_VERSION = 1
 
@@ -57,15 +73,22 @@ class ReplayBuffer:
         they ask for no CPU of their own (they hold memory, not compute)."""
         self.num_shards = num_shards
         self.rng = random.Random(seed)
+        self.cap, self.seed, self.placement = max_answers_per_question, seed, placement
         if num_shards == 0:
             self.shards: list = [ReplayShard(max_answers_per_question, seed)]
         else:
-            self.shards = [
-                RemoteReplayShard.options(**(placement.options("replay", i) if placement else {"num_cpus": 0})).remote(
-                    max_answers_per_question, seed * 1000 + i
-                )
-                for i in range(num_shards)
-            ]
+            self.shards = [self._start_shard(i) for i in range(num_shards)]
+        self.restore_point: Path | None = None
+        """The last snapshot (`snapshot`): what a shard that dies is restored from; None: empty."""
+        self._restore_point_evicted: list[int] = [0] * len(self.shards)
+        self._since_snapshot = [Counter() for _ in self.shards]
+        """Per shard: answers and question updates (buckets, retirements) written since the restore point."""
+        self.recovery: Counter = Counter()
+        """Shards replaced and writes they lost, since `take_recovery` was last called."""
+
+    def _start_shard(self, index: int) -> ray.actor.ActorHandle:
+        options = self.placement.options("replay", index) if self.placement else {"num_cpus": 0}
+        return RemoteReplayShard.options(**options).remote(self.cap, self.seed * 1000 + index)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -73,16 +96,38 @@ class ReplayBuffer:
     def in_process(self) -> bool:
         return self.num_shards == 0
 
-    def _start(self, call: Callable, *args) -> object:
-        """Start `call` (a shard method, named at the call site) with `args`: an actor
-        method returns a ref at once, an in-process one its result."""
-        return call(*args) if self.in_process else call.remote(*args)
+    def _call(self, method: str, args: dict[int, tuple], num_returns: int = 1) -> dict[int, object]:
+        """Call shard method `method` on each shard of `args` with its arguments, all shards
+        in parallel; their results, by shard. `num_returns=2` (`stored_answers`): the first
+        result, and the ref of the second, left where it is.
 
-    def _gather(self, started: dict[int, object]) -> dict[int, object]:
-        """Results of calls started on several shards, by shard, waiting on all together."""
+        A shard that died is replaced and restored (`_replace`) and asked again, up to
+        `MAX_RETRIES` times; then RuntimeError."""
         if self.in_process:
-            return started
-        return dict(zip(started, ray.get(list(started.values()))))
+            return {s: getattr(self.shards[s], method)(*a) for s, a in args.items()}
+
+        def start(s: int) -> list[ray.ObjectRef]:
+            refs = getattr(self.shards[s], method).options(num_returns=num_returns).remote(*args[s])
+            return refs if num_returns > 1 else [refs]
+
+        started = {s: start(s) for s in args}
+        results: dict[int, object] = {}
+        for s in args:
+            deaths = 0
+            while s not in results:
+                try:
+                    first = ray.get(started[s][0])
+                except RayActorError as error:
+                    if responds(self.shards[s]):
+                        raise  # the shard is fine: not its death
+                    deaths += 1
+                    if deaths > MAX_RETRIES:
+                        raise too_many_deaths("replay shard", s, deaths, f"{method} call", error) from error
+                    self._replace(s, error)
+                    started[s] = start(s)
+                    continue
+                results[s] = first if num_returns == 1 else (first, *started[s][1:])
+        return results
 
     def _route(self, uid: str) -> int:
         return shard_of(uid, self.num_shards) if self.num_shards else 0
@@ -101,10 +146,11 @@ class ReplayBuffer:
 
     def add(self, items: list[tuple[str, np.ndarray, list[Answer]]], dedup: bool = False) -> int:
         """Store (question id, prompt ids, answers) items; returns how many answers were stored."""
-        stored = self._gather({
-            s: self._start(self.shards[s].add_packed, PackedAnswers.pack(group), dedup)
-            for s, group in self._by_shard(items).items()
+        stored = self._call("add_packed", {
+            s: (PackedAnswers.pack(group), dedup) for s, group in self._by_shard(items).items()
         })
+        for s, count in stored.items():
+            self._since_snapshot[s]["answers"] += count
         return sum(stored.values())
 
     def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=()) -> dict:
@@ -119,10 +165,12 @@ class ReplayBuffer:
             work[self._route(uid)]["buckets"][uid] = k
         for uid in retire:
             work[self._route(uid)]["retire"].append(uid)
-        results = self._gather({
-            s: self._start(self.shards[s].apply, PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"])
-            for s, w in work.items()
+        results = self._call("apply", {
+            s: (PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"]) for s, w in work.items()
         })
+        for s, w in work.items():
+            self._since_snapshot[s]["answers"] += results[s]["stored"]
+            self._since_snapshot[s]["question_updates"] += len(w["buckets"]) + len(w["retire"])
         return merge_stats(list(results.values()))
 
     # ------------------------------------------------------------------ reads
@@ -130,9 +178,8 @@ class ReplayBuffer:
     def sample_answers(self, requests: list[tuple[str, int]]) -> dict[str, list[Answer]]:
         """Up to `count` stored answers of each question, uniformly without replacement (RLEP)."""
         seeds = self.rng.getrandbits(63)
-        results = self._gather({
-            s: self._start(self.shards[s].sample_packed, [uid for uid, _ in group],
-                           np.array([count for _, count in group], np.int64), seeds + s)
+        results = self._call("sample_packed", {
+            s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s)
             for s, group in self._by_shard(requests).items()
         })
         merged: dict[str, list[Answer]] = {}
@@ -148,22 +195,14 @@ class ReplayBuffer:
         the value itself for an in-process buffer). The refs go on to other actors
         (ExGRPO's entropy pass on the learners) without passing through this process.
         """
-        parts = []
-        for s, group in self._by_shard(uids, key=lambda u: u).items():
-            if self.in_process:
-                parts.append(self.shards[s].stored_answers(group))
-            else:
-                parts.append(self.shards[s].stored_answers.options(num_returns=2).remote(group))
-        if not self.in_process:
-            indexes = ray.get([index for index, _ in parts])
-            parts = [(index, ref) for index, (_, ref) in zip(indexes, parts)]
-        return [(index, answers) for index, answers in parts if index]
+        groups = self._by_shard(uids, key=lambda u: u)
+        parts = self._call("stored_answers", {s: (group,) for s, group in groups.items()}, num_returns=2)
+        return [(index, answers) for index, answers in parts.values() if index]
 
     def answers_at(self, picks: dict[str, int]) -> dict[str, Answer]:
         """The stored answer at position `picks[uid]` (oldest first) of each question."""
-        results = self._gather({
-            s: self._start(self.shards[s].answers_at, [uid for uid, _ in group], [i for _, i in group])
-            for s, group in self._by_shard(list(picks.items())).items()
+        results = self._call("answers_at", {
+            s: ([uid for uid, _ in group], [i for _, i in group]) for s, group in self._by_shard(list(picks.items())).items()
         })
         return {uid: answers[0] for part in results.values() for uid, answers in part.unpack().items()}
 
@@ -173,7 +212,7 @@ class ReplayBuffer:
     def bucket_sizes(self, exclude: frozenset[str] = frozenset()) -> list[dict[int, int]]:
         """Questions per bucket, shard by shard (questions in `exclude` not counted)."""
         excluded = self._excluded(exclude)
-        results = self._gather({s: self._start(self.shards[s].bucket_sizes, excluded[s]) for s in self._all})
+        results = self._call("bucket_sizes", {s: (excluded[s],) for s in self._all})
         return [results[s] for s in self._all]
 
     def sample_questions(self, count: int, K: int, scale: str, shard_buckets: list[dict[int, int]] | None = None,
@@ -207,37 +246,85 @@ class ReplayBuffer:
             if left[(s, k)] == 0:
                 del left[(s, k)]
         seeds = self.rng.getrandbits(63)
-        results = self._gather({
-            s: self._start(self.shards[s].sample_questions, per_bucket, seeds + s, excluded[s])
-            for s, per_bucket in plan.items()
-        })
+        results = self._call("sample_questions", {s: (per_bucket, seeds + s, excluded[s]) for s, per_bucket in plan.items()})
         return [uid for s in sorted(results) for uid in results[s]]
 
     def stats(self, now_step: int | None = None) -> dict:
-        results = self._gather({s: self._start(self.shards[s].stats, now_step) for s in self._all})
+        results = self._call("stats", {s: (now_step,) for s in self._all})
         return merge_stats(list(results.values()))
 
     # ------------------------------------------------------------------ snapshot
 
     def snapshot(self, directory: str | Path) -> Path:
-        """Write every shard's content to Parquet files in `directory` (atomically replaced)."""
+        """Write every shard's content to Parquet files in `directory` (each file atomically
+        replaced); it becomes the restore point of a shard that dies."""
         from rayrep.buffer.files import write_snapshot
 
-        parts = self._gather({s: self._start(self.shards[s].export) for s in self._all})
-        return write_snapshot([parts[s] for s in self._all], Path(directory))
+        parts = self._call("export", {s: () for s in self._all})
+        written = write_snapshot([parts[s] for s in self._all], Path(directory))
+        self.restore_point = written
+        self._restore_point_evicted = [parts[s]["evicted"] for s in self._all]
+        self._since_snapshot = [Counter() for _ in self._all]
+        return written
+
+    @property
+    def changed(self) -> bool:
+        """Whether anything was written since the restore point (or there is none)."""
+        return self.restore_point is None or any(sum(c.values()) for c in self._since_snapshot)
 
     def restore(self, directory: str | Path) -> None:
         """Load a snapshot, routing each question to its shard under this buffer's shard count."""
+        parts = self._snapshot_parts(Path(directory))
+        self._call("restore", parts)
+        self.restore_point = Path(directory)
+        self._restore_point_evicted = [parts[s][2] for s in self._all]
+        self._since_snapshot = [Counter() for _ in self._all]
+
+    def _snapshot_parts(self, directory: Path, evicted_by_shard: list[int] | None = None) -> dict[int, tuple]:
+        """The snapshot in `directory` as each shard's `restore` arguments (evictions so far:
+        `evicted_by_shard`, or, not known by shard, all on shard 0)."""
         from rayrep.buffer.files import read_snapshot
 
-        questions, retired, evicted = read_snapshot(Path(directory))
+        questions, retired, evicted = read_snapshot(directory)
         work: dict[int, tuple[list, list, int]] = {s: ([], [], 0) for s in self._all}
         for uid, entry in questions:
             work[self._route(uid)][0].append((uid, entry))
         for uid in retired:
             work[self._route(uid)][1].append(uid)
-        work[0] = (work[0][0], work[0][1], evicted)
-        self._gather({s: self._start(self.shards[s].restore, *args) for s, args in work.items()})
+        for s in self._all:
+            work[s] = (*work[s][:2], evicted_by_shard[s] if evicted_by_shard else evicted * (s == 0))
+        return work
+
+    def _replace(self, s: int, cause: BaseException) -> None:
+        """A new shard `s` in the dead one's bundle, holding its questions as of the restore
+        point; what the dead one was given since is counted as lost."""
+        logger.warning("replay shard %d died (%s); restoring a replacement from %s", s, death_cause(cause),
+                       self.restore_point or "nothing (no snapshot yet)")
+        ray.kill(self.shards[s], no_restart=True)  # frees the bundle, should it only seem dead
+        self.shards[s] = self._start_shard(s)
+        content = ([], [], 0)
+        if self.restore_point is not None:
+            content = self._snapshot_parts(self.restore_point, self._restore_point_evicted)[s]
+        try:
+            ray.get(self.shards[s].restore.remote(*content), timeout=REPLACEMENT_READY_TIMEOUT_S)
+        except GetTimeoutError:
+            ray.kill(self.shards[s], no_restart=True)
+            raise RuntimeError(
+                f"replay shard {s} died ({death_cause(cause)}) and its replacement was not restored within "
+                f"{REPLACEMENT_READY_TIMEOUT_S:.0f} s (is its placement-group bundle gone with its node?)"
+            ) from cause
+        except RayActorError:
+            pass  # it died already: the call that asks it next finds out, and counts it
+        lost = self._since_snapshot[s]
+        self.recovery.update(replaced=1, lost_answers=lost["answers"], lost_question_updates=lost["question_updates"])
+        self._since_snapshot[s] = Counter()
+
+    def take_recovery(self) -> dict[str, int]:
+        """Shard replacements and lost writes since the last call, as step metrics (`replay_shard_*`);
+        empty when no shard died."""
+        taken = {f"replay_shard_{name}": n for name, n in sorted(self.recovery.items())}
+        self.recovery = Counter()
+        return taken
 
     def shutdown(self) -> None:
         if not self.in_process:

@@ -19,6 +19,7 @@ It serves both replay methods:
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -379,6 +380,10 @@ class ReplayShard:
             ages = np.concatenate([now_step - e.steps for e in self.questions.values()])
             stats["age_mean"], stats["age_max"] = float(ages.mean()), int(ages.max())
         return stats
+
+    def pid(self) -> int:
+        """The process holding this shard (whether it still answers: `rayrep.placement.responds`)."""
+        return os.getpid()
 
     # ------------------------------------------------------------------ snapshot
 

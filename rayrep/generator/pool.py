@@ -19,16 +19,13 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayrep.config import Config
-from rayrep.placement import Placement, death_cause, responds
+from rayrep.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
 from rayrep.types import Rollout
 
 if TYPE_CHECKING:
     from rayrep.sync.weights import WeightSync
 
 logger = logging.getLogger(__name__)
-
-MAX_RETRIES = 3
-"""How many times one share is asked again after the generator sampling it died."""
 
 REPLACEMENT_READY_TIMEOUT_S = 900.0
 """A new generator loads the policy and starts its engine in minutes at paper scale; one that is
@@ -118,9 +115,10 @@ class GeneratorPool:
                                      request.max_tokens, request.seeds)
         return PendingRollouts(indices, ref, request, worker)
 
-    def complete(self, pending: list[PendingRollouts], counts: Counter | None = None) -> list[PendingRollouts]:
-        """`pending` with every share done: the same shares, in order, each ref resolved to its
-        rollouts (waits for the workers).
+    def complete(self, pending: list[PendingRollouts],
+                 counts: Counter | None = None) -> tuple[list[PendingRollouts], list[list[Rollout]]]:
+        """`pending` with every share done (waits for the workers): the same shares, in order,
+        each ref resolved (for the verifiers), and every prompt's rollouts, in prompt order.
 
         A share whose generator died is asked again of that generator's replacement (started in
         its bundle, on the current policy and version; see `replace`); with per-prompt seeds its
@@ -130,6 +128,7 @@ class GeneratorPool:
         """
         counts = Counter() if counts is None else counts
         done = list(pending)
+        results: list[list[list[Rollout]]] = [[] for _ in done]
         retries = [0] * len(done)
         waiting = {share.ref: position for position, share in enumerate(done)}
         while waiting:
@@ -137,7 +136,7 @@ class GeneratorPool:
             position = waiting.pop(ref)
             share = done[position]
             try:
-                ray.get(ref)
+                results[position] = ray.get(ref)
             except RayActorError as error:
                 if share.request is None or self.cfg is None:
                     raise
@@ -147,16 +146,14 @@ class GeneratorPool:
                     raise  # the generator is fine: not its death (nothing to replace)
                 retries[position] += 1
                 if retries[position] > MAX_RETRIES:
-                    raise RuntimeError(
-                        f"generator {slot} died {retries[position]} times on one share of {len(share.indices)} "
-                        f"prompt(s) (the first actor and {MAX_RETRIES} replacements); last cause: {death_cause(error)}"
-                    ) from error
+                    raise too_many_deaths("generator", slot, retries[position],
+                                          f"share of {len(share.indices)} prompt(s)", error) from error
                 if current:  # not yet replaced (an earlier share, or call, may have found it dead)
                     counts["replaced"] += self.replace(slot, error)
                 done[position] = self._send(share.indices, share.request)
                 waiting[done[position].ref] = position
                 counts["retried_prompts"] += len(share.indices)
-        return done
+        return done, [rollouts for part in results for rollouts in part]
 
     @staticmethod
     def gather(pending: list[PendingRollouts]) -> list[list[Rollout]]:

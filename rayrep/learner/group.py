@@ -6,11 +6,12 @@ from typing import TYPE_CHECKING
 
 import ray
 import torch
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayrep.config import Config
 from rayrep.learner.worker import RemoteLearnerWorker
 from rayrep.metrics import MetricSums
-from rayrep.placement import Placement
+from rayrep.placement import Placement, death_cause
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 
@@ -103,7 +104,25 @@ class LearnerGroup:
     def save(self, path: str) -> str:
         return ray.get([w.save.remote(path, self.base_model_path) for w in self.workers])[0]
 
-    def shutdown(self) -> None:
-        ray.get([w.shutdown.remote() for w in self.workers])
+    def dead(self, timeout_s: float = 30.0) -> dict[int, str]:
+        """The ranks whose actor died, with Ray's account of why. A rank that does not answer
+        within `timeout_s` (stuck in a collective with a dead peer, say) is not counted."""
+        calls = [w.pid.remote() for w in self.workers]
+        ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        found = {}
+        for rank, call in enumerate(calls):
+            try:
+                ray.get(call, timeout=0)
+            except RayActorError as error:
+                found[rank] = death_cause(error)
+            except GetTimeoutError:
+                pass
+        return found
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Each learner leaves its process groups, then goes; a dead one (or one stuck with a
+        dead peer) is not waited for beyond `timeout_s`."""
+        left = [w.shutdown.remote() for w in self.workers]
+        ray.wait(left, num_returns=len(left), timeout=timeout_s)
         for worker in self.workers:
             ray.kill(worker)

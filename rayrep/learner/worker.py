@@ -12,6 +12,7 @@ The worker knows nothing of the algorithm: rows, advantages, masks and a `LossSp
 from __future__ import annotations
 
 import math
+import os
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
@@ -62,6 +63,10 @@ class LearnerWorker:
         on_gpu = cfg.placement.device == "gpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.weight_group: WeightGroup | None = None
+
+    def pid(self) -> int:
+        """The process holding this rank (whether it still answers: `LearnerGroup.dead`)."""
+        return os.getpid()
 
     def address(self) -> tuple[str, int]:
         """This worker's node address and a port free on it (rank 0 hosts the rendezvous)."""
@@ -295,7 +300,13 @@ class LearnerWorker:
             # Every rank iterates together: under FSDP2 each tensor is an all-gather.
             tensors = (tensor for _, tensor in self.sharding.full_tensors())
             if self.rank == 0:
-                send_buckets(self.weight_group, manifest, tensors, self.device)
+                try:
+                    send_buckets(self.weight_group, manifest, tensors, self.device)
+                except Exception:  # a generator died mid-sync (`WeightSync.push` replaces it)
+                    for _ in tensors:  # the other ranks' all-gathers still need this one
+                        pass
+                    self.leave_weight_group()  # aborted: the live generators' receives fail now, not at the timeout
+                    raise
             else:
                 for _ in tensors:  # take part in the all-gathers
                     pass

@@ -7,7 +7,9 @@ bucket by bucket and broadcasts each bucket; generators load everything in one
 
 A group admits no new member: when a generator is replaced (`GeneratorPool.complete`),
 every member leaves and a new group is made with the replacement in it (`rebuild`), which
-then receives the current weights at the current version.
+then receives the current weights at the current version. A generator that dies during a
+sync fails the broadcast: learner rank 0 aborts the group (so the live generators stop
+waiting), and `push` replaces the dead one, which rebuilds the group and sends again.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import time
 from typing import TYPE_CHECKING
 
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 
 from rayrep.config import Config
+from rayrep.placement import responds
 
 if TYPE_CHECKING:
     from rayrep.generator.pool import GeneratorPool
@@ -53,9 +57,17 @@ class WeightSync:
 
     def push(self) -> dict[str, float]:
         """Broadcast the current weights to every generator, as the next policy version;
-        returns timing and size."""
+        returns timing and size (and `sync_generator_replaced` when a generator died in it)."""
         self.version += 1
-        return self._send(onload=False)
+        try:
+            return self._send(onload=False)
+        except (RayActorError, RayTaskError) as error:
+            dead = [slot for slot, worker in enumerate(self.generators.workers) if not responds(worker)]
+            if not dead:
+                raise
+            start = time.perf_counter()
+            replaced = self.generators.replace(dead[0], error)  # every dead one; rebuilds, then sends again
+            return {**self._timing(time.perf_counter() - start), "sync_generator_replaced": replaced}
 
     def rebuild(self) -> dict[str, float]:
         """After a generator was replaced (`GeneratorPool.complete`): a group admits no new
@@ -73,6 +85,8 @@ class WeightSync:
             self.learners.broadcast_weights(self.manifest, onload)
             + [g.receive_weights.remote(self.manifest, self.version) for g in self.generators.workers]
         )
-        seconds = time.perf_counter() - start
+        return self._timing(time.perf_counter() - start)
+
+    def _timing(self, seconds: float) -> dict[str, float]:
         size = self.manifest.total_bytes
         return {"policy_version": self.version, "sync_seconds": seconds, "sync_bytes": size, "sync_gbps": size / seconds / 1e9}

@@ -27,14 +27,11 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rayrep.config import Config
 from rayrep.eval import maj_at_k
 from rayrep.generator.pool import PendingRollouts
-from rayrep.placement import Placement, death_cause, responds
+from rayrep.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
 
 logger = logging.getLogger(__name__)
-
-MAX_RETRIES = 3
-"""How many times one share is sent again after the verifier scoring it died."""
 
 REPLACEMENT_READY_TIMEOUT_S = 300.0
 """A new verifier starts in seconds (an interpreter and its sandbox); one that is not up after
@@ -173,10 +170,8 @@ class VerifierPool:
                     raise
                 retries[share] += 1
                 if retries[share] > MAX_RETRIES:
-                    raise RuntimeError(
-                        f"verifier {slot} died {retries[share]} times on one share of {len(per_share[share])} "
-                        f"prompt(s) (the first actor and {MAX_RETRIES} replacements); last cause: {death_cause(error)}"
-                    ) from error
+                    raise too_many_deaths("verifier", slot, retries[share],
+                                          f"share of {len(per_share[share])} prompt(s)", error) from error
                 if worker is self.workers[slot]:  # not yet replaced (a worker may hold several shares)
                     self._replace(slot, error)
                     counts["replaced"] += 1
