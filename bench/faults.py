@@ -115,12 +115,14 @@ def main(argv=None):
                 for r in records]
     lost = sum(max(0, questions - n // group) for n in verified)
     same = sum(comparable(r) == comparable(expected[r["step"]]) for r in records)
-    replaced = sum(r.get("generator_replaced", 0) + r.get("sync_generator_replaced", 0) for r in records)
+    in_calls = sum(r.get("generator_replaced", 0) for r in records)
+    in_syncs = sum(r.get("sync_generator_replaced", 0) for r in records)
     retried = sum(r.get("generator_retried_prompts", 0) for r in records)
     print(f"{args.steps} steps, {questions} questions x {group} answers each, generator killed in steps {targets}")
     print(f"kills: {', '.join(f'step {s} ({doing})' for s, doing in kills)}")
     print(f"completed steps: {len(records)} of {args.steps}")
-    print(f"generators replaced: {replaced}; prompts asked again: {retried}")
+    print(f"generators replaced: {in_calls + in_syncs} ({in_calls} found dead by a generate call, whose "
+          f"prompts were asked again: {retried}; {in_syncs} by the weight sync)")
     print(f"lost prompts: {lost}")
     print(f"steps identical to the undisturbed run: {same} of {len(records)}")
     print(f"undisturbed {undisturbed_s:.1f} s, disturbed {disturbed_s:.1f} s: slowdown {disturbed_s / undisturbed_s:.3f}x")
