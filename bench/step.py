@@ -1,6 +1,7 @@
 """Where a training step's time goes, how fast weights sync, and what replay costs per step.
 
     python bench/step.py [--steps 8] [--rounds 2] [--algorithms grpo,rlep,exgrpo] [config overrides...]
+    python bench/step.py --max-policy-lag 0 1 2 --placement.mode disaggregated   # asynchronous rollouts
 
 Runs short runs of each algorithm on a local Ray cluster, in rounds (every algorithm once
 per round, the order rotated each round, since this machine's speed drifts), and prints
@@ -12,6 +13,10 @@ rate of a plain in-memory copy of the same bytes, and their ratio.
 RLEP replays a pool collected from the base policy first (the preset's samples per
 question); ExGRPO starts collecting at once (start_pass_rate 0) so that its steps mix in
 replayed questions.
+
+`--max-policy-lag 0 1 2`: the first algorithm at each lag instead (`run.max_policy_lag`;
+the generators sample the next steps while the learners update), compared with lag 0. Its
+`generate` phase is the wait for the round's answers: what the update did not hide.
 """
 
 import statistics
@@ -58,6 +63,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each algorithm, in a rotated order each round")
     parser.add_argument("--algorithms", default="grpo,rlep,exgrpo")
+    parser.add_argument("--max-policy-lag", type=int, nargs="+", metavar="N",
+                        help="compare these run.max_policy_lag values of the first algorithm instead")
     args, cfg = parse_job_args(parser, argv)
     stamp = int(time.time())
     cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": f"runs/bench-step-{stamp}"})
@@ -72,10 +79,16 @@ def main(argv=None):
         "rlep": {"algorithm.name": "rlep"},
         "exgrpo": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.exgrpo.start_pass_rate": 0.0},
     }
-    if "rlep" in names:
+    if args.max_policy_lag:
+        algorithm = variants[names[0]]
+        names = [f"lag-{lag}" for lag in args.max_policy_lag]
+        variants = {f"lag-{lag}": {**algorithm, "run.max_policy_lag": lag} for lag in args.max_policy_lag}
+    if any(variants[name]["algorithm.name"] == "rlep" for name in names):
         pool_cfg = cfg.replace(**{"algorithm.rlep.collect_questions": args.steps * cfg.algorithm.prompts_per_step})
         pool = collect_pool(pool_cfg, resolve_policy(cfg), f"{cfg.logging.out_dir}/pool.parquet", log=lambda _: None)
-        variants["rlep"]["algorithm.rlep.pool"] = pool["pool"]
+        for name in names:
+            if variants[name]["algorithm.name"] == "rlep":
+                variants[name]["algorithm.rlep.pool"] = pool["pool"]
     # The machine's speed drifts: each round runs every algorithm once, in a rotated order,
     # and the medians pool every round's steps.
     results: dict[str, list[dict]] = {name: [] for name in names}
@@ -99,6 +112,8 @@ def main(argv=None):
             print(f"{phase:<14}{seconds:>10.3f}{100 * seconds / step_time:>7.1f}%")
         print(f"replayed answers: {100 * statistics.median(r['replay_share'] for r in records):.1f}% of the batch; "
               f"replayed questions per step: {statistics.median(r['replayed_questions'] for r in records):.0f}")
+        print(f"fresh answers' policy lag: mean {statistics.mean(r.get('fresh_lag_mean', 0.0) for r in records):.2f}, "
+              f"max {max(r.get('fresh_lag_max', 0) for r in records)}")
 
     records = results[baseline]
     size = records[-1]["sync_bytes"]

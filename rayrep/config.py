@@ -153,6 +153,7 @@ class LearnerConfig:
     skip_grad_norm_above: float = option(0.0, "skip an optimizer step whose grad norm exceeds this (0 disables; ExGRPO: 500)", min=0.0)
     mini_batch_prompts: int = option(64, "questions per optimizer step; all their answers (G + M) go in", min=1)
     micro_batch_size: int = option(16, "sequences per forward/backward pass (gradient accumulation); with loss_agg seq-mean-token-sum-norm it also sets the loss scale, as in verl", min=1)
+    micro_batch_tokens: int = option(0, "> 0: forward/backward passes of rows of like length, at most this many padded tokens each (rows x the longest), instead of micro_batch_size rows (less padding; the loss is the same); micro_batch_size still sets the seq-mean-token-sum-norm scale", min=0)
     epochs: int = option(1, "passes over each rollout batch", min=1)
     gradient_checkpointing: bool = option(False, "keep only each layer's input for backward and recompute the rest (the paper presets: on)")
     clip_low: float = option(0.2, "PPO clip range below 1 (1 - eps_low)", min=0.0, max=0.999)
@@ -161,6 +162,7 @@ class LearnerConfig:
     loss_agg: Aggregation = option("token-mean", "how per-token losses are aggregated")
     loss_norm_constant: float = option(0.0, "divisor of token sums in the seq-mean-token-sum(-norm) aggregations (Dr.GRPO: max response length; ExGRPO: 8192)", min=0.0)
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ExGRPO: 0.001)", min=0.0)
+    behaviour_cap: float = option(0.0, "decoupled PPO (AReaL): the ratio against the policy at the start of the update, each token weighted by min(pi_prox / pi_behaviour, cap), for fresh and replayed answers alike; corrects asynchronous rollouts (run.max_policy_lag) and replay; 0: off (the papers' loss)", min=0.0)
 
 
 @dataclass
@@ -226,6 +228,7 @@ class RunConfig:
     save_every: int = option(0, "save a run checkpoint (policy, optimizer, buffer, sampler, random state) every this-many steps (0: only at the end)", min=0)
     keep_checkpoints: int = option(2, "keep the newest this-many step checkpoints (and the final one); 0: keep all", min=0)
     seed: int = option(0, "the run's seed: every other seed (data order, sampling, replay draws, learner init) derives from it unless set explicitly", min=0)
+    max_policy_lag: int = option(0, "asynchronous rollouts: the generators sample this many steps ahead while the learners update, so answers are up to this many policy versions old (older fresh ones are dropped and counted); 0: synchronous", min=0)
 
 
 @dataclass
@@ -463,6 +466,9 @@ def validate(cfg: Config) -> None:
         )
     if learner.dual_clip and learner.dual_clip <= 1:
         raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
+    if cfg.run.max_policy_lag and place.takes_turns:
+        raise ConfigError(f"run.max_policy_lag={cfg.run.max_policy_lag} needs generators that keep their GPUs while "
+                          "the learners update: placement.mode='disaggregated' (colocated GPUs take turns)")
     if cfg.serve.max_replicas < cfg.serve.min_replicas:
         raise ConfigError(f"serve.max_replicas={cfg.serve.max_replicas} is below serve.min_replicas={cfg.serve.min_replicas}")
     if cfg.verifier.overlong_buffer > cfg.generator.max_response_tokens:

@@ -2,14 +2,17 @@
 
     plan -> generate (vLLM) -> verify (math-verify) -> build (+ replay) -> update -> sync
 
-Each step is written out below in that order, with typed calls on the actor groups.
+Each step is written out below in that order, with typed calls on the actor groups. With
+asynchronous rollouts (`run.max_policy_lag` = N > 0) the next N steps' rounds are planned
+and start generating before the update, so the generators sample while the learners train;
+their answers are then up to N policy versions old.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +30,8 @@ from rayrep.metrics import MetricsLog, plot_run, step_fields
 from rayrep.models import resolve_policy
 from rayrep.progress import Progress
 from rayrep.runtime import Runtime
-from rayrep.types import Group
+from rayrep.generator.pool import PendingRollouts
+from rayrep.types import Group, StepPlan
 
 
 @dataclass
@@ -134,20 +138,31 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
             progress.update(state.step)
         if runtime.buffer is not None:
             snapshot_buffer()  # (RLEP's pool, a resumed buffer): what a shard that dies comes back with
+        ahead: deque[Round] = deque()  # later steps' rounds, sampling already (asynchronous rollouts)
         for step in range(first, cfg.run.steps + 1):
             record: dict = {"step": step}
             step_start = time.perf_counter()
 
             # plan -> generate -> verify; the planned replays join their groups
-            groups = sample_round(runtime, cfg, algorithm, sampler, prompt_ids, record)
+            started = ahead.popleft() if ahead else start_round(runtime, cfg, algorithm, sampler, prompt_ids, step)
+            groups = finish_round(runtime, cfg, started, record)
             dropped: list[Group] = []
             if cfg.algorithm.dynamic_sampling:
-                groups, dropped, kept = keep_informative(groups, questions, lambda taken: sample_round(
-                    runtime, cfg, algorithm, sampler, prompt_ids, record, exclude=taken))
+                groups, dropped, kept = keep_informative(groups, questions, lambda taken: finish_round(
+                    runtime, cfg, start_round(runtime, cfg, algorithm, sampler, prompt_ids, step,
+                                              record["sampling_rounds"] + 1, taken), record))
                 record.update(kept)
+            groups, stale = drop_stale(groups, runtime.sync.version, cfg.run.max_policy_lag)
+            record.update(stale)
 
             with timed(record, "build"):
                 step_batch = algorithm.build(groups, dropped)
+
+            # Asynchronous rollouts: the next steps' rounds sample on these weights while the
+            # learners update (the weight sync waits for them). Never across a checkpoint: a
+            # resumed run starts its next round afresh, as the uninterrupted run does.
+            while len(ahead) < rounds_ahead(cfg, step):
+                ahead.append(start_round(runtime, cfg, algorithm, sampler, prompt_ids, step + 1 + len(ahead)))
 
             with timed(record, "update"):
                 runtime.hand_over_to_learners()  # colocated GPUs: the engines sleep meanwhile
@@ -165,6 +180,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                 record.update(runtime.buffer.take_recovery())  # replay shards that died this step
             record.update(step_batch.metrics)
             record.update(rollout_stats(step_batch.seen, record["time_generate"]))
+            record.update(policy_lag_stats(step_batch.groups, runtime.sync.version - 1))
             record["time_step"] = time.perf_counter() - step_start
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 or step == cfg.run.steps:
                 record.update(evaluation(step))
@@ -264,38 +280,59 @@ def write_plots(run_dir: Path, log=print) -> None:
     log(f"plots: {', '.join(p.name for p in paths)} in {run_dir / 'plots'}")
 
 
-def sample_round(
+@dataclass
+class Round:
+    """One round of a step's rollouts, started: what was planned, the generate call's shares
+    (still sampling), and the planning's metrics, for the step that finishes it."""
+
+    plan: StepPlan
+    pending: list[PendingRollouts]
+    metrics: dict
+
+
+def start_round(
     runtime: Runtime,
     cfg: Config,
     algorithm: GRPO,
     sampler: PromptSampler,
     prompt_ids: dict[str, list[int]],
-    record: dict,
+    step: int,
+    number: int = 1,
     exclude: frozenset[str] = frozenset(),
-) -> list[Group]:
-    """One round of a step: the algorithm plans it (B questions, from the sampler and, for
-    the replay methods, the buffer), the generators sample the planned fresh rollouts (a
-    generator that dies is replaced and its prompts asked again, counted as
-    `generator_replaced` and `generator_retried_prompts`), the verifiers mark them, and the
-    planned replays join their groups."""
-    with timed(record, "plan"):
+) -> Round:
+    """Round `number` of step `step`: the algorithm plans it (B questions, from the sampler
+    and, for the replay methods, the buffer; none of `exclude`), and the generators start
+    sampling the planned fresh rollouts, each prompt with its own seed (the step and round
+    decide it). Returns at once."""
+    metrics: dict = {}
+    with timed(metrics, "plan"):
         plan = algorithm.plan(sampler, cfg.algorithm.prompts_per_step, exclude)
-    for name, value in plan.metrics.items():  # a refill round's planning adds to its time
-        record[name] = record.get(name, 0.0) + value if name.startswith("time_") else record.get(name, value)
-
+    for name, value in plan.metrics.items():
+        metrics[name] = metrics.get(name, 0.0) + value if name.startswith("time_") else value
     gen = cfg.generator
-    rounds = record["sampling_rounds"] = record.get("sampling_rounds", 0) + 1
-    with timed(record, "generate"):
-        pending = runtime.generators.generate(
-            [prompt_ids[p.uid] for p in plan.prompts], n=[n for _, n in plan.requests],
-            temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
-            seeds=cfg.sampling_seeds(f"rollout-{record['step']}-{rounds}", len(plan.prompts)),
-        )
-        recovery: Counter = Counter()  # a generator that died: replaced, its prompts asked again
-        pending, rollouts = runtime.generators.complete(pending, recovery)
+    pending = runtime.generators.generate(
+        [prompt_ids[p.uid] for p in plan.prompts], n=[n for _, n in plan.requests],
+        temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
+        seeds=cfg.sampling_seeds(f"rollout-{step}-{number}", len(plan.prompts)),
+    )
+    return Round(plan, pending, metrics)
+
+
+def finish_round(runtime: Runtime, cfg: Config, started: Round, record: dict) -> list[Group]:
+    """The round's rollouts (a generator that died is replaced and its prompts asked again,
+    counted as `generator_replaced` and `generator_retried_prompts`), marked by the
+    verifiers, with the planned replays in their groups. `record` gains the round's metrics
+    (times add up over a step's rounds)."""
+    for name, value in started.metrics.items():
+        record[name] = record.get(name, 0.0) + value if name.startswith("time_") else record.get(name, value)
+    record["sampling_rounds"] = record.get("sampling_rounds", 0) + 1
+    with timed(record, "generate"):  # the wait: with asynchronous rollouts, what the update did not hide
+        recovery: Counter = Counter()
+        pending, rollouts = runtime.generators.complete(started.pending, recovery)
     for name, n in recovery.items():
         record[f"generator_{name}"] = record.get(f"generator_{name}", 0) + n
 
+    plan = started.plan
     with timed(record, "verify"):
         verdicts = runtime.verifiers.check(pending, [p.ground_truth for p in plan.prompts])
     for status, n in verdicts.statuses.items():
@@ -306,6 +343,39 @@ def sample_round(
         for prompt, sampled, marks in zip(plan.prompts, rollouts, verdicts.correct)
     ]
     return plan.complete(fresh)
+
+
+def rounds_ahead(cfg: Config, step: int) -> int:
+    """How many later steps' rounds sample while step `step` updates: `run.max_policy_lag`,
+    but none past the run's end or across a step that saves a checkpoint."""
+    ahead = 0
+    while ahead < cfg.run.max_policy_lag and step + ahead < cfg.run.steps:
+        if cfg.run.save_every and (step + ahead) % cfg.run.save_every == 0:
+            break
+        ahead += 1
+    return ahead
+
+
+def drop_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Group], dict[str, int]]:
+    """Groups whose fresh rollouts are more than `max_lag` versions older than `version`
+    (the learners' policy, which the update starts from) are not trained on; counted."""
+    kept = [g for g in groups
+            if all(version - r.version <= max_lag for r, replayed in zip(g.rollouts, g.replayed) if not replayed)]
+    stale = len(groups) - len(kept)
+    return kept, ({"stale_groups_dropped": stale} if stale else {})
+
+
+def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
+    """How many versions older than the policy the update started from (`version`) the
+    trained answers are: fresh ones' histogram (`fresh_lag_<k>`: answers), mean and max; replayed ones' mean."""
+    fresh = [version - r.version for g in groups for r, replayed in zip(g.rollouts, g.replayed) if not replayed]
+    replay = [version - r.version for g in groups for r, replayed in zip(g.rollouts, g.replayed) if replayed]
+    stats: dict[str, float] = {f"fresh_lag_{k}": n for k, n in sorted(Counter(fresh).items())}
+    if fresh:
+        stats.update(fresh_lag_mean=sum(fresh) / len(fresh), fresh_lag_max=max(fresh))
+    if replay:
+        stats["replay_lag_mean"] = sum(replay) / len(replay)
+    return stats
 
 
 def rollout_stats(groups: Sequence[Group], generate_seconds: float) -> dict[str, float]:

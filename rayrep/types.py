@@ -157,6 +157,11 @@ class LossSpec:
     """Divisor of token sums; set with the two '...-token-sum...' aggregations only; > 0."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts coef x the token-mean entropy (>= 0; 0 trains without)."""
+    behaviour_cap: float | None = None
+    """Decoupled PPO (asynchronous rollouts, replayed answers): the ratio is taken against the
+    proximal policy (the learner's weights when the update began) and each PPO token's loss
+    is weighted by min(pi_prox / pi_behaviour, behaviour_cap), pi_behaviour from the recorded
+    log-probs; > 0. None: off (the ratio is against the old log-probs as given)."""
 
     def __post_init__(self):
         def number(name: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
@@ -174,6 +179,8 @@ class LossSpec:
             number("dual_clip", 1.0, low_open=True)
         number("replay_beta", 0.0, low_open=True)
         number("entropy_coef", 0.0)
+        if self.behaviour_cap is not None:
+            number("behaviour_cap", 0.0, low_open=True)
         if self.replay_loss not in ("ppo", "shaped"):
             raise ValueError(f"LossSpec.replay_loss must be 'ppo' or 'shaped', got {self.replay_loss!r}")
         if self.agg not in AGGREGATIONS:

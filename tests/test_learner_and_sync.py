@@ -8,6 +8,7 @@ import torch
 
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
+from rayrep.learner.worker import token_budget_batches
 from rayrep.placement import Placement, make_plan
 from rayrep.sync.weights import WeightSync
 from rayrep.types import LossSpec, TrainBatch
@@ -94,6 +95,47 @@ def test_two_ranks_take_the_same_update_as_one(ray_cluster, tiny_cfg, tiny_polic
     original = load_file(f"{tiny_policy}/model.safetensors")
     moved = max((s1[n] - original[n]).abs().max().item() for n in original)
     assert moved > 1e-4  # the update really changed the weights
+
+
+def test_token_budget_chunks_hold_every_row_once_within_the_budget():
+    lengths = torch.tensor([30, 7, 12, 30, 45, 9, 9, 20, 3, 60])
+    rows = torch.tensor([0, 2, 3, 4, 5, 7, 8, 9])  # one rank's share
+    chunks = token_budget_batches(rows, lengths, budget=60)
+    assert sorted(torch.cat(chunks).tolist()) == rows.tolist()
+    for chunk in chunks:
+        padded = len(chunk) * int(lengths[chunk].max())
+        assert padded <= 60 or len(chunk) == 1
+    # Longest first, like lengths together: [60], [45], [30, 30], [20, 12, 9], [3]
+    assert [lengths[c].tolist() for c in chunks] == [[60], [45], [30, 30], [20, 12, 9], [3]]
+    assert token_budget_batches(rows[:0], lengths, 60) == []
+
+
+def test_token_budget_micro_batches_take_the_same_update_with_less_padding(ray_cluster, tiny_cfg, tiny_policy):
+    """Two mini-batches whose old log-probs are recomputed first (so the recomputed rows must
+    land where they belong whatever order the chunks take them in), on one rank with fixed
+    micro-batches of 5 rows and on two ranks with chunks of at most 40 padded tokens (the
+    ranks' chunk counts differ: the shorter rank runs dummy passes)."""
+    cfg = tiny_cfg.replace(**{"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 4,
+                              "learner.micro_batch_size": 5, "learner.lr": 1e-3, "learner.warmup_steps": 0})
+    batch = synthetic_batch(seed=3)
+    results = []
+    for workers, budget in ((1, 0), (2, 40)):
+        _, placement, learners = make_learners(cfg.replace(**{"learner.micro_batch_tokens": budget}), tiny_policy, workers)
+        try:
+            results.append((learners.update(batch, LossSpec()), full_state(learners)))
+        finally:
+            learners.shutdown()
+            placement.remove()
+    (fixed, s1), (budgeted, s2) = results
+    assert fixed["optimizer_steps"] == budgeted["optimizer_steps"] == 2
+    assert budgeted["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)
+    assert budgeted["loss"] == pytest.approx(fixed["loss"], rel=1e-4, abs=1e-6)
+    assert budgeted["approx_kl"] == pytest.approx(fixed["approx_kl"], rel=1e-5)  # the same old log-probs
+    for name in s1:
+        diff = (s1[name] - s2[name]).abs()
+        assert diff.max() <= 2 * 2 * 1e-3, name
+        assert (diff > 1e-5).float().mean() < 1e-3, name
+    assert 0 < budgeted["padding_frac"] < fixed["padding_frac"]
 
 
 def test_the_learning_rate_schedule_counts_rollouts_not_optimizer_steps(ray_cluster, tiny_cfg, tiny_policy):

@@ -500,3 +500,55 @@ def test_shape_and_mask_validation():
         policy_loss(torch.zeros(3), torch.zeros(3), torch.ones(3), torch.ones(3), DEFAULT)
     with pytest.raises(TypeError, match="LossSpec"):
         policy_loss(logp, logp, torch.ones(2), torch.ones(2, 3), {"agg": "token-mean"})
+
+
+# ---- decoupled PPO: the behaviour policy's importance weights, truncated ------------------
+
+def test_behaviour_weights_by_hand():
+    """Three tokens of one fresh row and one of a replayed row, token-mean. Proximal (old)
+    and behaviour log-probs give weights pi_prox / pi_behaviour of 0.5, 2, 8 and 1.5; with a
+    cap of 4 the third is cut to 4. Each PPO token's loss is its weight times its clipped
+    objective; the gradient carries the same weight."""
+    cap = 4.0
+    prox = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    weights = torch.tensor([[0.5, 2.0, 8.0], [1.5, 1.0, 1.0]], dtype=torch.float64)
+    behaviour = prox - weights.log()
+    ratios = torch.tensor([[1.1, 1.5, 0.9], [0.7, 1.0, 1.0]], dtype=torch.float64)  # pi_theta / pi_prox
+    logp = ratios.log().requires_grad_(True)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    advantages = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    loss, metrics = policy_loss(logp, prox, advantages, mask, LossSpec(behaviour_cap=cap),
+                                replay_mask=torch.tensor([False, True]), behaviour_logp=behaviour)
+    loss.backward()
+    # Clipped objectives (0.2 / 0.28, dual clip 10): fresh A = 1: -1.1, -1.28 (clipped), -0.9;
+    # replayed A = -2, r = 0.7: max(1.4, 2 * 0.8 = 1.6) = 1.6 (clipped).
+    applied = [0.5, 2.0, 4.0, 1.5]
+    objective = [-1.1, -1.28, -0.9, 1.6]
+    assert loss.item() == pytest.approx(sum(w * o for w, o in zip(applied, objective)) / 4)
+    # d/d logp of -A w r = -A w r where the unclipped branch is active; 0 where clipped.
+    expected_grad = torch.tensor([[-0.5 * 1.1, 0.0, -4.0 * 0.9], [0.0, 0.0, 0.0]], dtype=torch.float64) / 4
+    assert torch.allclose(logp.grad, expected_grad)
+    assert metrics["behaviour_weight_mean"] == pytest.approx(sum(applied) / 4)
+    assert metrics["behaviour_weight_max"] == pytest.approx(8.0)
+    assert metrics["behaviour_truncated_frac"] == pytest.approx(0.25)
+
+
+def test_behaviour_weights_leave_shaped_replay_on_the_recorded_policy():
+    """ExGRPO's shaped replayed tokens take w = pi_theta / pi_behaviour (not the proximal
+    policy) and no extra weight."""
+    behaviour = torch.tensor([[math.log(0.5)]], dtype=torch.float64)
+    prox = torch.tensor([[math.log(0.8)]], dtype=torch.float64)
+    logp = torch.tensor([[math.log(0.6)]], dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(logp, prox, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool),
+                          LossSpec(behaviour_cap=2.0, replay_loss="shaped", replay_beta=0.1),
+                          replay_mask=torch.tensor([True]), behaviour_logp=behaviour)
+    w = 0.6 / 0.5
+    assert loss.item() == pytest.approx(-w / (w + 0.1))
+
+
+def test_behaviour_weights_need_the_behaviour_log_probs():
+    with pytest.raises(ValueError, match="behaviour_logp is required"):
+        policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool),
+                    LossSpec(behaviour_cap=2.0))
+    with pytest.raises(ValueError, match="behaviour_cap must be a number > 0"):
+        LossSpec(behaviour_cap=0.0)

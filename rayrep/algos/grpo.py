@@ -51,6 +51,7 @@ class GRPO:
             agg=learner.loss_agg,
             norm_constant=learner.loss_norm_constant if learner.loss_agg in TOKEN_SUM_AGGREGATIONS else None,
             entropy_coef=learner.entropy_coef,
+            behaviour_cap=learner.behaviour_cap or None,
         )
 
     def attach(self, buffer: ReplayBuffer | None, learners: LearnerGroup | None) -> None:

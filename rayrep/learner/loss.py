@@ -71,6 +71,7 @@ def policy_loss(
     replay_mask: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     totals: Totals | None = None,
+    behaviour_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with ExGRPO's shaping of replayed tokens and an
     optional entropy bonus, as `spec` says.
@@ -116,6 +117,18 @@ def policy_loss(
 
     Sequences without any valid token are padding: they add nothing and are not counted.
 
+    Decoupled PPO (``spec.behaviour_cap`` set; AReaL's form): ``old_logp`` holds the
+    proximal policy's log-probs (the learner's weights when the update began) and
+    ``behaviour_logp`` those the answers were sampled with; every PPO-objective token's
+    loss above is multiplied by a constant weight::
+
+        loss_t = min(pi_prox / pi_behaviour, behaviour_cap) * loss_t
+
+    so answers from an older policy (asynchronous rollouts, replayed answers) are
+    corrected by importance sampling, with the variance bounded by the cap, while the
+    trust region is taken around the current weights. Shaped replayed tokens take their
+    ``w`` against ``behaviour_logp`` and no extra weight.
+
     Entropy bonus: with ``spec.entropy_coef > 0`` the loss subtracts ``entropy_coef x``
     the sum of ``entropy`` over valid tokens / ``totals.tokens``; ``entropy`` must then
     carry gradients. With a zero coefficient, pass it detached (computed under
@@ -146,6 +159,8 @@ def policy_loss(
         entropy: [B, T] per-token entropy of the current policy; required when
             ``spec.entropy_coef > 0``, optional (for the metrics) otherwise.
         totals: counts of the whole mini-batch (see above); each at least this call's.
+        behaviour_logp: [B, T] the recorded behaviour log-probs; required when
+            ``spec.behaviour_cap`` is set (and only then used).
 
     Returns:
         ``(loss, metrics)``. ``loss`` is a 0-d float tensor (float32, or float64 when
@@ -163,7 +178,10 @@ def policy_loss(
           when ``entropy`` is given;
         * ``approx_kl``: k3 estimate ``mean(r - 1 - log r)`` of KL(pi_old || pi_theta)
           over valid tokens;
-        * ``advantage_mean``: mean advantage per valid token.
+        * ``advantage_mean``: mean advantage per valid token;
+        * with ``spec.behaviour_cap``: ``behaviour_weight_mean`` (the weights applied, over
+          PPO tokens), ``behaviour_weight_max`` (before the cap) and
+          ``behaviour_truncated_frac`` (share of PPO tokens whose weight the cap cut).
 
         Statistics over an empty set are 0.0 (or absent, for the ratio ones), never NaN.
 
@@ -177,7 +195,10 @@ def policy_loss(
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     batch_size = logp.shape[0]
-    for name, tensor in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy)):
+    if spec.behaviour_cap is not None and behaviour_logp is None:
+        raise ValueError("behaviour_logp is required when spec.behaviour_cap is set")
+    for name, tensor in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy),
+                         ("behaviour_logp", behaviour_logp)):
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"{name} must have logp's shape {tuple(logp.shape)}, got {tuple(tensor.shape)}")
     if advantages.shape not in (logp.shape, (batch_size,)):
@@ -233,8 +254,22 @@ def policy_loss(
         token_loss = torch.where(dual_active, dual_bound, token_loss)
     else:
         dual_active = torch.zeros_like(valid)
+    behaviour = None
+    if spec.behaviour_cap is not None:
+        # Constants: the correction weighs the gradient, it does not carry one.
+        behaviour_log_ratio = torch.where(valid, old_logp.detach().to(compute_dtype)
+                                          - behaviour_logp.detach().to(compute_dtype), 0.0)
+        raw_weight = behaviour_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+        weight = raw_weight.clamp(max=spec.behaviour_cap)
+        ppo_tokens = valid & ~shaped_tokens
+        token_loss = torch.where(ppo_tokens, token_loss * weight, token_loss)
+        behaviour = (raw_weight, weight, ppo_tokens)
     if spec.replay_loss == "shaped":
-        shaped_loss = -token_advantages * (ratio / (ratio + spec.replay_beta))
+        w = ratio
+        if spec.behaviour_cap is not None:  # the ratio to the recorded behaviour policy, as without it
+            w = torch.where(valid, logp.to(compute_dtype) - behaviour_logp.detach().to(compute_dtype), 0.0)
+            w = w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+        shaped_loss = -token_advantages * (w / (w + spec.replay_beta))
         token_loss = torch.where(shaped_tokens, shaped_loss, token_loss)
     token_loss = token_loss.masked_fill(~valid, 0.0)
 
@@ -279,6 +314,12 @@ def policy_loss(
         dual_active=dual_active,
         entropy=None if entropy is None else entropy.detach().to(compute_dtype),
     )
+    if behaviour is not None:
+        raw_weight, weight, ppo_tokens = behaviour
+        count = int(ppo_tokens.sum())
+        metrics["behaviour_weight_mean"] = float(weight[ppo_tokens].sum()) / count if count else 0.0
+        metrics["behaviour_weight_max"] = float(raw_weight[ppo_tokens].max()) if count else 0.0
+        metrics["behaviour_truncated_frac"] = float((raw_weight[ppo_tokens] > spec.behaviour_cap).sum()) / count if count else 0.0
     return loss, metrics
 
 

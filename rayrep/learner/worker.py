@@ -55,6 +55,22 @@ def micro_batches(rows: torch.Tensor, count: int) -> list[torch.Tensor]:
     return list(torch.tensor_split(rows, count))
 
 
+def token_budget_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """`rows` in chunks of at most `budget` padded tokens (rows x the chunk's longest row):
+    longest first, each chunk filled with the rows that come next in length, so that rows
+    of like length share a chunk and little is padding. A row longer than the budget is a
+    chunk of its own."""
+    order = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    chunks, start = [], 0
+    for end in range(1, len(order) + 1):
+        longest = int(lengths[order[start]])  # the chunk's first row is its longest
+        if end < len(order) and (end + 1 - start) * longest <= budget:
+            continue
+        chunks.append(order[start:end])
+        start = end
+    return chunks
+
+
 class LearnerWorker:
     def __init__(self, cfg: Config, rank: int, world_size: int, threads: int):
         torch.set_num_threads(threads)
@@ -135,25 +151,36 @@ class LearnerWorker:
                 token_entropy[:, 1:] = -(log_probs.exp() * log_probs).sum(-1)
         return token_logp, token_entropy, width, dummy
 
-    def _micro_chunks(self, shares: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's rows of a mini-batch in micro-batches; every rank gets the same count."""
+    def _micro_chunks(self, batch: TrainBatch, shares: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's rows of a mini-batch in micro-batches; every rank gets the same count
+        (a rank with fewer runs empty ones: dummy passes in the gradient collectives).
+
+        `learner.micro_batch_tokens` > 0: chunks of rows of like length, at most that many
+        padded tokens each (`token_budget_batches`); else `micro_batch_size` rows each."""
+        budget = self.cfg.learner.micro_batch_tokens
+        if budget:
+            per_rank = [token_budget_batches(rows, batch.lengths, budget) for rows in shares]
+            mine = per_rank[self.rank]
+            return mine + [mine[0][:0] if mine else shares[self.rank]] * (max(1, *map(len, per_rank)) - len(mine))
         count = max(1, max(math.ceil(len(r) / self.cfg.learner.micro_batch_size) for r in shares))
         return micro_batches(shares[self.rank], count)
 
     @torch.no_grad()
     def _old_logprobs(self, batch: TrainBatch, shares: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, [n, L] log-probs) of this rank's share under the current weights."""
-        mine = shares[self.rank]
-        out = torch.zeros(len(mine), batch.input_ids.shape[1])
+        """(rows, [n, L] log-probs) of this rank's share under the current weights, in the
+        order its micro-batches took the rows."""
+        chunks = self._micro_chunks(batch, shares)
+        rows = torch.cat(chunks)
+        out = torch.zeros(len(rows), batch.input_ids.shape[1])
         position = 0
         self.sharding.model.eval()
-        for chunk in self._micro_chunks(shares):
+        for chunk in chunks:
             logp, _, width, dummy = self._forward(batch, chunk, "none")
             if not dummy:
                 out[position : position + len(chunk), :width] = logp.cpu()
                 position += len(chunk)
         self.sharding.model.train()
-        return mine, out
+        return rows, out
 
     @torch.no_grad()
     def mean_entropies(self, answers: PackedAnswers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +196,8 @@ class LearnerWorker:
         means = []
         moved = self.onload(optimizer=False)  # colocated GPUs: the weights only, for this pass
         self.sharding.model.eval()
-        for chunk in self._micro_chunks(shares):
+        chunks = self._micro_chunks(batch, shares)
+        for chunk in chunks:
             _, entropy, width, dummy = self._forward(batch, chunk, "detached")
             if not dummy:
                 mask = batch.response_mask[chunk, :width].to(self.device)
@@ -177,7 +205,7 @@ class LearnerWorker:
         self.sharding.model.train()
         if moved:
             self.offload(optimizer=False)
-        return shares[self.rank], torch.cat(means) if means else torch.zeros(0)
+        return torch.cat(chunks), torch.cat(means) if means else torch.zeros(0)
 
     # ------------------------------------------------------------------ training
 
@@ -187,13 +215,16 @@ class LearnerWorker:
         steps = mini_batches(batch.num_prompts, learner.mini_batch_prompts)
         sums = MetricSums()
         old_logprobs = batch.old_logprobs.clone()
+        # Decoupled PPO: every row's "old" is the proximal policy (these weights, before the
+        # update); the recorded log-probs stay as the behaviour policy's.
+        recompute_old = torch.ones_like(batch.recompute_old) if loss.behaviour_cap is not None else batch.recompute_old
         start = time.perf_counter()
-        if batch.recompute_old.any() and len(steps) * learner.epochs > 1:
+        if recompute_old.any() and len(steps) * learner.epochs > 1:
             # Later mini-batches see updated weights, so "old" must be taken before any update.
             # (With a single optimizer step, the first forward pass is the old policy.)
             for prompts in steps:
                 rows, recomputed = self._old_logprobs(batch, rows_per_rank(batch.prompt_index, prompts, self.world_size))
-                recompute = batch.recompute_old[rows]
+                recompute = recompute_old[rows]
                 old_logprobs[rows[recompute]] = recomputed[recompute]
             single_pass_old = False
         else:
@@ -203,29 +234,36 @@ class LearnerWorker:
             sums.add("lr", self.sharding.scheduler.get_last_lr()[0], 1.0)  # the rate of every step of this rollout
         for _ in range(learner.epochs):
             for prompts in steps:
-                self._step(batch, prompts, old_logprobs, single_pass_old, loss, sums)
+                self._step(batch, prompts, old_logprobs, recompute_old if single_pass_old else None, loss, sums)
         self.sharding.scheduler.step()  # the schedule counts rollouts, not optimizer steps
         return sums.state()
 
-    def _step(self, batch, prompts: range, old_logprobs, single_pass_old: bool, loss: LossSpec, sums: MetricSums) -> None:
+    def _step(self, batch, prompts: range, old_logprobs, recompute_now: torch.Tensor | None, loss: LossSpec,
+              sums: MetricSums) -> None:
+        """One optimizer step on the questions `prompts`. `recompute_now`: the rows whose old
+        log-probs are this pass's own (a rollout's single optimizer step), or None."""
         shares = rows_per_rank(batch.prompt_index, prompts, self.world_size)
         # The counts over every rank and micro-batch of this mini-batch.
         totals = mini_batch_totals(batch.response_mask[torch.cat(shares)], loss.agg, self.cfg.learner.micro_batch_size)
-        chunks = self._micro_chunks(shares)
+        chunks = self._micro_chunks(batch, shares)
         entropy_mode: Entropy = "grad" if loss.entropy_coef else "detached"
         for index, chunk in enumerate(chunks):
             logp, entropy, width, dummy = self._forward(batch, chunk, entropy_mode)
+            if not dummy:  # positions the forward pass computed that hold no token
+                positions = len(chunk) * width
+                sums.add("padding_frac", positions - float(batch.lengths[chunk].sum()), positions)
             rows = chunk if not dummy else torch.zeros(1, dtype=torch.long)
             mask = batch.response_mask[rows, :width].to(self.device)
             if dummy:
                 mask = torch.zeros_like(mask)
             old = old_logprobs[rows, :width].to(self.device)
-            if single_pass_old:
-                recompute = batch.recompute_old[rows].to(self.device)[:, None]
-                old = torch.where(recompute, logp.detach(), old)
+            if recompute_now is not None:
+                old = torch.where(recompute_now[rows].to(self.device)[:, None], logp.detach(), old)
+            behaviour = batch.old_logprobs[rows, :width].to(self.device) if loss.behaviour_cap is not None else None
             value, metrics = policy_loss(
                 logp, old, batch.advantages[rows].to(self.device), mask, loss,
                 replay_mask=batch.replay_mask[rows].to(self.device), entropy=entropy, totals=totals,
+                behaviour_logp=behaviour,
             )
             # Gradients are averaged over ranks; the loss is already a global mean.
             self.sharding.backward(value * self.world_size, last_micro_batch=index == len(chunks) - 1)

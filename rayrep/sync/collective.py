@@ -74,9 +74,14 @@ class WeightGroup:
         self.store, self.group, self.rank, self.world_size = store, group, rank, world_size
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        self.start_broadcast(tensor, root).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor, root: int = 0) -> dist.Work:
+        """The broadcast, started: `tensor` must stay untouched until its `wait()` returns.
+        Broadcasts run in the order they were started, on every member alike."""
         options = dist.BroadcastOptions()
         options.rootRank = root
-        self.group.broadcast([tensor], options).wait()
+        return self.group.broadcast([tensor], options)
 
     def close(self) -> None:
         """Leave the group. A member may have died (the group is left to be rebuilt with its
@@ -107,7 +112,10 @@ def open_group(host: str, port: int, world_size: int, rank: int, backend: str, d
 
 
 def send_buckets(group: WeightGroup, manifest: WeightManifest, tensors: Iterator[torch.Tensor], device: torch.device) -> None:
-    """Broadcast `tensors` (in manifest order, full shapes) from group rank 0."""
+    """Broadcast `tensors` (in manifest order, full shapes) from group rank 0, pipelined:
+    the next bucket is gathered and packed while this one is on the wire (two buckets in
+    memory at most)."""
+    in_flight: dist.Work | None = None
     for bucket in manifest.buckets:
         specs = [manifest.tensors[i] for i in bucket]
         flat = torch.empty(sum(s.numel for s in specs), dtype=specs[0].dtype, device=device)
@@ -118,16 +126,29 @@ def send_buckets(group: WeightGroup, manifest: WeightManifest, tensors: Iterator
                 raise ValueError(f"weight sync: {spec.name} has shape {tuple(tensor.shape)}, manifest says {spec.shape}")
             flat[offset : offset + spec.numel].copy_(tensor.reshape(-1))
             offset += spec.numel
-        group.broadcast(flat, root=0)
+        if in_flight is not None:
+            in_flight.wait()
+        in_flight = group.start_broadcast(flat, root=0)
+    if in_flight is not None:
+        in_flight.wait()
 
 
 def receive_buckets(group: WeightGroup, manifest: WeightManifest, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive every bucket and yield (name, tensor) views into it, in manifest order."""
-    for bucket in manifest.buckets:
+    """Receive every bucket and yield (name, tensor) views into it, in manifest order; the
+    next bucket is already being received while the caller loads this one's tensors."""
+
+    def start(bucket: list[int]) -> tuple[list[TensorSpec], torch.Tensor, dist.Work]:
         specs = [manifest.tensors[i] for i in bucket]
         # A fresh buffer per bucket: the loader may hold views until a whole layer arrived.
         flat = torch.empty(sum(s.numel for s in specs), dtype=specs[0].dtype, device=device)
-        group.broadcast(flat, root=0)
+        return specs, flat, group.start_broadcast(flat, root=0)
+
+    upcoming = start(manifest.buckets[0]) if manifest.buckets else None
+    for index in range(len(manifest.buckets)):
+        specs, flat, work = upcoming
+        work.wait()
+        if index + 1 < len(manifest.buckets):
+            upcoming = start(manifest.buckets[index + 1])
         offset = 0
         for spec in specs:
             yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)

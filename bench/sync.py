@@ -1,0 +1,131 @@
+"""How fast the weight sync is at size, next to what the transport itself gives.
+
+    python bench/sync.py [--sizes 3 200 1000] [--repeats 3] [config overrides...]
+
+For each size (MB of weights as sent), a random Qwen2-shaped model of about that size (the
+tiny policy's tokenizer) is loaded by one learner and one vLLM generator on a local Ray
+cluster, as in a run. Measured side by side, the medians of `--repeats`:
+
+- **sync**: `WeightSync.push` end to end: the learner gathers the full tensors, packs
+  buckets and broadcasts them (pipelined: the next bucket is packed while one is on the
+  wire), the generator receives them and reloads its engine's weights;
+- **raw**: one broadcast of the same number of bytes in one tensor, over the same weight
+  group between the same two processes: the transport's own rate;
+- **copy**: a memory copy of the same bytes in this process.
+
+It prints each in GB/s and the ratio sync / raw (the goal: at least 0.8 at 200 MB and
+above).
+"""
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rayrep.config import job_parser, parse_job_args
+from step import in_memory_copy_gbps
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads: about this many MB in float32
+    3: (64, 256, 2, 4, 2),
+    200: (1024, 2816, 4, 16, 4),
+    1000: (2048, 5632, 5, 16, 4),
+}
+
+
+def random_model(size_mb: int, tiny_policy: str, folder: Path) -> Path:
+    """A randomly initialised Qwen2 of about `size_mb` MB (fp32) with the tiny tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    hidden, intermediate, layers, heads, kv_heads = SHAPES[size_mb]
+    config = AutoConfig.from_pretrained(tiny_policy)
+    config.update({"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+                   "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads})
+    torch.manual_seed(size_mb)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = folder / f"random-{size_mb}mb"
+    model.save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tiny_policy).save_pretrained(path)
+    return path
+
+
+def raw_broadcast_seconds(learners, generators, num_bytes: int) -> float:
+    """One broadcast of `num_bytes` from learner rank 0 to every generator over their weight group."""
+    import ray
+
+    def send(learner, size):
+        payload = torch.ones(size, dtype=torch.uint8)
+        start = time.perf_counter()
+        learner.weight_group.broadcast(payload, root=0)
+        return time.perf_counter() - start
+
+    def receive(worker, size):
+        payload = torch.empty(size, dtype=torch.uint8)
+        worker._rayrep_group.broadcast(payload, root=0)
+        return int(payload[-1])
+
+    def receive_in_engine(generator, size):
+        return generator.llm.collective_rpc(receive, args=(size,))
+
+    calls = [learners.workers[0].__ray_call__.remote(send, num_bytes)]
+    calls += [g.__ray_call__.remote(receive_in_engine, num_bytes) for g in generators.workers]
+    seconds, *received = ray.get(calls)
+    assert all(value == [1] for value in received), received  # the bytes arrived
+    return seconds
+
+
+def main(argv=None):
+    parser = job_parser(__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[3, 200, 1000], choices=sorted(SHAPES))
+    parser.add_argument("--repeats", type=int, default=3)
+    args, cfg = parse_job_args(parser, argv)
+
+    import ray
+
+    from rayrep.generator.pool import GeneratorPool
+    from rayrep.learner.group import LearnerGroup
+    from rayrep.models import resolve_policy
+    from rayrep.placement import Placement, make_plan
+    from rayrep.runtime import connect_ray
+    from rayrep.sync.weights import WeightSync
+
+    cfg = cfg.replace(**{"learner.num_workers": 1, "generator.num_workers": 1, "verifier.num_workers": 0,
+                         "placement.mode": "disaggregated", "placement.threads": 1, "placement.cpus_per_bundle": 1})
+    tiny_policy = resolve_policy(cfg)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for size in args.sizes:
+            path = str(random_model(size, tiny_policy, Path(folder)))
+            plan = make_plan(cfg)
+            started = connect_ray(plan)
+            placement = Placement(plan)
+            learners = LearnerGroup(cfg, path, placement)
+            generators = GeneratorPool.create(cfg, path, placement)
+            try:
+                sync = WeightSync(cfg, learners, generators)
+                size_bytes = sync.manifest.total_bytes
+                sync.push()  # warm-up: first-touch allocations on both sides
+                sync_s = statistics.median(sync.push()["sync_seconds"] for _ in range(args.repeats))
+                raw_broadcast_seconds(learners, generators, size_bytes)
+                raw_s = statistics.median(raw_broadcast_seconds(learners, generators, size_bytes)
+                                          for _ in range(args.repeats))
+            finally:
+                learners.shutdown()
+                for worker in generators.workers:
+                    ray.kill(worker)
+                placement.remove()
+                if started:
+                    ray.shutdown()
+            rows.append((size_bytes, size_bytes / sync_s / 1e9, size_bytes / raw_s / 1e9, in_memory_copy_gbps(size_bytes)))
+
+    print(f"\nweight sync, 1 learner -> 1 vLLM generator, {cfg.placement.collective_backend}, "
+          f"buckets of {cfg.sync.bucket_mb} MB; medians of {args.repeats}")
+    print(f"{'MB':>8}{'sync GB/s':>12}{'raw GB/s':>12}{'sync/raw':>10}{'copy GB/s':>12}")
+    for size_bytes, sync_gbps, raw_gbps, copy_gbps in rows:
+        print(f"{size_bytes / 1e6:>8.1f}{sync_gbps:>12.3f}{raw_gbps:>12.3f}{sync_gbps / raw_gbps:>10.2f}{copy_gbps:>12.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
