@@ -11,10 +11,12 @@ cluster, as in a run. Measured side by side, the medians of `--repeats`:
   wire), the generator receives them and reloads its engine's weights;
 - **raw**: one broadcast of the same number of bytes in one tensor, over the same weight
   group between the same two processes: the transport's own rate;
-- **copy**: a memory copy of the same bytes in this process.
+- **copy**: a memory copy of the same bytes in this process;
+- **reload**: the engine loading the same tensors from memory (`reload_weights`), no
+  transport: the loader's share of a sync.
 
-It prints each in GB/s and the ratio sync / raw (the goal: at least 0.8 at 200 MB and
-above).
+It prints each rate in GB/s, the ratio sync / raw (the goal: at least 0.8 at 200 MB and
+above), and the sync's and the reload's seconds.
 """
 
 import statistics
@@ -29,7 +31,7 @@ from rayrep.config import job_parser, parse_job_args
 from step import in_memory_copy_gbps
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads: about this many MB in float32
-    3: (64, 256, 2, 4, 2),
+    3: (128, 512, 4, 4, 2),
     200: (1024, 2816, 4, 16, 4),
     1000: (2048, 5632, 5, 16, 4),
 }
@@ -40,9 +42,11 @@ def random_model(size_mb: int, tiny_policy: str, folder: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     hidden, intermediate, layers, heads, kv_heads = SHAPES[size_mb]
-    config = AutoConfig.from_pretrained(tiny_policy)
-    config.update({"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-                   "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads})
+    shape = AutoConfig.from_pretrained(tiny_policy).to_dict()
+    shape.pop("layer_types", None)  # (one per layer: derived again for the new depth)
+    shape.update({"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+                  "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads})
+    config = AutoConfig.for_model(**shape)
     torch.manual_seed(size_mb)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = folder / f"random-{size_mb}mb"
@@ -74,6 +78,25 @@ def raw_broadcast_seconds(learners, generators, num_bytes: int) -> float:
     seconds, *received = ray.get(calls)
     assert all(value == [1] for value in received), received  # the bytes arrived
     return seconds
+
+
+def reload_seconds(generators, manifest) -> float:
+    """The generator's engine loading the same tensors from memory (`reload_weights`, as a
+    sync ends), with no transport: the loader's share of a sync."""
+    import ray
+
+    def load(worker, manifest):
+        tensors = [(spec.name, torch.zeros(spec.shape, dtype=spec.dtype)) for spec in manifest.tensors]
+        if manifest.tied_embedding:
+            tensors.append(("lm_head.weight", dict(tensors)[manifest.tied_embedding]))
+        start = time.perf_counter()
+        worker.reload_weights(weights_iterator=iter(tensors))
+        return time.perf_counter() - start
+
+    def in_engine(generator, manifest):
+        return generator.llm.collective_rpc(load, args=(manifest,))[0]
+
+    return ray.get(generators.workers[0].__ray_call__.remote(in_engine, manifest))
 
 
 def main(argv=None):
@@ -111,6 +134,7 @@ def main(argv=None):
                 raw_broadcast_seconds(learners, generators, size_bytes)
                 raw_s = statistics.median(raw_broadcast_seconds(learners, generators, size_bytes)
                                           for _ in range(args.repeats))
+                reload_s = statistics.median(reload_seconds(generators, sync.manifest) for _ in range(args.repeats))
             finally:
                 learners.shutdown()
                 for worker in generators.workers:
@@ -118,13 +142,15 @@ def main(argv=None):
                 placement.remove()
                 if started:
                     ray.shutdown()
-            rows.append((size_bytes, size_bytes / sync_s / 1e9, size_bytes / raw_s / 1e9, in_memory_copy_gbps(size_bytes)))
+            rows.append((size_bytes, sync_s, raw_s, reload_s, in_memory_copy_gbps(size_bytes)))
 
     print(f"\nweight sync, 1 learner -> 1 vLLM generator, {cfg.placement.collective_backend}, "
           f"buckets of {cfg.sync.bucket_mb} MB; medians of {args.repeats}")
-    print(f"{'MB':>8}{'sync GB/s':>12}{'raw GB/s':>12}{'sync/raw':>10}{'copy GB/s':>12}")
-    for size_bytes, sync_gbps, raw_gbps, copy_gbps in rows:
-        print(f"{size_bytes / 1e6:>8.1f}{sync_gbps:>12.3f}{raw_gbps:>12.3f}{sync_gbps / raw_gbps:>10.2f}{copy_gbps:>12.2f}")
+    print(f"{'MB':>8}{'sync GB/s':>12}{'raw GB/s':>12}{'sync/raw':>10}{'copy GB/s':>12}{'sync s':>9}{'reload s':>10}")
+    for size_bytes, sync_s, raw_s, reload_s, copy_gbps in rows:
+        sync_gbps, raw_gbps = size_bytes / sync_s / 1e9, size_bytes / raw_s / 1e9
+        print(f"{size_bytes / 1e6:>8.1f}{sync_gbps:>12.3f}{raw_gbps:>12.3f}{sync_gbps / raw_gbps:>10.2f}"
+              f"{copy_gbps:>12.2f}{sync_s:>9.3f}{reload_s:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ class PlacementConfig:
     mode: Literal["colocated", "disaggregated"] = option("colocated", "generators and learners share bundles, or each role gets its own")
     cpus_per_bundle: int = option(1, "CPUs per learner / generator bundle (Ray's accounting); colocated roles take turns in it", min=1)
     threads: int = option(0, "torch threads of each learner and generator actor; 0: its bundle's CPUs", min=0)
+    pin_cores: bool = option(False, "CPU runs: bind each generator's and learner's threads to cores of their own (generators first, then learners, by index, `threads` each), so that roles working at once (asynchronous rollouts, disaggregated) do not share cores; off: vLLM binds its threads to every core")
     cpu_node_resource: str = option("", "a custom resource that CPU nodes advertise: verifiers and replay shards go there (cluster.yaml: rayrep_cpu_node)")
     wait_timeout_s: float = option(600.0, "how long to wait for an autoscaling cluster to grow to the plan before giving up", min=1.0)
     cluster_can_grow: Literal["auto", "yes", "no"] = option("auto", "whether the cluster can add nodes; auto: when its autoscaler publishes its node types")

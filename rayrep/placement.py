@@ -109,6 +109,18 @@ def _runs(names: list[str]) -> list[list[str]]:
     return runs
 
 
+def pinned_cores(cfg: Config, role: str, index: int, threads: int) -> list[int] | None:
+    """The cores generator or learner `index` binds its `threads` threads to with
+    `placement.pin_cores` on CPU (generators first, then learners, wrapping around the
+    node's cores); None: no binding asked."""
+    if cfg.placement.device != "cpu" or not cfg.placement.pin_cores:
+        return None
+    import os
+
+    first = (index if role == "generator" else generator_count(cfg) + index) * threads
+    return sorted({(first + k) % (os.cpu_count() or 1) for k in range(threads)})
+
+
 def generator_count(cfg: Config) -> int:
     """vLLM engines: `generator.num_workers`, or by default one per tensor-parallel group of
     the policy's GPUs (every GPU generates; colocated, that is the learners' GPUs)."""

@@ -79,15 +79,18 @@ class Runtime:
 
     def hand_over_to_learners(self) -> None:
         """Where colocated roles take turns on GPUs: the engines sleep, the learners bring
-        their state back. Elsewhere (CPU, disaggregated) both calls do nothing."""
-        self.generators.sleep()
-        self.learners.onload()
+        their state back. Elsewhere (CPU, disaggregated) nothing to do, and no call made:
+        a call would wait behind the generators' work in flight (asynchronous rollouts)."""
+        if self.cfg.placement.takes_turns:
+            self.generators.sleep()
+            self.learners.onload()
 
     def hand_over_to_generators(self) -> None:
         """After the weight sync (which wakes the engines' weights): the learners' state
         leaves the GPU and the engines take their KV cache back."""
-        self.learners.offload()
-        self.generators.wake_up()
+        if self.cfg.placement.takes_turns:
+            self.learners.offload()
+            self.generators.wake_up()
 
     def shutdown(self) -> None:
         if self.buffer is not None:

@@ -47,7 +47,7 @@ def comparable(record: dict) -> dict:
 @pytest.mark.timeout(900)
 def test_one_step_ahead_trains_on_answers_one_version_old(ray_cluster, tiny_cfg, tiny_policy, tmp_path):
     cfg = tiny_cfg.replace(**{
-        "run.steps": 3, "run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
+        "run.steps": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
         "data.arithmetic_test_size": 32, "learner.behaviour_cap": 2.0, "logging.out_dir": str(tmp_path),
         "logging.plots": False,
     })
@@ -57,15 +57,52 @@ def test_one_step_ahead_trains_on_answers_one_version_old(ray_cluster, tiny_cfg,
     sync, ahead = runs[0][1:], runs[1][1:]
     answers = 16 * 8
     # Synchronous: every answer comes from the policy the update starts from.
-    assert [(r["fresh_lag_0"], r["fresh_lag_max"]) for r in sync] == [(answers, 0)] * 3
+    assert [(r["fresh_lag_0"], r["fresh_lag_max"]) for r in sync] == [(answers, 0)] * 2
     # One step ahead: step 1's round has nothing before it to overlap (the same step as the
-    # synchronous run's: same seeds, same weights); steps 2 and 3 were sampled during the
-    # update before them, one version old, never older.
+    # synchronous run's: same seeds, same weights); step 2's was sampled during step 1's
+    # update, one version old.
     assert comparable(ahead[0]) == comparable(sync[0])
-    assert [(r.get("fresh_lag_1"), r["fresh_lag_max"]) for r in ahead[1:]] == [(answers, 1)] * 2
+    assert [(r.get("fresh_lag_1"), r["fresh_lag_max"]) for r in ahead[1:]] == [(answers, 1)]
     assert all("fresh_lag_0" not in r and "stale_groups_dropped" not in r for r in ahead[1:])
     # Their loss is corrected: pi_prox / pi_behaviour is 1 up to the engines' rounding when
     # the answers are on-policy, and moves off it when the sampling policy is a version behind.
     assert all(r["behaviour_weight_max"] < 1.05 for r in sync)
     assert all(r["behaviour_weight_max"] > s["behaviour_weight_max"] for r, s in zip(ahead[1:], sync[1:]))
-    assert ahead[2]["policy_version"] == sync[2]["policy_version"] == 3
+    assert ahead[1]["policy_version"] == sync[1]["policy_version"] == 2
+
+
+def test_pinned_cores_keep_generators_and_learners_apart(ray_cluster, tiny_cfg, tiny_policy):
+    """`placement.pin_cores`: generator 0 on its cores, learner 0 on the next ones (wrapping
+    around the machine's cores), as the processes themselves report."""
+    import os
+
+    import ray
+
+    from rayrep.generator.pool import GeneratorPool
+    from rayrep.learner.group import LearnerGroup
+    from rayrep.placement import Placement, make_plan, pinned_cores
+
+    cfg = tiny_cfg.replace(**{"placement.mode": "disaggregated", "placement.pin_cores": True, "placement.threads": 1,
+                              "placement.cpus_per_bundle": 1, "verifier.num_workers": 0})
+    cores = os.cpu_count()
+    assert pinned_cores(cfg, "generator", 0, 1) == [0] and pinned_cores(cfg, "learner", 0, 1) == [1 % cores]
+    assert pinned_cores(cfg, "learner", 1, 2) == sorted({2 % cores, 3 % cores})
+    assert pinned_cores(tiny_cfg, "learner", 0, 1) is None  # not asked: no binding
+
+    placement = Placement(make_plan(cfg))
+    learners = LearnerGroup(cfg, tiny_policy, placement)
+    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    try:
+        def affinity(actor, *_):
+            return sorted(os.sched_getaffinity(0))
+
+        assert ray.get(learners.workers[0].__ray_call__.remote(affinity)) == [1 % cores]
+        assert ray.get(generators.workers[0].__ray_call__.remote(affinity)) == [0]
+        (rollouts,) = generators.gather(generators.generate([[5, 6, 7, 8]], n=2, temperature=1.0, top_p=1.0,
+                                                            max_tokens=8))
+        assert len(rollouts) == 2  # the bound engine samples
+    finally:
+        learners.shutdown()
+        for worker in generators.workers:
+            ray.kill(worker)
+        placement.remove()

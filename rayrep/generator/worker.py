@@ -21,7 +21,12 @@ class GeneratorWorker:
         import torch
 
         from rayrep.generator.engine import make_engine
+        from rayrep.placement import pinned_cores
 
+        cores = pinned_cores(cfg, "generator", worker_index, threads)
+        if cores is not None:  # before any thread starts; vLLM binds its OpenMP threads (by default: to every core)
+            os.sched_setaffinity(0, cores)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         torch.set_num_threads(threads)
         self.cfg = cfg
         self.version = version  # the policy version of `model_path` (a resumed run's checkpoint: its own)

@@ -73,6 +73,11 @@ def token_budget_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int)
 
 class LearnerWorker:
     def __init__(self, cfg: Config, rank: int, world_size: int, threads: int):
+        from rayrep.placement import pinned_cores
+
+        cores = pinned_cores(cfg, "learner", rank, threads)
+        if cores is not None:  # before any thread starts: the threads inherit it
+            os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.run.seed)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
