@@ -1,0 +1,108 @@
+"""rayrep's GRPO step against TRL's `GRPOTrainer`, on the same checkpoint, prompts and batch.
+
+    pip install -e ".[bench]"          # TRL (and what it needs); not part of a rayrep install
+    python bench/vs_trl.py [--steps 6] [--rounds 2] [config overrides...]
+
+Both train the tiny policy from the same checkpoint on the same training questions (the
+run's sampler order), with B questions x G answers per step (the preset's 64 x 8), at
+most the preset's new tokens per answer (48), temperature 1, one optimizer step per
+rollout (AdamW at the preset's learning rate, no KL term), and the same 0/1 verifier
+reward (`rayrep.verifier.math.score`). They alternate in one process, `--rounds` times
+each (this machine's speed drifts); the first step of every run is left out as warm-up.
+
+Printed: each framework's median step time, their ratio, and the same for rayrep's
+asynchronous loop (`run.max_policy_lag 1`, generator and learner on cores of their own):
+the row the frameworks users compare rayrep with would show.
+
+TRL runs with its defaults for everything not named above: it generates with the model
+it trains (transformers' `generate`) on all of this process's cores; rayrep generates
+with vLLM.
+"""
+
+import statistics
+import sys
+import time
+
+from rayrep.config import job_parser, parse_job_args
+from rayrep.metrics import read_metrics
+
+
+def trl_step_seconds(cfg, model_path: str, steps: int, out_dir: str) -> list[float]:
+    """Seconds of each of TRL's `steps` optimizer steps (one rollout each)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rayrep.data import PromptSampler, load_split
+    from rayrep.verifier.math import score
+
+    questions, group = cfg.algorithm.prompts_per_step, cfg.algorithm.group_size
+    sampler = PromptSampler(load_split(cfg.data, "train"), seed=cfg.seed("data"))
+    prompts = [p for _ in range(steps) for p in sampler.next(questions)]
+    dataset = Dataset.from_list([{"prompt": list(p.messages), "ground_truth": p.ground_truth} for p in prompts])
+
+    def correct(completions, ground_truth, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [score(text, truth) for text, truth in zip(texts, ground_truth)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+
+    clock = Clock()
+    args = GRPOConfig(
+        output_dir=out_dir, max_steps=steps, learning_rate=cfg.learner.lr, lr_scheduler_type="constant",
+        per_device_train_batch_size=questions, gradient_accumulation_steps=group, num_generations=group,
+        max_completion_length=cfg.generator.max_response_tokens, temperature=cfg.generator.temperature,
+        beta=0.0, shuffle_dataset=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=steps,
+        seed=cfg.run.seed,
+    )
+    trainer = GRPOTrainer(model=model_path, reward_funcs=[correct], args=args, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[clock])
+    trainer.train()
+    return [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+
+
+def rayrep_step_seconds(cfg, name: str) -> list[float]:
+    from rayrep.train import train
+
+    run = train(cfg.replace(**{"logging.run_name": name}), log=lambda _: None)
+    return [r["time_step"] for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] >= 1]
+
+
+def main(argv=None):
+    parser = job_parser(__doc__)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    args, cfg = parse_job_args(parser, argv)
+    out = f"runs/bench-vs-trl-{int(time.time())}"
+    cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": out, "logging.plots": False,
+                         "learner.mini_batch_prompts": cfg.algorithm.prompts_per_step, "learner.warmup_steps": 0,
+                         "learner.lr_schedule": "constant"})
+    asynchronous = cfg.replace(**{"run.max_policy_lag": 1, "placement.mode": "disaggregated", "placement.threads": 1,
+                                  "placement.pin_cores": True})
+
+    from rayrep.models import resolve_policy
+
+    model_path = resolve_policy(cfg)
+    times: dict[str, list[float]] = {"TRL GRPOTrainer": [], "rayrep GRPO": [], "rayrep GRPO, one step ahead": []}
+    for round_index in range(args.rounds):
+        times["TRL GRPOTrainer"] += trl_step_seconds(cfg, model_path, args.steps, f"{out}/trl-{round_index}")[1:]
+        times["rayrep GRPO"] += rayrep_step_seconds(cfg, f"sync-{round_index}")[1:]
+        times["rayrep GRPO, one step ahead"] += rayrep_step_seconds(asynchronous, f"async-{round_index}")[1:]
+
+    trl = statistics.median(times["TRL GRPOTrainer"])
+    print(f"\n{cfg.algorithm.prompts_per_step} questions x {cfg.algorithm.group_size} answers, at most "
+          f"{cfg.generator.max_response_tokens} new tokens, one optimizer step per rollout; "
+          f"{args.rounds} rounds of {args.steps} steps, first step of each run left out")
+    print(f"{'':<30}{'median step':>12}{'TRL / this':>12}")
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        print(f"{name:<30}{median:>10.2f} s{trl / median:>12.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
