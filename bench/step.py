@@ -17,6 +17,9 @@ replayed questions.
 `--max-policy-lag 0 1 2`: the first algorithm at each lag instead (`run.max_policy_lag`;
 the generators sample the next steps while the learners update), compared with lag 0. Its
 `generate` phase is the wait for the round's answers: what the update did not hide.
+`--vary FIELD V1 V2 ...` does the same for any config field, e.g. `--vary
+learner.micro_batch_tokens 0 2048` (each variant's share of padding in the update is
+printed too).
 """
 
 import statistics
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rayrep.config import job_parser, parse_job_args
+from rayrep.config import job_parser, parse_cli, parse_job_args
 from rayrep.metrics import read_metrics
 
 PHASES = ("plan", "select", "generate", "verify", "build", "old_logprobs", "update", "sync")
@@ -58,6 +61,14 @@ def measured_steps(run_dir: Path) -> list[dict]:
     return records
 
 
+def parsed(field: str, text: str):
+    """`text` as the command line reads a value of config field `field` (its own type)."""
+    value = parse_cli([f"--{field}", text])
+    for part in field.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def main(argv=None):
     parser = job_parser(__doc__)
     parser.add_argument("--steps", type=int, default=8)
@@ -65,6 +76,8 @@ def main(argv=None):
     parser.add_argument("--algorithms", default="grpo,rlep,exgrpo")
     parser.add_argument("--max-policy-lag", type=int, nargs="+", metavar="N",
                         help="compare these run.max_policy_lag values of the first algorithm instead")
+    parser.add_argument("--vary", nargs="+", metavar=("FIELD", "VALUE"),
+                        help="compare these values of one config field for the first algorithm instead")
     args, cfg = parse_job_args(parser, argv)
     stamp = int(time.time())
     cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": f"runs/bench-step-{stamp}"})
@@ -80,9 +93,14 @@ def main(argv=None):
         "exgrpo": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.exgrpo.start_pass_rate": 0.0},
     }
     if args.max_policy_lag:
+        args.vary = ["run.max_policy_lag", *map(str, args.max_policy_lag)]
+    if args.vary:
+        if len(args.vary) < 2:
+            parser.error("--vary takes a config field and at least one value")
+        field, values = args.vary[0], args.vary[1:]
         algorithm = variants[names[0]]
-        names = [f"lag-{lag}" for lag in args.max_policy_lag]
-        variants = {f"lag-{lag}": {**algorithm, "run.max_policy_lag": lag} for lag in args.max_policy_lag}
+        names = [f"{field.rsplit('.', 1)[-1]}={value}" for value in values]
+        variants = {name: {**algorithm, field: parsed(field, value)} for name, value in zip(names, values)}
     if any(variants[name]["algorithm.name"] == "rlep" for name in names):
         pool_cfg = cfg.replace(**{"algorithm.rlep.collect_questions": args.steps * cfg.algorithm.prompts_per_step})
         pool = collect_pool(pool_cfg, resolve_policy(cfg), f"{cfg.logging.out_dir}/pool.parquet", log=lambda _: None)
@@ -113,7 +131,8 @@ def main(argv=None):
         print(f"replayed answers: {100 * statistics.median(r['replay_share'] for r in records):.1f}% of the batch; "
               f"replayed questions per step: {statistics.median(r['replayed_questions'] for r in records):.0f}")
         print(f"fresh answers' policy lag: mean {statistics.mean(r.get('fresh_lag_mean', 0.0) for r in records):.2f}, "
-              f"max {max(r.get('fresh_lag_max', 0) for r in records)}")
+              f"max {max(r.get('fresh_lag_max', 0) for r in records)}; padding in the update: "
+              f"{100 * statistics.median(r.get('padding_frac', 0.0) for r in records):.1f}% of computed positions")
 
     records = results[baseline]
     size = records[-1]["sync_bytes"]

@@ -30,3 +30,22 @@ def ray_cluster():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def kill_and_wait(actor, timeout_s: float = 30.0) -> None:
+    """`ray.kill(actor)`, then wait until it no longer answers: the kill lands a moment after
+    the call returns, and a call sent before that is still answered."""
+    import time
+
+    import ray
+    from ray.exceptions import RayActorError
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.__ray_call__.remote(lambda _: None))  # any actor answers this, if alive
+        except RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        time.sleep(0.1)

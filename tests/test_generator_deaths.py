@@ -19,6 +19,7 @@ from collections import Counter
 import pytest
 import ray
 
+from conftest import kill_and_wait
 from rayrep.data import encode_prompts, load_split
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
@@ -128,7 +129,7 @@ def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_poli
         trained = sample(generators, prompt_ids, seeds)
         assert trained[8:] != base[8:]  # generator 1's share: the weights moved enough to change its answers
 
-        ray.kill(generators.workers[1])  # dead before the call: its share fails at once
+        kill_and_wait(generators.workers[1])  # dead before the call: its share fails at once
         counts = Counter()
         recovered = sample(generators, prompt_ids, seeds, counts)
         assert counts == {"replaced": 1, "retried_prompts": 8}

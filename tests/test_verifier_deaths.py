@@ -15,6 +15,7 @@ import time
 import pytest
 import ray
 
+from conftest import kill_and_wait
 from rayrep.generator.pool import PendingRollouts
 from rayrep.placement import Placement, make_plan
 from rayrep.types import Rollout
@@ -72,7 +73,7 @@ def test_a_verifier_killed_between_checks_is_replaced_in_its_bundle(placed):
 
     dead = pool.workers[0]
     dead_pid = ray.get(dead.pid.remote())
-    ray.kill(dead)
+    kill_and_wait(dead)
     verdicts = pool.check(shares, first_truths + second_truths)
     assert verdicts.correct == undisturbed.correct
     # The 12 completions of the dead verifier's share were sent once more, to its replacement.
@@ -145,7 +146,7 @@ def test_a_share_lost_upstream_is_not_taken_for_a_verifier_death(placed):
     pool, _ = placed
     generator = Generator.remote()
     ray.get(generator.rollouts.remote())
-    ray.kill(generator)
+    kill_and_wait(generator)
     lost = PendingRollouts(range(0, 1), generator.rollouts.remote())  # its generator is gone
     workers, pids = list(pool.workers), ray.get([w.pid.remote() for w in pool.workers])
     with pytest.raises(ray.exceptions.RayActorError):
