@@ -49,6 +49,7 @@ class DataConfig:
     arithmetic_train_size: int = option(20000, "train questions of the embedded task", min=1)
     arithmetic_test_size: int = option(500, "test questions of the embedded task", min=1)
     arithmetic_seed: int = option(0, "seed of the embedded task's splits (defines the task itself, not a run: left out of run.seed)")
+    arithmetic_test_reserve: int = option(1000, "problems at the start of the embedded task's sequence kept for test splits (the largest test split; the tiny policy is warm-started past them)", min=1)
     max_prompt_tokens: int = option(1024, "prompts longer than this are rejected when the prompt set is loaded", min=1)
     shuffle_seed: int = option(-1, "seed of the order in which training questions are visited; -1: derived from run.seed", min=-1)
 
@@ -476,6 +477,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"verifier.overlong_buffer={cfg.verifier.overlong_buffer} exceeds "
             f"generator.max_response_tokens={cfg.generator.max_response_tokens}"
+        )
+    data = cfg.data
+    if not data.test_files and data.arithmetic_test_size > data.arithmetic_test_reserve:
+        # Past the reserve, test problems would be among those the tiny policy was warm-started on.
+        raise ConfigError(
+            f"data.arithmetic_test_size={data.arithmetic_test_size} exceeds data.arithmetic_test_reserve="
+            f"{data.arithmetic_test_reserve}: raise the reserve (the train split and the tiny policy's warm start "
+            f"then begin after it)"
         )
 
 

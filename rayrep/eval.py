@@ -178,6 +178,15 @@ def pass_ks(n: int) -> list[int]:
     return sorted({1, n} | {2**i for i in range(1, n.bit_length()) if 2**i <= n})
 
 
+def standard_error(values: Sequence[float]) -> float:
+    """The standard error of the mean of `values` (sample standard deviation / sqrt(n)); 0 for fewer than two."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
 def summarize_by_source(
     sources: Sequence[str], correct: Sequence[Sequence[object]], majority: Sequence[bool]
 ) -> dict[str, float]:
@@ -185,9 +194,9 @@ def summarize_by_source(
 
     Per source s with k samples per question: `s/avg@k`, `s/pass@j` for j in `pass_ks(k)`,
     `s/maj@k`, `s/questions`. Aggregates: `pass@1`, pooled over all questions (each
-    question weighs the same), and `mean_pass@1` and `mean_maj@k`, the plain mean of the
-    benchmarks' scores (ExGRPO's average, where a large benchmark does not dominate). When
-    every question has the same k, the pooled `avg@k`, `pass@j` and `maj@k` too (RLEP
+    question weighs the same), with its standard error `pass@1_se`; `mean_pass@1` and
+    `mean_maj@k`, the plain mean of the benchmarks' scores (ExGRPO's average, where a
+    large benchmark does not dominate). When every question has the same k, the pooled `avg@k`, `pass@j` and `maj@k` too (RLEP
     reports its benchmarks one by one: the per-source entries).
     """
     if not (len(sources) == len(correct) == len(majority)):
@@ -209,6 +218,10 @@ def summarize_by_source(
         votes.append(vote)
     per_question = [sum(map(float, row)) / len(row) for row in correct]
     out["pass@1"] = sum(per_question) / len(per_question)
+    # The standard error of pass@1 as an estimate of the policy's accuracy on questions of
+    # this kind: the spread of per-question scores (question difficulty and sampling noise
+    # together) over the square root of the number of questions.
+    out["pass@1_se"] = standard_error(per_question)
     out["mean_pass@1"] = sum(pass1) / len(pass1)
     out["mean_maj@k"] = sum(votes) / len(votes)
     widths = {len(row) for row in correct}

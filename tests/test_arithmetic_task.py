@@ -34,6 +34,15 @@ def test_splits_are_prefixes_and_train_ignores_the_test_size():
     assert not {p.expression for p in train_b} & {p.expression for p in largest_test}
 
 
+def test_a_larger_reserve_moves_the_train_split_past_a_larger_test_split():
+    train, test = make_splits(500, 3000, seed=3, reserve=3000)
+    again, _ = make_splits(500, 10, seed=3, reserve=3000)
+    assert [p.expression for p in again] == [p.expression for p in train]  # the test size still does not matter
+    assert len(test) == 3000 and not {p.expression for p in train} & {p.expression for p in test}
+    default_train, _ = make_splits(500, 10, seed=3)
+    assert [p.expression for p in default_train] != [p.expression for p in train]
+
+
 def test_answers_follow_left_to_right_evaluation():
     train, _ = make_splits(2000, 10, seed=0, levels=("mix3", "sub2", "add3", "mul1"))
     for problem in train:

@@ -111,6 +111,8 @@ def test_later_sources_override_earlier(tmp_path):
         (["--learner.loss_agg", "seq-mean-token-sum"], "learner.loss_norm_constant must be > 0"),
         (["--learner.dual_clip", "0.5"], "learner.dual_clip: 0.5 must be > 1"),
         (["--verifier.overlong_buffer", "100"], "verifier.overlong_buffer=100 exceeds generator.max_response_tokens=48"),
+        (["--data.arithmetic_test_size", "1500"],
+         "data.arithmetic_test_size=1500 exceeds data.arithmetic_test_reserve=1000: raise the reserve"),
         (["--generator.eval_samples_by_source", "aime24:32"], "generator.eval_samples_by_source: 'aime24:32' is not data_source=k"),
         (["--generator.eval_samples_by_source", "aime24=0"], "'aime24=0' is not data_source=k with k >= 1"),
     ],

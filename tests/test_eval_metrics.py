@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -182,6 +183,9 @@ def test_summarize_by_source_by_hand():
     assert out["mean_pass@1"] == pytest.approx((1 / 2 + 2 / 3) / 2)
     assert out["mean_maj@k"] == pytest.approx((1 / 2 + 2 / 3) / 2)
     assert "avg@4" not in out and out["questions"] == 5  # k differs between benchmarks: no pooled avg@k
+    # standard error of pass@1: per-question scores 0.25, 1, 0.75, 0, 1 (mean 0.6), sample variance / n
+    squares = (0.25 - 0.6) ** 2 + (1 - 0.6) ** 2 + (0.75 - 0.6) ** 2 + (0 - 0.6) ** 2 + (1 - 0.6) ** 2
+    assert out["pass@1_se"] == pytest.approx(math.sqrt(squares / 4 / 5))
 
 
 def test_summarize_by_source_pools_when_every_question_has_the_same_k():

@@ -236,6 +236,34 @@ def test_cap_keeps_the_newest_answers_in_order_and_counts_evictions():
         assert_same_answer(got, source)
 
 
+def test_evictions_and_retirements_compact_the_store_keeping_every_live_answer():
+    """Evicted and retired answers leave holes in the shard's flat store; once the holes
+    outweigh the live answers the store is rewritten without them, and what is stored
+    reads back exactly as before."""
+    buffer = ReplayBuffer(0, 2)
+    contents = {}
+    for round_ in range(6):
+        items = [(f"c{q}", prompt(q), [make_answer([q, round_, i] + [9] * (q + i), step=round_) for i in range(3)])
+                 for q in range(5)]
+        buffer.add(items)
+        for uid, _, answers in items:
+            contents[uid] = answers[-2:]  # a cap of 2 keeps the newest two
+    buffer.apply(retire=["c1", "c3"])
+    del contents["c1"], contents["c3"]
+    (shard,) = buffer.shards
+    store = shard.store
+    # 90 answers were stored, 6 are live: compaction ran (the holes never outweigh what is live).
+    assert store.live_rows == 6 and store.dead_rows <= store.live_rows and store.used_rows < 90
+    assert store.dead_tokens <= store.live_tokens
+    stored = stored_of(buffer, ["c0", "c1", "c2", "c3", "c4"])
+    assert stored.keys() == contents.keys()
+    for uid, answers in contents.items():
+        assert len(stored[uid][1]) == 2
+        for got, source in zip(stored[uid][1], answers):
+            assert_same_answer(got, source)
+    assert buffer.stats()["answers"] == 6 and buffer.stats()["evicted"] == 5 * (18 - 2)
+
+
 def test_a_cap_of_zero_keeps_every_answer():
     buffer = ReplayBuffer(0, 0)  # what the ExGRPO code does: no cap
     for _ in range(3):
@@ -289,8 +317,10 @@ def test_ray_shards_own_their_arrays_after_add_and_restore(buffers, tmp_path):
     a shard that kept one would pin every answer of that call in the object store."""
 
     def views(shard):
-        entries = shard.questions.values()
-        return [name for entry in entries for name in entry.ARRAYS if getattr(entry, name).base is not None]
+        store = shard.store
+        arrays = {"tokens": store.tokens, "logprobs": store.logprobs, **store.columns,
+                  **{f"prompt of {uid}": entry.prompt_ids for uid, entry in shard.questions.items()}}
+        return [name for name, array in arrays.items() if array.base is not None]
 
     buffer = buffers(2)
     buffer.apply([(f"q{q}", prompt(q), answers_of(q, 4)) for q in range(20)], buckets={f"q{q}": 3 for q in range(20)})
@@ -467,11 +497,12 @@ def test_answers_at_returns_the_chosen_stored_answers(buffers, shards):
 
 
 def raw_nbytes(prompt_ids, answers) -> int:
-    """What one question's columnar storage holds: prompt, tokens, log-probs, int64 offsets,
-    float32 rewards, int32 versions, int8 sources, int32 steps."""
+    """What one question's storage holds: prompt, tokens, log-probs, and per answer an int64
+    start, int64 length, float32 reward, int32 version, int8 source, int32 step and its
+    int64 row number."""
     tokens = sum(len(a.response_ids) for a in answers)
     n = len(answers)
-    return 4 * len(prompt_ids) + 4 * tokens + 4 * tokens + 8 * (n + 1) + 4 * n + 4 * n + 1 * n + 4 * n
+    return 4 * len(prompt_ids) + 4 * tokens + 4 * tokens + (8 + 8 + 4 + 4 + 1 + 4 + 8) * n
 
 
 def test_stats_count_questions_answers_bytes_buckets_and_age(buffers):
@@ -807,7 +838,7 @@ def test_stats_bytes_stay_close_to_the_raw_arrays():
         buffer.add([(f"m{q}", np.arange(prompt_length, dtype=np.int32), long_answers(q, answers, length, rng))])
     raw = questions * answers * length * (4 + 4)
     held = buffer.stats()["bytes"]
-    per_question = 4 * prompt_length + 8 * (answers + 1) + (4 + 4 + 1 + 4) * answers
+    per_question = 4 * prompt_length + (8 + 8 + 4 + 4 + 1 + 4 + 8) * answers
     assert held == raw + questions * per_question
     assert held <= 1.2 * raw + questions * 2048
 

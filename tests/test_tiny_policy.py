@@ -57,11 +57,36 @@ def test_build_writes_a_complete_checkpoint_and_is_cached(small_build):
     assert calls == [] and (path / "model.safetensors").stat().st_mtime_ns == before
 
 
+def test_the_build_file_records_the_weights_hash(small_build, tmp_path):
+    """The hash covers every tensor's bytes: it matches a recomputation, changes with one
+    weight, and is added to the build file of a policy built before builds recorded it."""
+    from safetensors.torch import load_file, save_file
+
+    from rayrep.models.tiny import build_info, weights_sha256
+
+    _, _, path = small_build
+    recorded = json.loads((path / "rayrep_build.json").read_text())["weights_sha256"]
+    assert len(recorded) == 64 and recorded == weights_sha256(path)
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    tensors = load_file(path / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = torch.nextafter(tensors[name].view(-1)[0], torch.tensor(1e9))  # one ulp
+    save_file(tensors, changed / "model.safetensors")
+    assert weights_sha256(changed) != recorded
+    older = {k: v for k, v in json.loads((path / "rayrep_build.json").read_text()).items() if k != "weights_sha256"}
+    (changed / "rayrep_build.json").write_text(json.dumps(older))
+    assert build_info(changed)["weights_sha256"] == weights_sha256(changed)
+    assert json.loads((changed / "rayrep_build.json").read_text())["weights_sha256"] == weights_sha256(changed)
+
+
 def test_cache_key_tracks_every_field():
     base = TinyPolicySpec()
     assert base.cache_key() == TinyPolicySpec().cache_key()
     assert base.cache_key() != TinyPolicySpec(warm_start_steps=1101).cache_key()
     assert base.cache_key() != TinyPolicySpec(levels=("add2",)).cache_key()
+    assert base.cache_key() != TinyPolicySpec(test_reserve=3000).cache_key()
 
 
 def test_transformers_loads_and_generates(tiny_policy):

@@ -74,6 +74,7 @@ class ReplayBuffer:
         self.num_shards = num_shards
         self.rng = random.Random(seed)
         self.cap, self.seed, self.placement = max_answers_per_question, seed, placement
+        self._routes: dict[str, int] = {}
         if num_shards == 0:
             self.shards: list = [ReplayShard(max_answers_per_question, seed)]
         else:
@@ -130,7 +131,12 @@ class ReplayBuffer:
         return results
 
     def _route(self, uid: str) -> int:
-        return shard_of(uid, self.num_shards) if self.num_shards else 0
+        if not self.num_shards:
+            return 0
+        shard = self._routes.get(uid)
+        if shard is None:  # hashed once per question: a step routes hundreds of ids
+            shard = self._routes[uid] = shard_of(uid, self.num_shards)
+        return shard
 
     def _by_shard(self, keyed: list, key=lambda x: x[0]) -> dict[int, list]:
         grouped: dict[int, list] = {}

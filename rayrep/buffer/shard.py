@@ -1,9 +1,12 @@
 """ReplayShard: one shard of the replay buffer (a Ray actor), holding answers per question.
 
-Storage is columnar per question: one int32 array of all its answers' token ids, one
-float32 array of their behaviour log-probs, offsets, and small per-answer metadata
-arrays. Python objects per answer would cost hundreds of bytes each; this way a
-question costs a fixed few hundred bytes plus its raw arrays.
+Storage is one flat columnar store per shard (`AnswerStore`): every answer's token ids
+and behaviour log-probs in two arenas, one row of small columns per answer, and per
+question only its prompt, its bucket and the row numbers of its answers. Drawing 1,024
+answers of 512 questions is then a few vectorized gathers, not a Python step per answer
+(which, with an array set per question, took most of a sampling call's time). Python
+objects per answer would cost hundreds of bytes each; this way an answer costs its raw
+arrays plus 37 bytes.
 
 Answers cross between the client and the shards packed (`PackedAnswers`: a few flat
 arrays per call), never as two small arrays per answer: Ray spends tens of microseconds
@@ -134,33 +137,6 @@ class PackedAnswers:
             ]
             first += count
 
-    @classmethod
-    def gather(cls, uids: list[str], counts: list[int], picks: list[tuple[QuestionAnswers, int]],
-               prompts: list[np.ndarray] | None = None) -> PackedAnswers:
-        """Pack answer i of each (question, i) pick, `counts[q]` picks for question q in turn."""
-        tokens, logprobs, lengths = [], [], []
-        for entry, i in picks:
-            start, end = entry.offsets[i], entry.offsets[i + 1]
-            tokens.append(entry.tokens[start:end])
-            logprobs.append(entry.logprobs[start:end])
-            lengths.append(end - start)
-        packed = cls(
-            uids=list(uids),
-            counts=np.asarray(counts, np.int64),
-            offsets=_offsets(np.array(lengths, np.int64)),
-            tokens=np.concatenate(tokens) if tokens else np.empty(0, np.int32),
-            logprobs=np.concatenate(logprobs) if logprobs else np.empty(0, np.float32),
-            rewards=np.array([entry.rewards[i] for entry, i in picks], np.float32),
-            versions=np.array([entry.versions[i] for entry, i in picks], np.int32),
-            sources=np.array([entry.sources[i] for entry, i in picks], np.int8),
-            steps=np.array([entry.steps[i] for entry, i in picks], np.int32),
-        )
-        if prompts is not None:
-            packed.prompt_offsets = _offsets(np.array([len(p) for p in prompts], np.int64))
-            packed.prompts = _flat(prompts, np.int32)
-        return packed
-
-
 def _offsets(lengths: np.ndarray) -> np.ndarray:
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -172,15 +148,13 @@ def _flat(arrays: list, dtype) -> np.ndarray:
 
 
 class QuestionAnswers:
-    """All stored answers of one question, oldest first, in flat arrays."""
+    """All stored answers of one question, oldest first, in flat arrays: how snapshot and
+    pool files hand questions to a shard and take them from it."""
 
     ARRAYS = ("prompt_ids", "tokens", "logprobs", "offsets", "rewards", "versions", "sources", "steps")
     __slots__ = ARRAYS + ("bucket",)
 
     def __init__(self, prompt_ids: np.ndarray):
-        # Always a copy: inside a Ray actor the argument is a read-only view of the whole
-        # call's serialized buffer, and keeping the view would pin all of it (every answer
-        # of the add call) in the object store for as long as the question lives.
         self.prompt_ids = np.array(prompt_ids, dtype=np.int32)
         self.tokens = np.empty(0, dtype=np.int32)
         self.logprobs = np.empty(0, dtype=np.float32)
@@ -195,19 +169,9 @@ class QuestionAnswers:
     def __len__(self) -> int:
         return len(self.rewards)
 
-    def contains(self, response_ids: np.ndarray) -> bool:
-        lengths = np.diff(self.offsets)
-        for i in np.nonzero(lengths == len(response_ids))[0]:
-            if np.array_equal(self.tokens[self.offsets[i] : self.offsets[i + 1]], response_ids):
-                return True
-        return False
-
     def extend_rows(self, batch: PackedAnswers, rows: range | list[int], cap: int) -> int:
         """Append the given answers (rows) of a packed batch, then evict the oldest beyond `cap`
-        (0: no cap).
-
-        Every array is a new one: nothing stored is a view of the batch (which, in a Ray
-        actor, is the call's serialized buffer)."""
+        (0: no cap); returns how many were evicted."""
         if len(rows):
             if isinstance(rows, range):  # one contiguous run of answers: slices, no gather
                 start, end = batch.offsets[rows.start], batch.offsets[rows.stop]
@@ -236,9 +200,178 @@ class QuestionAnswers:
             self.sources, self.steps = self.sources[evict:].copy(), self.steps[evict:].copy()
         return max(0, evict)
 
+
+def _spans(array: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """array[starts[i] : starts[i] + lengths[i]] of every i, one after another.
+
+    Slices joined by one concatenate: about three times faster than a gather by index for
+    answers of hundreds of tokens, and no index array of 8 bytes per token."""
+    if not len(starts):
+        return np.empty(0, array.dtype)
+    return np.concatenate([array[start : start + n] for start, n in zip(starts.tolist(), lengths.tolist())])
+
+
+class AnswerStore:
+    """A shard's answers in flat columns: token ids and log-probs in two arenas, and one row
+    per answer (where its tokens start, how many, reward, version, source, step).
+
+    Rows and tokens are only appended; an evicted or retired answer leaves a hole, and the
+    store is compacted (live rows rewritten in question order) once holes outweigh what
+    is live. Every array is the store's own, never a view of a call's arguments (which,
+    in a Ray actor, are views of the call's whole serialized buffer)."""
+
+    ROW_COLUMNS = {"starts": np.int64, "lengths": np.int64, "rewards": np.float32, "versions": np.int32,
+                   "sources": np.int8, "steps": np.int32}
+    GROWTH = 1.5
+    """Capacity grows by this factor when full: each byte is copied about three times while
+    a shard fills, and unused capacity is address space, not resident memory, until written."""
+    COMPACT_ROWS = 65_536
+    """Rows copied at a time by `compact`: memory holds the new store plus one such part."""
+
+    def __init__(self):
+        self.tokens = np.empty(0, np.int32)
+        self.logprobs = np.empty(0, np.float32)
+        self.columns = {name: np.empty(0, dtype) for name, dtype in self.ROW_COLUMNS.items()}
+        self.used_tokens = 0
+        self.used_rows = 0
+        self.dead_tokens = 0
+        self.dead_rows = 0
+
+    def column(self, name: str, rows: np.ndarray) -> np.ndarray:
+        return self.columns[name][rows]
+
+    @property
+    def live_tokens(self) -> int:
+        return self.used_tokens - self.dead_tokens
+
+    @property
+    def live_rows(self) -> int:
+        return self.used_rows - self.dead_rows
+
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name in self.ARRAYS)
+        """Bytes of the live answers: 8 per token (id, log-prob), 29 per row."""
+        return 8 * self.live_tokens + sum(np.dtype(t).itemsize for t in self.ROW_COLUMNS.values()) * self.live_rows
+
+    def reserve(self, tokens: int, rows: int) -> None:
+        """Room for `tokens` more tokens and `rows` more answers."""
+        def grown(array: np.ndarray, used: int, need: int) -> np.ndarray:
+            if used + need <= len(array):
+                return array
+            bigger = np.empty(max(used + need, int(len(array) * self.GROWTH)), array.dtype)
+            bigger[:used] = array[:used]
+            return bigger
+
+        self.tokens = grown(self.tokens, self.used_tokens, tokens)
+        self.logprobs = grown(self.logprobs, self.used_tokens, tokens)
+        self.columns = {name: grown(array, self.used_rows, rows) for name, array in self.columns.items()}
+
+    def append(self, batch: PackedAnswers, rows: np.ndarray) -> np.ndarray:
+        """Copy the answers `rows` of a packed batch in; returns their row numbers here."""
+        lengths = batch.offsets[rows + 1] - batch.offsets[rows]
+        offsets = _offsets(lengths)
+        self.reserve(int(offsets[-1]), len(rows))
+        span = slice(self.used_tokens, self.used_tokens + int(offsets[-1]))
+        if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
+            source = slice(batch.offsets[rows[0]], batch.offsets[rows[-1] + 1])  # consecutive answers: one slice
+            self.tokens[span], self.logprobs[span] = batch.tokens[source], batch.logprobs[source]
+        else:
+            self.tokens[span] = _spans(batch.tokens, batch.offsets[rows], lengths)
+            self.logprobs[span] = _spans(batch.logprobs, batch.offsets[rows], lengths)
+        new = np.arange(self.used_rows, self.used_rows + len(rows))
+        values = {"starts": self.used_tokens + offsets[:-1], "lengths": lengths, "rewards": batch.rewards[rows],
+                  "versions": batch.versions[rows], "sources": batch.sources[rows], "steps": batch.steps[rows]}
+        for name, array in self.columns.items():
+            array[new] = values[name]
+        self.used_tokens += int(offsets[-1])
+        self.used_rows += len(rows)
+        return new
+
+    def append_question(self, entry: QuestionAnswers) -> np.ndarray:
+        """Copy one question's answers in (a restored snapshot); returns their row numbers."""
+        batch = PackedAnswers(uids=[], counts=np.array([len(entry)], np.int64), offsets=entry.offsets,
+                              tokens=entry.tokens, logprobs=entry.logprobs, rewards=entry.rewards,
+                              versions=entry.versions, sources=entry.sources, steps=entry.steps)
+        return self.append(batch, np.arange(len(entry)))
+
+    def drop(self, rows: np.ndarray) -> None:
+        """Rows no question holds any more (evicted, retired): holes until the next compaction."""
+        self.dead_rows += len(rows)
+        self.dead_tokens += int(self.columns["lengths"][rows].sum())
+
+    def tokens_of(self, row: int) -> np.ndarray:
+        start = self.columns["starts"][row]
+        return self.tokens[start : start + self.columns["lengths"][row]]
+
+    def gather(self, uids: list[str], counts, rows: np.ndarray, prompts: list[np.ndarray] | None = None) -> PackedAnswers:
+        """The answers `rows`, `counts[q]` of them for question `uids[q]` in turn, packed."""
+        starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
+        packed = PackedAnswers(
+            uids=list(uids), counts=np.asarray(counts, np.int64), offsets=_offsets(lengths),
+            tokens=_spans(self.tokens, starts, lengths), logprobs=_spans(self.logprobs, starts, lengths),
+            rewards=self.columns["rewards"][rows],
+            versions=self.columns["versions"][rows], sources=self.columns["sources"][rows],
+            steps=self.columns["steps"][rows],
+        )
+        if prompts is not None:
+            packed.prompt_offsets = _offsets(np.array([len(p) for p in prompts], np.int64))
+            packed.prompts = _flat(prompts, np.int32)
+        return packed
+
+    def compact(self, questions: list[StoredQuestion]) -> None:
+        """Rewrite the live rows, each question's together in the given order, without holes;
+        each question's row numbers change to their new places."""
+        sizes = np.array([len(q.rows) for q in questions], np.int64)
+        rows = np.concatenate([q.rows for q in questions]) if questions else np.empty(0, np.int64)
+        starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
+        offsets = _offsets(lengths)
+        tokens, logprobs = np.empty(offsets[-1], np.int32), np.empty(offsets[-1], np.float32)
+        for first in range(0, len(rows), self.COMPACT_ROWS):
+            part = slice(first, first + self.COMPACT_ROWS)
+            into = slice(offsets[first], offsets[min(first + self.COMPACT_ROWS, len(rows))])
+            tokens[into], logprobs[into] = _spans(self.tokens, starts[part], lengths[part]), _spans(self.logprobs, starts[part], lengths[part])
+        self.tokens, self.logprobs = tokens, logprobs
+        self.columns = {name: array[rows] for name, array in self.columns.items()}
+        self.columns["starts"] = offsets[:-1].copy()
+        self.used_tokens, self.used_rows = int(offsets[-1]), len(rows)
+        self.dead_tokens = self.dead_rows = 0
+        for question, first in zip(questions, _offsets(sizes)[:-1].tolist()):
+            question.rows = np.arange(first, first + len(question.rows))
+
+    def question_view(self, question: StoredQuestion) -> QuestionAnswers:
+        """A question's answers as views of the store (its rows must be consecutive, as after
+        `compact`): what a snapshot reads."""
+        first, count = (int(question.rows[0]), len(question.rows)) if len(question.rows) else (0, 0)
+        rows = slice(first, first + count)
+        starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
+        entry = QuestionAnswers(question.prompt_ids)
+        if count:
+            entry.tokens = self.tokens[starts[0] : starts[-1] + lengths[-1]]
+            entry.logprobs = self.logprobs[starts[0] : starts[-1] + lengths[-1]]
+            entry.offsets = np.append(starts, starts[-1] + lengths[-1]) - starts[0]
+        entry.rewards, entry.versions = self.columns["rewards"][rows], self.columns["versions"][rows]
+        entry.sources, entry.steps = self.columns["sources"][rows], self.columns["steps"][rows]
+        entry.bucket = question.bucket
+        return entry
+
+
+class StoredQuestion:
+    """One question in a shard: its prompt, its bucket, and its answers' rows in the store."""
+
+    __slots__ = ("prompt_ids", "rows", "bucket")
+
+    def __init__(self, prompt_ids: np.ndarray, bucket: int = -1):
+        # Always a copy: inside a Ray actor the argument is a read-only view of the whole
+        # call's serialized buffer, and keeping the view would pin all of it (every answer
+        # of the add call) in the object store for as long as the question lives.
+        self.prompt_ids = np.array(prompt_ids, dtype=np.int32)
+        self.rows = np.empty(0, np.int64)
+        """Row numbers of its answers in the shard's `AnswerStore`, oldest first."""
+        self.bucket = bucket
+        """Latest count of correct answers out of K (ExGRPO); -1 until set."""
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 class ReplayShard:
@@ -247,12 +380,20 @@ class ReplayShard:
     def __init__(self, max_answers_per_question: int, seed: int = 0):
         self.cap = max_answers_per_question
         """Stored answers kept per question, the oldest evicted beyond it; 0: no cap."""
-        self.questions: dict[str, QuestionAnswers] = {}
+        self.store = AnswerStore()
+        self.questions: dict[str, StoredQuestion] = {}
         self.retired: set[str] = set()
         self.rng = random.Random(seed)
         self.evicted = 0
+        self.in_id_order = True
+        """Whether each question's answers lie together in the store, questions in id order
+        (after a compaction, until the next write): what `export` needs."""
 
     # ------------------------------------------------------------------ writes
+
+    def _holds(self, entry: StoredQuestion, ids: np.ndarray) -> bool:
+        lengths = self.store.column("lengths", entry.rows)
+        return any(np.array_equal(self.store.tokens_of(row), ids) for row in entry.rows[lengths == len(ids)].tolist())
 
     def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
         """Store answers packed with their prompts; returns how many were stored.
@@ -260,27 +401,47 @@ class ReplayShard:
         Retired questions take nothing. With `dedup`, an answer whose token ids are already
         stored under its question is skipped.
         """
-        stored, first = 0, 0
+        taken: list[tuple[str, int, np.ndarray]] = []  # (question, its index in the batch, rows of the batch)
+        first = 0
         for q, (uid, count) in enumerate(zip(batch.uids, batch.counts.tolist())):
-            rows, first = range(first, first + count), first + count
-            if uid in self.retired:
+            rows, first = np.arange(first, first + count), first + count
+            if uid in self.retired or not count:
                 continue
-            entry = self.questions.get(uid)
-            if entry is None:
-                entry = self.questions[uid] = QuestionAnswers(batch.prompt(q))
             if dedup:
-                fresh, seen = [], []
-                for i in rows:
+                entry, fresh, seen = self.questions.get(uid), [], []
+                for i in rows.tolist():
                     ids = batch.tokens[batch.offsets[i] : batch.offsets[i + 1]]
-                    if not entry.contains(ids) and not any(np.array_equal(ids, s) for s in seen):
+                    if (entry is None or not self._holds(entry, ids)) and not any(np.array_equal(ids, s) for s in seen):
                         fresh.append(i)
                         seen.append(ids)
-                rows = fresh if len(fresh) < len(rows) else rows
-            self.evicted += entry.extend_rows(batch, rows, self.cap)
-            stored += len(rows)
-            if len(entry) == 0:
-                del self.questions[uid]
-        return stored
+                rows = np.array(fresh, np.int64)
+            if len(rows):
+                taken.append((uid, q, rows))
+        if not taken:
+            return 0
+        sizes = np.array([len(rows) for _, _, rows in taken], np.int64)
+        stored_rows = self.store.append(batch, np.concatenate([rows for _, _, rows in taken]))
+        for (uid, q, _), first, count in zip(taken, _offsets(sizes)[:-1].tolist(), sizes.tolist()):
+            entry = self.questions.get(uid)
+            if entry is None:
+                entry = self.questions[uid] = StoredQuestion(batch.prompt(q))
+            entry.rows = np.concatenate([entry.rows, stored_rows[first : first + count]])
+            evict = len(entry) - self.cap if self.cap else 0
+            if evict > 0:
+                self.store.drop(entry.rows[:evict])
+                entry.rows = entry.rows[evict:]
+                self.evicted += evict
+        self.in_id_order = False
+        self._compact_if_holey()
+        return int(sizes.sum())
+
+    def _compact(self) -> None:
+        self.store.compact([self.questions[uid] for uid in sorted(self.questions)])
+        self.in_id_order = True
+
+    def _compact_if_holey(self) -> None:
+        if self.store.dead_tokens > self.store.live_tokens or self.store.dead_rows > self.store.live_rows:
+            self._compact()
 
     def set_buckets(self, counts: dict[str, int]) -> None:
         """Record each question's latest number of correct answers (its ExGRPO bucket)."""
@@ -292,8 +453,12 @@ class ReplayShard:
         """Remove questions forever: their answers go, and later adds are refused."""
         removed = 0
         for uid in uids:
-            removed += self.questions.pop(uid, None) is not None
+            entry = self.questions.pop(uid, None)
+            if entry is not None:
+                self.store.drop(entry.rows)
+                removed += 1
             self.retired.add(uid)
+        self._compact_if_holey()
         return removed
 
     def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
@@ -305,6 +470,11 @@ class ReplayShard:
 
     # ------------------------------------------------------------------ reads
 
+    def _rows(self, entries: list[StoredQuestion | None]) -> np.ndarray:
+        """The rows of every given question, one question after another."""
+        held = [entry.rows for entry in entries if entry is not None]
+        return np.concatenate(held) if held else np.empty(0, np.int64)
+
     def sample_packed(self, uids: list[str], wanted, seed: int | None = None) -> PackedAnswers:
         """Up to `wanted[q]` stored answers of question `uids[q]`, uniformly without
         replacement (what it has when a question has fewer: never placeholders), packed.
@@ -313,7 +483,7 @@ class ReplayShard:
         faster than a list of (id, count) tuples."""
         rng = np.random.default_rng(seed if seed is not None else self.rng.getrandbits(63))
         entries = [self.questions.get(uid) for uid in uids]
-        sizes = np.array([0 if entry is None else len(entry) for entry in entries], np.int64)
+        sizes = np.array([0 if entry is None else len(entry.rows) for entry in entries], np.int64)
         counts = np.minimum(np.maximum(np.asarray(wanted, np.int64).reshape(-1), 0), sizes)
         # Uniform without replacement, all questions at once: order each question's answers
         # by random keys in [0, 1) (sorting q + key keeps the questions apart, in order) and
@@ -322,9 +492,7 @@ class ReplayShard:
         order = np.argsort(question + rng.random(len(question)))
         starts = _offsets(sizes)
         keep = np.arange(len(question)) - starts[question] < counts[question]
-        kept = question[keep]
-        picks = [(entries[q], i) for q, i in zip(kept.tolist(), (order[keep] - starts[kept]).tolist())]
-        return PackedAnswers.gather(uids, counts, picks)
+        return self.store.gather(uids, counts, self._rows(entries)[order[keep]])
 
     def stored_answers(self, uids: list[str]) -> tuple[list[tuple[str, int]], PackedAnswers]:
         """((question id, answer count) of those held here, in order; all their answers packed
@@ -332,14 +500,14 @@ class ReplayShard:
         the answers on by reference (`.options(num_returns=2)`)."""
         present = [uid for uid in dict.fromkeys(uids) if uid in self.questions]
         entries = [self.questions[uid] for uid in present]
-        picks = [(entry, i) for entry in entries for i in range(len(entry))]
-        packed = PackedAnswers.gather(present, [len(e) for e in entries], picks, prompts=[e.prompt_ids for e in entries])
+        packed = self.store.gather(present, [len(e) for e in entries], self._rows(entries),
+                                   prompts=[e.prompt_ids for e in entries])
         return [(uid, len(entry)) for uid, entry in zip(present, entries)], packed
 
     def answers_at(self, uids: list[str], positions: list[int]) -> PackedAnswers:
         """Answer `positions[q]` (oldest first) of question `uids[q]`, packed."""
-        entries = [self.questions[uid] for uid in uids]
-        return PackedAnswers.gather(uids, [1] * len(uids), list(zip(entries, positions)))
+        rows = np.array([self.questions[uid].rows[i] for uid, i in zip(uids, positions)], np.int64)
+        return self.store.gather(uids, [1] * len(uids), rows)
 
     def bucket_sizes(self, exclude: list[str] = ()) -> dict[int, int]:
         """Questions per bucket (those in `exclude` not counted)."""
@@ -367,17 +535,19 @@ class ReplayShard:
         return chosen
 
     def stats(self, now_step: int | None = None) -> dict:
-        answers = sum(len(e) for e in self.questions.values())
+        """Counts; `bytes`: the live answers' arrays (8 bytes per token, 29 per answer) plus
+        each question's prompt and row numbers (holes left by evictions not counted)."""
+        answers = self.store.live_rows
         stats = {
             "questions": len(self.questions),
             "answers": answers,
             "retired": len(self.retired),
             "evicted": self.evicted,
-            "bytes": sum(e.nbytes for e in self.questions.values()),
+            "bytes": self.store.nbytes + sum(e.prompt_ids.nbytes + e.rows.nbytes for e in self.questions.values()),
             "buckets": self.bucket_sizes(),
         }
         if now_step is not None and answers:
-            ages = np.concatenate([now_step - e.steps for e in self.questions.values()])
+            ages = now_step - self.store.column("steps", self._rows(list(self.questions.values())))
             stats["age_mean"], stats["age_max"] = float(ages.mean()), int(ages.max())
         return stats
 
@@ -388,25 +558,31 @@ class ReplayShard:
     # ------------------------------------------------------------------ snapshot
 
     def export(self) -> dict:
-        """Everything, as plain arrays in a stable order (question id, then age)."""
+        """Everything, as plain arrays in a stable order (question id, then age).
+
+        The store is compacted in that order first, so that each question's answers are
+        consecutive and go out as views, not copies."""
+        if not self.in_id_order:
+            self._compact()
         uids = sorted(self.questions)
         return {
-            "questions": [(uid, self.questions[uid]) for uid in uids],
+            "questions": [(uid, self.store.question_view(self.questions[uid])) for uid in uids],
             "retired": sorted(self.retired),
             "evicted": self.evicted,
         }
 
     def restore(self, questions: list[tuple[str, QuestionAnswers]], retired: list[str], evicted: int) -> None:
-        # Arrays that arrive through Ray are read-only views of the call's serialized buffer
-        # (all of the restored content): copy them, so that the buffer can be freed.
-        for _, entry in questions:
-            for name in QuestionAnswers.ARRAYS:
-                array = getattr(entry, name)
-                if array.base is not None:
-                    setattr(entry, name, array.copy())
-        self.questions = dict(questions)
+        # Copied into a new store: arrays that arrive through Ray are read-only views of the
+        # call's serialized buffer (all of the restored content), which can then be freed.
+        self.store = AnswerStore()
+        self.store.reserve(sum(len(entry.tokens) for _, entry in questions), sum(len(entry) for _, entry in questions))
+        self.questions = {}
+        for uid, entry in questions:
+            stored = self.questions[uid] = StoredQuestion(entry.prompt_ids, entry.bucket)
+            stored.rows = self.store.append_question(entry)
         self.retired = set(retired)
         self.evicted = evicted
+        self.in_id_order = [uid for uid, _ in questions] == sorted(uid for uid, _ in questions)
 
 
 # The class stays plain (importable by name) so Ray pickles its methods by reference.

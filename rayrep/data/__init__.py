@@ -19,7 +19,8 @@ def load_split(data: DataConfig, split: Literal["train", "test"]) -> list[Prompt
         from rayrep.data.arithmetic import arithmetic_prompts
 
         return arithmetic_prompts(
-            split, data.arithmetic_train_size, data.arithmetic_test_size, data.arithmetic_seed, data.arithmetic_levels
+            split, data.arithmetic_train_size, data.arithmetic_test_size, data.arithmetic_seed, data.arithmetic_levels,
+            data.arithmetic_test_reserve,
         )
     from rayrep.data.loaders import PromptFileError, load_prompts
 

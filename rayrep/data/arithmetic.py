@@ -53,6 +53,10 @@ LEVELS: dict[str, Level] = {
         Level("add3", operands=2, min_digits=2, max_digits=3, ops="+"),
         Level("mul1", operands=2, min_digits=1, max_digits=1, ops="*"),
         Level("mix4", operands=4, min_digits=1, max_digits=2, ops="+-"),
+        # Harder levels (the tiny-cpu-hard preset): more digits, so more carries and borrows.
+        Level("sub3", operands=2, min_digits=2, max_digits=3, ops="-"),
+        Level("add4", operands=2, min_digits=3, max_digits=4, ops="+"),
+        Level("mix5", operands=5, min_digits=1, max_digits=2, ops="+-"),
     )
 }
 DEFAULT_LEVELS = ("add2", "sub2", "mix3")
@@ -129,8 +133,10 @@ def resolve_levels(names) -> list[Level]:
 
 
 TEST_RESERVE = 1000
-"""The first this-many problems of the stream are kept for test splits: a train split never
-includes them, so the train split does not depend on the test size (up to this many)."""
+"""By default, the first this-many problems of the stream are kept for test splits: a train
+split never includes them, so the train split does not depend on the test size (up to
+this many). `data.arithmetic_test_reserve` changes it (a larger test set needs a larger
+reserve, and the tiny policy is then warm-started past it)."""
 
 
 def problem_stream(seed: int = 0, levels=DEFAULT_LEVELS):
@@ -157,17 +163,17 @@ def problem_stream(seed: int = 0, levels=DEFAULT_LEVELS):
 
 
 def make_splits(
-    num_train: int, num_test: int, seed: int = 0, levels=DEFAULT_LEVELS
+    num_train: int, num_test: int, seed: int = 0, levels=DEFAULT_LEVELS, reserve: int = TEST_RESERVE
 ) -> tuple[list[Problem], list[Problem]]:
     """Deterministic, disjoint train and test problems, levels mixed evenly.
 
     Both are prefixes of fixed sequences: the test split is the start of the problem
-    stream, the train split the part after `TEST_RESERVE` (or after the test split, if
+    stream, the train split the part after `reserve` problems (or after the test split, if
     larger). So a smaller split is part of a larger one, growing either never changes the
-    other, and the embedded tiny policy (warm-started on a train split) never saw a test
-    problem of any test split up to `TEST_RESERVE` problems.
+    other, and the embedded tiny policy (warm-started on a train split of the same
+    reserve) never saw a test problem of any test split up to `reserve` problems.
     """
-    train_start = max(num_test, TEST_RESERVE)
+    train_start = max(num_test, reserve)
     problems = list(itertools.islice(problem_stream(seed, levels), train_start + num_train))
     if len(problems) < train_start + num_train:
         raise ValueError(
@@ -178,8 +184,8 @@ def make_splits(
 
 
 def arithmetic_prompts(
-    split: str, num_train: int, num_test: int, seed: int = 0, levels=DEFAULT_LEVELS
+    split: str, num_train: int, num_test: int, seed: int = 0, levels=DEFAULT_LEVELS, reserve: int = TEST_RESERVE
 ) -> list[Prompt]:
-    train, test = make_splits(num_train, num_test, seed, levels)
+    train, test = make_splits(num_train, num_test, seed, levels, reserve)
     problems = {"train": train, "test": test}[split]
     return [p.to_prompt(split, i) for i, p in enumerate(problems)]

@@ -25,6 +25,7 @@ def tiny_spec(cfg: Config):
         levels=cfg.data.arithmetic_levels,
         num_train=cfg.model.tiny_warm_start_problems,
         task_seed=cfg.data.arithmetic_seed,
+        test_reserve=cfg.data.arithmetic_test_reserve,
         warm_start_steps=cfg.model.tiny_warm_start_steps,
         warm_start_slips=cfg.model.tiny_warm_start_slips,
         warm_start_slip_steps=cfg.model.tiny_warm_start_slip_steps,
@@ -35,10 +36,13 @@ def resolve_policy(cfg: Config, log=print) -> str:
     """Path (or hub id) of the base policy; builds the tiny policy on first use."""
     if cfg.model.path != "tiny":
         return cfg.model.path
-    from rayrep.models.tiny import ensure_tiny_policy
+    from rayrep.models.tiny import build_info, ensure_tiny_policy
 
     cache = Path(cfg.model.cache_dir) if cfg.model.cache_dir else None
-    return str(ensure_tiny_policy(tiny_spec(cfg), cache, log=log))
+    path = ensure_tiny_policy(tiny_spec(cfg), cache, log=log)
+    # Figures are comparable only between runs of the same base weights: say which.
+    log(f"policy: the embedded tiny policy {path.name}, weights sha256 {build_info(path)['weights_sha256'][:16]}")
+    return str(path)
 
 
 def config_overrides(cfg: Config, model_path: str) -> dict:

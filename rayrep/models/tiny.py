@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rayrep.data.arithmetic import DEFAULT_LEVELS, make_splits
+from rayrep.data.arithmetic import DEFAULT_LEVELS, TEST_RESERVE, make_splits
 from rayrep.models.tokenizer import build_char_tokenizer
 
 # Bump when the build recipe changes in a way the spec does not capture.
@@ -49,6 +49,8 @@ class TinyPolicySpec:
     levels: tuple[str, ...] = DEFAULT_LEVELS
     num_train: int = 20000
     task_seed: int = 0
+    test_reserve: int = TEST_RESERVE
+    """The task's problems kept for test splits: the warm start uses those after them."""
     warm_start_steps: int = 1100
     warm_start_batch: int = 64
     warm_start_lr: float = 3e-3
@@ -59,7 +61,10 @@ class TinyPolicySpec:
     seed: int = 0
 
     def cache_key(self) -> str:
-        blob = json.dumps({"recipe": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if fields["test_reserve"] == TEST_RESERVE:  # a later field: the default keeps earlier builds' keys
+            del fields["test_reserve"]
+        blob = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -99,7 +104,7 @@ SLIPS = (-10, -2, -1, 1, 2, 10)
 
 def _warm_start_prompts(spec: TinyPolicySpec, tokenizer) -> list[tuple[list[int], object]]:
     """(prompt token ids, problem) for each train problem."""
-    train, _ = make_splits(spec.num_train, 0, spec.task_seed, spec.levels)
+    train, _ = make_splits(spec.num_train, 0, spec.task_seed, spec.levels, spec.test_reserve)
     return [
         (
             tokenizer.apply_chat_template(
@@ -183,12 +188,42 @@ def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
     stats = {
         "spec": asdict(spec),
         "cache_key": spec.cache_key(),
+        "weights_sha256": weights_sha256(out_dir),
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_loss": float(loss.item()),
         "build_seconds": round(time.monotonic() - start, 1),
     }
     (out_dir / "rayrep_build.json").write_text(json.dumps(stats, indent=2))
     return stats
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """SHA-256 of a checkpoint's tensors (each one's name, dtype, shape and bytes, in name
+    order): equal exactly when the weights are, whatever the file's layout. Two builds of
+    the tiny policy with the same spec on different CPU models can differ (see the README)."""
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as weights:
+        for name in sorted(weights.keys()):
+            tensor = weights.get_tensor(name).contiguous()
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def build_info(model_dir: Path) -> dict:
+    """The build file of a tiny policy; the weight hash is added (and saved) for a policy
+    built before builds recorded it."""
+    path = Path(model_dir) / "rayrep_build.json"
+    info = json.loads(path.read_text())
+    if "weights_sha256" not in info:
+        info["weights_sha256"] = weights_sha256(model_dir)
+        fd, temp = tempfile.mkstemp(prefix=path.name + ".", dir=model_dir)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(info, indent=2))
+        os.replace(temp, path)
+    return info
 
 
 def ensure_tiny_policy(spec: TinyPolicySpec = TinyPolicySpec(), cache_dir: Path | None = None, log=print) -> Path:
