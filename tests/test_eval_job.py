@@ -5,6 +5,7 @@ the tiny policy with a prompt file of two benchmarks."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -221,6 +222,8 @@ BY_HAND = {
     "math/maj@2": 1 / 3,  # m1 right only
     "math/questions": 3,
     "pass@1": 0.45,  # pooled over questions: (2/4 + 2/2 + 1/4 + 1/2 + 0) / 5
+    # its standard error: squared deviations .0025 + .3025 + .04 + .0025 + .2025 = .55, / (5 - 1) / 5
+    "pass@1_se": math.sqrt(0.55 / 4 / 5),
     "mean_pass@1": 0.4375,  # benchmarks weigh the same: (0.375 + 0.5) / 2
     "mean_maj@k": 5 / 12,  # (1/2 + 1/3) / 2
     "questions": 5,

@@ -81,6 +81,26 @@ def test_the_build_file_records_the_weights_hash(small_build, tmp_path):
     assert json.loads((changed / "rayrep_build.json").read_text())["weights_sha256"] == weights_sha256(changed)
 
 
+def cpu_has_avx2() -> bool:
+    with open("/proc/cpuinfo") as info:
+        return " avx2" in info.read()
+
+
+@pytest.mark.skipif(not cpu_has_avx2(), reason="the portable kernels are AVX2 ones")
+def test_the_build_pins_its_kernels_so_that_cpu_models_agree(small_build, tmp_path):
+    """The build runs with AVX2 kernels whatever the CPU offers; MKL told to use only AVX2
+    instructions (what a CPU without AVX-512 gives it) builds the very same weights."""
+    from rayrep.models.tiny import build_with_portable_kernels
+
+    spec, _, path = small_build
+    recorded = json.loads((path / "rayrep_build.json").read_text())
+    assert recorded["cpu_capability"] == "AVX2" and recorded["torch"] == torch.__version__
+    other = tmp_path / "avx2-only"
+    other.mkdir()
+    stats = build_with_portable_kernels(spec, other, log=lambda _: None, env={"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    assert stats["weights_sha256"] == recorded["weights_sha256"]
+
+
 def test_cache_key_tracks_every_field():
     base = TinyPolicySpec()
     assert base.cache_key() == TinyPolicySpec().cache_key()

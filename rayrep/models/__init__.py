@@ -41,7 +41,12 @@ def resolve_policy(cfg: Config, log=print) -> str:
     cache = Path(cfg.model.cache_dir) if cfg.model.cache_dir else None
     path = ensure_tiny_policy(tiny_spec(cfg), cache, log=log)
     # Figures are comparable only between runs of the same base weights: say which.
-    log(f"policy: the embedded tiny policy {path.name}, weights sha256 {build_info(path)['weights_sha256'][:16]}")
+    info = build_info(path)
+    built_with = f"torch {info['torch']}, {info['cpu_capability']} kernels" if "torch" in info else "an earlier recipe"
+    log(f"policy: the embedded tiny policy {path.name}, weights sha256 {info['weights_sha256'][:16]} ({built_with})")
+    if info.get("cpu_capability") not in (None, "AVX2"):
+        log(f"note: this CPU built the tiny policy with {info['cpu_capability']} kernels, not AVX2: its weights differ "
+            f"from those AVX2 machines build, and so do the figures of its runs")
     return str(path)
 
 
