@@ -49,7 +49,7 @@ class DataConfig:
     arithmetic_train_size: int = option(20000, "train questions of the embedded task", min=1)
     arithmetic_test_size: int = option(500, "test questions of the embedded task", min=1)
     arithmetic_seed: int = option(0, "seed of the embedded task's splits (defines the task itself, not a run: left out of run.seed)")
-    arithmetic_test_reserve: int = option(1000, "problems at the start of the embedded task's sequence kept for test splits (the largest test split; the tiny policy is warm-started past them)", min=1)
+    arithmetic_test_reserve: int = option(2000, "problems at the start of the embedded task's sequence kept for test splits (the largest test split; the tiny policy is warm-started past them)", min=1)
     max_prompt_tokens: int = option(1024, "prompts longer than this are rejected when the prompt set is loaded", min=1)
     shuffle_seed: int = option(-1, "seed of the order in which training questions are visited; -1: derived from run.seed", min=-1)
 
@@ -114,6 +114,8 @@ class RLEPConfig:
     collect_top_p: float = option(0.95, "nucleus sampling when building the pool", min=0.0, max=1.0)
     min_successes: int = option(2, "questions with fewer verified successes are left out of the pool", min=1)
     collect_questions: int = option(0, "pool only the first this-many training questions the run's sampler visits (0: all)", min=0)
+    replay_if_at_most: int = option(-1, "adaptive replay: a question's stored successes join its group only when at most this many of its G fresh answers are correct (-1: always, the paper)", min=-1)
+    grow_pool: bool = option(False, "add each step's verified fresh successes to the pool (deduplicated; replay.max_answers_per_question caps it), so that it keeps up with the policy; off: the paper's fixed pool")
 
 
 @dataclass

@@ -158,6 +158,102 @@ def compare_runs(baseline: list[dict], other: list[dict], metric: str = "test_pa
     }
 
 
+# ---------------------------------------------------------------- seeded studies
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and its standard error (sample standard deviation / sqrt(n)); an SE of NaN
+    for one value (one seed says nothing about the spread)."""
+    if not values:
+        raise ValueError("mean_and_se of no values")
+    n = len(values)
+    mean = sum(values) / n
+    if n == 1:
+        return mean, math.nan
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def first_step_reaching(points: Sequence[tuple[int, float]], level: float) -> int | None:
+    """The first step whose value is at least `level`; None if none is."""
+    return next((step for step, value in points if value >= level), None)
+
+
+def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseline", metric: str = "test_pass@1") -> dict:
+    """Per arm, over its seeds' eval curves (`curves[arm][i]`: seed i's records):
+
+    - `peak`, `final`: mean and standard error over seeds of each seed's peak and final value;
+    - `reaches`: the first step at which each seed reaches the baseline's mean peak (None:
+      never), and the mean and standard error over the seeds that do;
+    - `eval_se`: the mean standard error of one evaluation (`<metric>_se`, where logged).
+    The baseline arm's mean peak is the level every arm is measured against."""
+    if baseline not in curves or not curves[baseline]:
+        raise ValueError(f"the study has no finished {baseline!r} run to compare with")
+    points = {arm: [series(run, metric) for run in runs] for arm, runs in curves.items()}
+    for arm, runs in points.items():
+        if any(not run for run in runs):
+            raise ValueError(f"arm {arm!r}: a run without any {metric} evaluation")
+    level = mean_and_se([max(v for _, v in run) for run in points[baseline]])[0]
+    summary = {"metric": metric, "baseline": baseline, "baseline_mean_peak": level, "arms": {}}
+    for arm, runs in points.items():
+        reaches = [first_step_reaching(run, level) for run in runs]
+        reached = [step for step in reaches if step is not None]
+        errors = [r[f"{metric}_se"] for run in curves[arm] for r in run if isinstance(r.get(f"{metric}_se"), (int, float))]
+        summary["arms"][arm] = {
+            "seeds": len(runs),
+            "peak": mean_and_se([max(v for _, v in run) for run in runs]),
+            "final": mean_and_se([run[-1][1] for run in runs]),
+            "reaches": reaches,
+            "reach_step": mean_and_se(reached) if reached else (None, None),
+            "eval_se": sum(errors) / len(errors) if errors else None,
+        }
+    return summary
+
+
+def study_table(summary: dict) -> str:
+    """The study summary as a text table (percentages; mean +/- standard error over seeds)."""
+
+    def pm(pair, scale=100.0, digits=1) -> str:
+        mean, se = pair
+        if mean is None:
+            return "-"
+        return f"{scale * mean:.{digits}f}" + ("" if math.isnan(se) else f" +/- {scale * se:.{digits}f}")
+
+    lines = [f"{'arm':<18}{'seeds':>6}{'peak %':>16}{'final %':>16}"
+             f"{'reaches baseline peak at step':>32}{'one eval SE':>13}"]
+    for arm, row in summary["arms"].items():
+        reached = sum(step is not None for step in row["reaches"])
+        steps = f"{pm(row['reach_step'], 1.0, 0)} ({reached}/{row['seeds']})"
+        error = "-" if row["eval_se"] is None else f"{100 * row['eval_se']:.2f}"
+        lines.append(f"{arm:<18}{row['seeds']:>6}{pm(row['peak']):>16}{pm(row['final']):>16}{steps:>32}{error:>13}")
+    lines.append(f"baseline mean peak: {100 * summary['baseline_mean_peak']:.1f}% ({summary['metric']})")
+    return "\n".join(lines)
+
+
+def plot_study(curves: dict[str, list[list[dict]]], path: str | Path, metric: str = "test_pass@1", title: str = "") -> Path:
+    """A PNG of each arm's mean curve over seeds with a band of +/- one standard error (at
+    the steps every seed of the arm evaluated)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    for arm, runs in curves.items():
+        by_step: dict[int, list[float]] = {}
+        for run in runs:
+            for step, value in series(run, metric):
+                by_step.setdefault(step, []).append(value)
+        steps = [step for step in sorted(by_step) if len(by_step[step]) == len(runs)]
+        stats = [mean_and_se(by_step[step]) for step in steps]
+        means = [100 * m for m, _ in stats]
+        errors = [0.0 if math.isnan(se) else 100 * se for _, se in stats]
+        line = ax.plot(steps, means, marker="o", markersize=3, label=f"{arm} ({len(runs)} seeds)")[0]
+        ax.fill_between(steps, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
+                        color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"{metric.removeprefix('test_')} on the test set (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
 def plot_curves(curves: dict[str, list[dict]], path: str | Path, metric: str = "test_pass@1", title: str = "") -> Path:
     """A PNG of `metric` against step, one line per run."""
     plt = pyplot()

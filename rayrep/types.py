@@ -108,6 +108,9 @@ class StepPlan:
     """Question id -> stored answers that join its group after generation (RLEP, ExGRPO)."""
     metrics: Mapping[str, float] = field(default_factory=dict)
     """What planning measured (e.g. the time and result of ExGRPO's entropy selection)."""
+    replay_if_at_most: int | None = None
+    """Adaptive replay: a question's stored answers join its group only when at most this
+    many of its fresh rollouts are correct (the group needs them); None: always."""
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -115,10 +118,13 @@ class StepPlan:
 
     def complete(self, fresh: Sequence[Group]) -> list[Group]:
         """The planned groups: each question's fresh rollouts (`fresh`, in request order)
-        followed by the stored answers planned for it."""
+        followed by the stored answers planned for it (with `replay_if_at_most`, only where
+        the fresh ones have at most that many correct)."""
         if [g.prompt.uid for g in fresh] != [p.uid for p, _ in self.requests]:
             raise ValueError("fresh groups do not match the plan's questions")
-        return [group.with_replays(self.replays.get(group.prompt.uid, ())) for group in fresh]
+        limit = self.replay_if_at_most
+        return [group if limit is not None and sum(group.correct) > limit
+                else group.with_replays(self.replays.get(group.prompt.uid, ())) for group in fresh]
 
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

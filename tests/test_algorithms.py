@@ -213,6 +213,53 @@ def test_rlep_rejects_pools_that_do_not_match(pool_file, tmp_path):
         RLEP(base_cfg(**{"algorithm.rlep.pool": str(nan_pool), "algorithm.rlep.old_logprobs": "recorded"}), {"q1": PROMPT_IDS})
 
 
+def test_adaptive_replay_adds_stored_successes_only_to_groups_that_need_them(pool_file):
+    """replay_if_at_most 1: q2's stored successes join its group when at most 1 of its 4
+    fresh answers is right, and not when 2 are."""
+    for right, replayed in ((0, 2), (1, 2), (2, 0), (4, 0)):
+        algo = rlep(pool_file, **{"algorithm.rlep.replay_if_at_most": 1})
+        plan = algo.plan(sampler_of([prompt("q2")]), 1)
+        assert len(plan.replays["q2"]) == 2 and plan.replay_if_at_most == 1  # drawn before generation
+        (group,) = roll_out(plan, lambda uid, n: [True] * right + [False] * (n - right))
+        assert (group.size, sum(group.replayed)) == (4 + replayed, replayed)
+        step = algo.build([group])
+        assert step.batch.replay_mask.sum() == replayed and len(step.batch.prompt_index) == 4 + replayed
+    always = rlep(pool_file)
+    assert always.plan(sampler_of([prompt("q2")]), 1).replay_if_at_most is None  # the paper: always
+
+
+def test_importance_corrected_replay_trains_replays_against_their_recorded_log_probs(pool_file):
+    """learner.behaviour_cap: every row's old log-probs are recomputed (the proximal policy) and
+    the recorded ones travel in the batch as the behaviour policy's, replays included."""
+    algo = rlep(pool_file, **{"learner.behaviour_cap": 2.0})
+    assert algo.loss.behaviour_cap == 2.0
+    step = algo.build(roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1)))
+    batch = step.batch
+    assert batch.replay_mask.tolist() == [False] * 4 + [True] * 2
+    for row in range(6):
+        recorded = -0.25 if batch.replay_mask[row] else -0.5  # the pool's, or the fresh rollouts'
+        response = batch.response_mask[row]
+        assert response.sum() == 2 and batch.old_logprobs[row][response].tolist() == [recorded] * 2
+    assert step.loss.behaviour_cap == 2.0
+
+
+def test_a_growing_pool_takes_each_steps_fresh_successes_once(pool_file):
+    algo = rlep(pool_file, **{"algorithm.rlep.grow_pool": True})
+    sampler = sampler_of([prompt("q0")])
+    plan = algo.plan(sampler, 1)
+    assert plan.replays == {}  # q0 has nothing stored
+    step = algo.build(roll_out(plan, lambda uid, n: [True, True] + [False] * (n - 2)))
+    metrics = algo.after_update(1, step)
+    assert metrics["pool_stored"] == 2 and metrics["pool_questions"] == 3  # q1, q2 from the file, q0 now
+    drawn = algo.plan(sampler, 1).replays["q0"]
+    assert sorted(r.response_ids for r in drawn) == [[100, 0], [101, 0]] and all(r.version == 0 for r in drawn)
+    # The same successes again, and the replayed ones: nothing new is stored.
+    again = algo.build(roll_out(algo.plan(sampler, 1), lambda uid, n: [True, True] + [False] * (n - 2)))
+    assert sum(again.groups[0].replayed) == 2 and algo.after_update(2, again)["pool_stored"] == 0
+    fixed = rlep(pool_file)  # the paper's pool does not grow
+    assert fixed.after_update(1, fixed.build(roll_out(fixed.plan(sampler, 1), lambda uid, n: [True] * n))) == {}
+
+
 # ---------------------------------------------------------------------- ExGRPO
 
 

@@ -216,3 +216,84 @@ def test_comparison_plot_still_draws(tmp_path):
     evals = [{"step": 0, "test_pass@1": 0.26}, {"step": 10, "test_pass@1": 0.34}]
     path = plot_curves({"baseline": evals, "rlep": evals[:1]}, tmp_path / "cmp" / "comparison.png", title="t")
     assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+# ---------------------------------------------------------------------- seeded studies
+
+
+def curve(values, se=0.01, every=10):
+    return [{"step": every * i, "test_pass@1": v, "test_pass@1_se": se} for i, v in enumerate(values)]
+
+
+def test_mean_and_standard_error_by_hand():
+    from rayrep.metrics import mean_and_se
+
+    mean, se = mean_and_se([1.0, 2.0, 3.0, 4.0])
+    # deviations -1.5, -0.5, 0.5, 1.5: squares sum to 5; sample variance 5/3; SE sqrt(5/3/4)
+    assert mean == 2.5 and se == pytest.approx((5 / 3 / 4) ** 0.5)
+    one = mean_and_se([0.7])
+    assert one[0] == 0.7 and one[1] != one[1]  # NaN: one seed has no spread
+    with pytest.raises(ValueError):
+        mean_and_se([])
+
+
+def test_study_summary_of_made_up_curves():
+    from rayrep.metrics import first_step_reaching, study_table, summarize_study
+
+    assert first_step_reaching([(0, 0.1), (10, 0.3), (20, 0.5)], 0.3) == 10
+    assert first_step_reaching([(0, 0.1)], 0.3) is None
+    curves = {
+        # peaks 0.30, 0.32, 0.34: the level is their mean, 0.32
+        "baseline": [curve([0.2, 0.30, 0.28]), curve([0.2, 0.25, 0.32]), curve([0.2, 0.34, 0.31])],
+        # reaches 0.32 at step 10, at step 20, never
+        "rlep": [curve([0.2, 0.33, 0.35], se=0.02), curve([0.2, 0.30, 0.32], se=0.02), curve([0.2, 0.25, 0.31], se=0.02)],
+    }
+    summary = summarize_study(curves)
+    assert summary["baseline_mean_peak"] == pytest.approx(0.32)
+    base, rlep = summary["arms"]["baseline"], summary["arms"]["rlep"]
+    assert base["peak"][0] == pytest.approx(0.32) and base["peak"][1] == pytest.approx(0.02 / 3 ** 0.5)
+    assert base["final"][0] == pytest.approx((0.28 + 0.32 + 0.31) / 3)
+    assert base["reaches"] == [None, 20, 10]  # the baseline's own seeds against its mean peak
+    assert rlep["reaches"] == [10, 20, None]
+    assert rlep["reach_step"][0] == pytest.approx(15) and rlep["reach_step"][1] == pytest.approx(5)  # sd 7.07 / sqrt 2
+    assert rlep["peak"][0] == pytest.approx((0.35 + 0.32 + 0.31) / 3) and rlep["eval_se"] == pytest.approx(0.02)
+    table = study_table(summary)
+    assert "rlep" in table and "15 +/- 5 (2/3)" in table and "32.7 +/- " in table and "baseline mean peak: 32.0%" in table
+    with pytest.raises(ValueError, match="no finished 'baseline' run"):
+        summarize_study({"rlep": curves["rlep"]})
+
+
+def test_study_plot_is_a_png(tmp_path):
+    from rayrep.metrics import plot_study
+
+    path = plot_study({"baseline": [curve([0.2, 0.3]), curve([0.25, 0.35])], "rlep": [curve([0.2, 0.4])]},
+                      tmp_path / "study.png", title="made up")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
+    """bench/replay_study.py's report: finished runs only (a final checkpoint and evals.json),
+    by arm in seed order, into study.json and study.png."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("replay_study", Path(__file__).resolve().parents[1] / "bench" / "replay_study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+
+    def finished(seed, arm, values):
+        run = tmp_path / f"seed-{seed}" / arm
+        (run / "checkpoints" / "final").mkdir(parents=True)
+        (run / "evals.json").write_text(json.dumps(curve(values)))
+
+    lines = []
+    assert study.report(tmp_path, ["baseline", "rlep"], [0, 1], "made-up", lines.append) is None  # nothing yet
+    finished(0, "baseline", [0.2, 0.3])
+    finished(1, "baseline", [0.2, 0.4])
+    finished(1, "rlep", [0.2, 0.5])
+    (tmp_path / "seed-0" / "rlep").mkdir()  # stopped before its end: not counted
+    (tmp_path / "seed-0" / "rlep" / "evals.json").write_text(json.dumps(curve([0.9])))
+    summary = study.report(tmp_path, ["baseline", "rlep"], [0, 1], "made-up", lines.append)
+    assert summary["runs"] == {"baseline": 2, "rlep": 1} and summary["baseline_mean_peak"] == pytest.approx(0.35)
+    assert summary["arms"]["rlep"]["reaches"] == [10]
+    assert json.loads((tmp_path / "study.json").read_text())["runs"] == summary["runs"]
+    assert (tmp_path / "study.png").is_file() and any("baseline mean peak: 35.0%" in line for line in lines)

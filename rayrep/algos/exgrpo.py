@@ -130,12 +130,7 @@ class ExGRPO(GRPO):
                 retire.append(uid)
             elif k >= 1:
                 buckets[uid] = k
-                new = [
-                    Answer(np.array(r.response_ids, np.int32), np.array(r.logprobs, np.float32), reward, r.version, "online", step)
-                    for r, ok, replayed, reward in zip(group.rollouts, group.correct, group.replayed, group.rewards)
-                    if ok and not replayed
-                ]
-                items.append((uid, np.array(group.rollouts[0].prompt_ids, np.int32), new))
+                items.append((uid, np.array(group.rollouts[0].prompt_ids, np.int32), Answer.fresh_successes(group, step)))
         stats = self.buffer.apply(items, dedup=True, buckets=buckets, retire=retire)
         metrics.update({
             "buffer_questions": stats["questions"], "buffer_answers": stats["answers"],

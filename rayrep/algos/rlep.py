@@ -13,6 +13,16 @@ advantages are taken over all G' = G + M answers. Unlike the public code:
   steps per rollout does not depend on M (the public code scales by G and takes 9 steps
   where the baseline takes 8);
 - answers are replayed as the token ids the policy produced, never re-tokenized text.
+
+Beyond the paper, each a config option (off by default):
+- adaptive replay (`replay_if_at_most k`): stored successes join a group only when at most
+  k of its fresh answers are correct, where the group needs them; elsewhere they only
+  dilute its signal;
+- a growing pool (`grow_pool`): each step's verified fresh successes join the pool, as
+  ExGRPO's buffer collects them, so that the pool keeps up with the policy;
+- importance-corrected replay is the learner's decoupled loss (`learner.behaviour_cap`):
+  replayed answers are weighted by their truncated ratio to the recorded behaviour
+  log-probs, the same code that corrects asynchronous rollouts.
 """
 
 from __future__ import annotations
@@ -27,8 +37,9 @@ import numpy as np
 
 from rayrep.algos.grpo import GRPO
 from rayrep.buffer.files import BufferFileError, read_pool, write_pool
+from rayrep.buffer.shard import Answer
 from rayrep.config import Config, ConfigError
-from rayrep.types import Group, Prompt, StepPlan
+from rayrep.types import Group, Prompt, StepBatch, StepPlan
 
 if TYPE_CHECKING:
     from rayrep.buffer.replay import ReplayBuffer
@@ -64,7 +75,17 @@ class RLEP(GRPO):
             uid: tuple(answer.rollout(self.prompt_ids[uid]) for answer in answers)
             for uid, answers in drawn.items() if answers
         }
-        return StepPlan(fresh.requests, replays)
+        at_most = self.cfg.algorithm.rlep.replay_if_at_most
+        return StepPlan(fresh.requests, replays, replay_if_at_most=at_most if at_most >= 0 else None)
+
+    def after_update(self, step: int, batch: StepBatch) -> dict[str, float]:
+        """With `grow_pool`, every verified group's fresh successes join the pool."""
+        if not self.cfg.algorithm.rlep.grow_pool:
+            return {}
+        items = [(group.prompt.uid, np.array(self.prompt_ids[group.prompt.uid], np.int32), new)
+                 for group in batch.seen if (new := Answer.fresh_successes(group, step))]
+        stats = self.buffer.apply(items, dedup=True)
+        return {"pool_questions": stats["questions"], "pool_answers": stats["answers"], "pool_stored": stats["stored"]}
 
     def step_metrics(self, trained: Sequence[Group], dropped: Sequence[Group]) -> dict[str, float]:
         wanted = self.cfg.algorithm.rlep.replays_per_group

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
-from rayrep.types import Rollout
+from rayrep.types import Group, Rollout
 
 SOURCES = ("pool", "online")
 """Where an answer came from: an offline experience pool (RLEP) or this run (ExGRPO)."""
@@ -48,6 +48,16 @@ class Answer:
     source: str = "online"
     step: int = 0
     """Training step (or pool id) at which it entered the buffer."""
+
+    @classmethod
+    def fresh_successes(cls, group: Group, step: int) -> list[Answer]:
+        """The verified-correct answers sampled for a scored group this step (not its
+        replayed ones), as answers that enter the buffer at `step`."""
+        return [
+            cls(np.array(r.response_ids, np.int32), np.array(r.logprobs, np.float32), reward, r.version, "online", step)
+            for r, ok, replayed, reward in zip(group.rollouts, group.correct, group.replayed, group.rewards)
+            if ok and not replayed
+        ]
 
     def rollout(self, prompt_ids: list[int]) -> Rollout:
         """This answer replayed: a rollout of the question whose prompt tokens are `prompt_ids`."""

@@ -132,7 +132,7 @@ def resolve_levels(names) -> list[Level]:
     return [LEVELS[n] for n in names]
 
 
-TEST_RESERVE = 1000
+TEST_RESERVE = 2000
 """By default, the first this-many problems of the stream are kept for test splits: a train
 split never includes them, so the train split does not depend on the test size (up to
 this many). `data.arithmetic_test_reserve` changes it (a larger test set needs a larger

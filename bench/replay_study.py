@@ -1,0 +1,150 @@
+"""Does replay help? The baseline, RLEP and ExGRPO (and replay variants), each with several
+seeds on the same budget, and what they reach, with standard errors.
+
+    python bench/replay_study.py [--preset tiny-cpu-hard] [--seeds 0 1 2]
+                                 [--arms baseline rlep exgrpo] [--out runs/study-<preset>]
+                                 [--eval-questions 2000] [--eval-samples 8] [--<config field> VALUE ...]
+
+For each seed (it changes the data order and every sampling draw, never the base policy):
+the GRPO/DAPO baseline trains from the base policy; for the RLEP arms, the baseline's final
+checkpoint samples that seed's experience pool; then every other arm trains from the base
+policy with the same budget. Every run evaluates on one test set (`--eval-questions` x
+`--eval-samples` answers at T = 1, the same seeds for every evaluation), large enough that
+one evaluation's standard error stays small (printed per arm).
+
+Printed and written to `<out>/study.json` and `<out>/study.png` (mean curve per arm, a band
+of +/- one standard error over seeds): per arm the mean +/- standard error over seeds of
+the peak and final test pass@1, and of the step at which a seed first reaches the
+baseline's mean peak (with how many seeds do).
+
+Restarted with the same `--out`, it reuses every finished run and pool, continues a stopped
+run from its latest checkpoint, and runs only what is missing; the table is rewritten after
+every run, so a partial study shows what it has.
+
+Arms: `baseline`, `rlep`, `exgrpo` (its Dr.GRPO advantage, as its paper; the baseline keeps
+the std-normalised one: one difference between the arms besides replay), and the variants
+`rlep-adaptive` (replay only into groups with at most 2 fresh successes), `rlep-is`
+(replayed answers weighted by truncated importance ratios to their recorded behaviour
+log-probs, cap 2), `rlep-grow` (the pool grows with each step's fresh successes), and
+`baseline-drgrpo` (the baseline without std scaling: ExGRPO's own on-policy baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rayrep.config import Config, parse_cli  # noqa: E402
+from rayrep.metrics import plot_study, study_table, summarize_study  # noqa: E402
+
+ARMS: dict[str, dict] = {
+    "baseline": {"algorithm.name": "grpo"},
+    "rlep": {"algorithm.name": "rlep"},
+    "exgrpo": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False},
+    "rlep-adaptive": {"algorithm.name": "rlep", "algorithm.rlep.replay_if_at_most": 2},
+    "rlep-is": {"algorithm.name": "rlep", "learner.behaviour_cap": 2.0},
+    "rlep-grow": {"algorithm.name": "rlep", "algorithm.rlep.grow_pool": True},
+    "baseline-drgrpo": {"algorithm.name": "grpo", "algorithm.std_normalize": False},
+}
+DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
+
+
+def seed_config(cfg: Config, out: Path, seed: int) -> Config:
+    return cfg.replace(**{"run.seed": seed, "logging.out_dir": str(out / f"seed-{seed}")})
+
+
+def pool_for(cfg: Config, seed_dir: Path, baseline_checkpoint: str, log) -> str:
+    """The seed's experience pool, collected once from its baseline's final checkpoint."""
+    from rayrep.algos.rlep import collect_pool
+
+    stats_file = seed_dir / "pool.json"
+    if stats_file.is_file():  # written after its pool: both complete
+        return json.loads(stats_file.read_text())["pool"]
+    stats = collect_pool(cfg, baseline_checkpoint, seed_dir / "pool.parquet", log=log)
+    stats_file.write_text(json.dumps(stats, indent=2))
+    return stats["pool"]
+
+
+def run_arm(cfg: Config, arm: str, pool: str | None, log):
+    from rayrep.pipeline import run_stage
+
+    changes = {**ARMS[arm], "logging.run_name": arm}
+    if changes["algorithm.name"] == "rlep":
+        changes["algorithm.rlep.pool"] = pool
+    return run_stage(cfg.replace(**changes), resume=True, log=log)
+
+
+def finished_curves(out: Path, arms: list[str], seeds: list[int]) -> dict[str, list[list[dict]]]:
+    """The eval curves of every finished run, by arm, in seed order."""
+    curves: dict[str, list[list[dict]]] = {}
+    for arm in arms:
+        for seed in seeds:
+            run_dir = out / f"seed-{seed}" / arm
+            if (run_dir / "checkpoints" / "final").exists() and (run_dir / "evals.json").is_file():
+                curves.setdefault(arm, []).append(json.loads((run_dir / "evals.json").read_text()))
+    return curves
+
+
+def report(out: Path, arms: list[str], seeds: list[int], preset: str, log) -> dict | None:
+    curves = finished_curves(out, arms, seeds)
+    if "baseline" not in curves:
+        return None
+    summary = summarize_study(curves)
+    summary.update({"preset": preset, "seeds": seeds, "runs": {arm: len(runs) for arm, runs in curves.items()}})
+    plot = plot_study(curves, out / "study.png", title=f"test pass@1 on {preset}: mean +/- SE over seeds")
+    (out / "study.json").write_text(json.dumps(summary, indent=2))
+    log(study_table(summary))
+    log(f"plot: {plot}")
+    return summary
+
+
+def main(argv=None) -> dict | None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny-cpu-hard")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
+    parser.add_argument("--out", help="study folder (default: runs/study-<preset>)")
+    parser.add_argument("--eval-questions", type=int, default=2000, help="test questions of every evaluation")
+    parser.add_argument("--eval-samples", type=int, default=8, help="answers per test question (T = 1)")
+    args, overrides = parser.parse_known_args(argv)
+    if "baseline" not in args.arms:
+        args.arms.insert(0, "baseline")  # every other arm is measured against it, and RLEP's pool comes from it
+    cfg = parse_cli(["--preset", args.preset, "--data.arithmetic_test_size", str(args.eval_questions),
+                     "--generator.eval_samples", str(args.eval_samples), *overrides])
+    for arm in args.arms:  # every arm's config is checked before anything runs
+        cfg.replace(**ARMS[arm])
+    out = Path(args.out or REPO / "runs" / f"study-{args.preset}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study-args.json").write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:]}, indent=2))
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    start = time.monotonic()
+    for seed in args.seeds:
+        seeded = seed_config(cfg, out, seed)
+        log(f"== seed {seed}: baseline ==")
+        baseline = run_arm(seeded, "baseline", None, log)
+        pool = None
+        for arm in args.arms:
+            if arm == "baseline":
+                continue
+            if ARMS[arm]["algorithm.name"] == "rlep" and pool is None:
+                log(f"== seed {seed}: experience pool from {baseline.final_checkpoint} ==")
+                pool = pool_for(seeded, out / f"seed-{seed}", baseline.final_checkpoint, log)
+            log(f"== seed {seed}: {arm} ==")
+            run_arm(seeded, arm, pool, log)
+            report(out, args.arms, args.seeds, args.preset, log)
+    summary = report(out, args.arms, args.seeds, args.preset, log)
+    log(f"study folder: {out} ({(time.monotonic() - start) / 60:.1f} min this time)")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
