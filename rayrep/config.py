@@ -64,7 +64,7 @@ class ModelConfig:
     tiny_hidden_size: int = option(128, "hidden size of the embedded tiny policy", min=32)
     tiny_layers: int = option(4, "transformer layers of the embedded tiny policy", min=1)
     tiny_warm_start_problems: int = option(20000, "train problems of the embedded task the tiny policy is warm-started on", min=1)
-    tiny_warm_start_steps: int = option(1100, "supervised warm-start steps of the embedded tiny policy", min=0)
+    tiny_warm_start_steps: int = option(1300, "supervised warm-start steps of the embedded tiny policy", min=0)
     tiny_warm_start_slips: float = option(0.4, "share of warm-start solutions with a slip in the last step, late in the warm start", min=0.0, max=1.0)
     tiny_warm_start_slip_steps: int = option(250, "the warm start's last this-many steps are the ones with slips", min=0)
 

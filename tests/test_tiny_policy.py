@@ -104,7 +104,7 @@ def test_the_build_pins_its_kernels_so_that_cpu_models_agree(small_build, tmp_pa
 def test_cache_key_tracks_every_field():
     base = TinyPolicySpec()
     assert base.cache_key() == TinyPolicySpec().cache_key()
-    assert base.cache_key() != TinyPolicySpec(warm_start_steps=1101).cache_key()
+    assert base.cache_key() != TinyPolicySpec(warm_start_steps=1301).cache_key()
     assert base.cache_key() != TinyPolicySpec(levels=("add2",)).cache_key()
     assert base.cache_key() != TinyPolicySpec(test_reserve=3000).cache_key()
 
@@ -159,3 +159,32 @@ def test_tiny_policy_lands_in_the_target_band(tiny_policy, tiny_cfg):
     assert 0.15 <= metrics["pass@1"] <= 0.60, metrics
     assert metrics["pass@4"] > metrics["pass@1"]
     assert metrics["verifier_timeouts"] == 0
+
+
+def test_the_hard_preset_builds_on_its_own_levels_past_its_test_reserve(tmp_path):
+    """tiny-cpu-hard: its levels and reserve reach the build recipe; no warm-start problem is
+    among its 4,000 possible test questions; every worked solution fits the response
+    budget before the overlong penalty; and the build runs (a few steps here)."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from rayrep.config import load_preset
+    from rayrep.data.arithmetic import make_splits
+    from rayrep.models import tiny_spec
+
+    cfg = load_preset("tiny-cpu-hard")
+    spec = tiny_spec(cfg)
+    assert (spec.levels, spec.test_reserve) == (("add3", "sub3", "mix4"), 4000)
+    assert spec.cache_key() != tiny_spec(load_preset("tiny-cpu")).cache_key()
+    warm_start, _ = make_splits(spec.num_train, 0, spec.task_seed, spec.levels, spec.test_reserve)
+    _, test = make_splits(0, 4000, spec.task_seed, spec.levels, spec.test_reserve)
+    assert len(warm_start) == spec.num_train and not {p.expression for p in warm_start} & {p.expression for p in test}
+    budget = cfg.generator.max_response_tokens - cfg.verifier.overlong_buffer
+    tokenizer = build_char_tokenizer()
+    longest = max(len(tokenizer(p.solution(2), add_special_tokens=False)["input_ids"]) + 1 for p in warm_start[:3000])
+    assert longest <= budget, (longest, budget)
+    small = dataclasses.replace(spec, num_train=200, warm_start_steps=3, warm_start_batch=8)
+    path = ensure_tiny_policy(small, tmp_path, log=lambda _: None)
+    assert AutoConfig.from_pretrained(path).model_type == "qwen2"
+    assert json.loads((path / "rayrep_build.json").read_text())["spec"]["levels"] == ["add3", "sub3", "mix4"]

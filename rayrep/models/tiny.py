@@ -71,7 +71,7 @@ class TinyPolicySpec:
     task_seed: int = 0
     test_reserve: int = TEST_RESERVE
     """The task's problems kept for test splits: the warm start uses those after them."""
-    warm_start_steps: int = 1100
+    warm_start_steps: int = 1300
     warm_start_batch: int = 64
     warm_start_lr: float = 3e-3
     warm_start_slips: float = 0.4
