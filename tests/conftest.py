@@ -12,7 +12,8 @@ def tiny_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_policy(tiny_cfg) -> str:
-    """Path of the embedded tiny policy checkpoint (built on first use, ~3 min here)."""
+    """Path of the embedded tiny policy checkpoint (built on first use, ~6 min here: `make
+    test` builds it before pytest starts, outside every test's time limit)."""
     from rayrep.models import resolve_policy
 
     return resolve_policy(tiny_cfg)

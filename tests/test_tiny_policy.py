@@ -188,3 +188,23 @@ def test_the_hard_preset_builds_on_its_own_levels_past_its_test_reserve(tmp_path
     path = ensure_tiny_policy(small, tmp_path, log=lambda _: None)
     assert AutoConfig.from_pretrained(path).model_type == "qwen2"
     assert json.loads((path / "rayrep_build.json").read_text())["spec"]["levels"] == ["add3", "sub3", "mix4"]
+
+
+def test_an_interrupted_build_leaves_no_build_process_behind(tmp_path):
+    """A build whose caller stops (a test's time limit, Ctrl-C) kills its build process."""
+    import psutil
+
+    from rayrep.models.tiny import build_with_portable_kernels
+
+    class Stop(Exception):
+        pass
+
+    def stop(line):
+        raise Stop(line)
+
+    spec = TinyPolicySpec(num_train=300, warm_start_steps=500, warm_start_batch=8)
+    with pytest.raises(Stop, match="tiny policy warm start: step 1/500"):
+        build_with_portable_kernels(spec, tmp_path, log=stop)
+    builds = [p for p in psutil.Process().children(recursive=True) if "rayrep.models.tiny" in " ".join(p.cmdline())]
+    assert builds == []
+    assert not (tmp_path / "rayrep_build.json").exists()

@@ -223,10 +223,15 @@ def build_with_portable_kernels(spec: TinyPolicySpec, out_dir: Path, log=print, 
     process = subprocess.Popen(command, env={**os.environ, **PORTABLE_KERNELS, **(env or {})},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
-    for line in process.stdout:
-        lines.append(line.rstrip())
-        if line.startswith("tiny policy"):
-            log(line.rstrip())
+    try:
+        for line in process.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("tiny policy"):
+                log(line.rstrip())
+    except BaseException:  # interrupted (a timeout, Ctrl-C): the build must not outlive its caller
+        process.kill()
+        process.wait()
+        raise
     if process.wait():
         tail = "\n".join(lines[-20:])
         raise RuntimeError(f"building the tiny policy failed (exit {process.returncode}):\n{tail}")
