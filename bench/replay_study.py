@@ -3,7 +3,7 @@ seeds on the same budget, and what they reach, with standard errors.
 
     python bench/replay_study.py [--preset tiny-cpu-hard] [--seeds 0 1 2]
                                  [--arms baseline rlep exgrpo] [--out runs/study-<preset>]
-                                 [--eval-questions 2000] [--eval-samples 8] [--<config field> VALUE ...]
+                                 [--eval-questions 1000] [--eval-samples 8] [--<config field> VALUE ...]
 
 For each seed (it changes the data order and every sampling draw, never the base policy):
 the GRPO/DAPO baseline trains from the base policy; for the RLEP arms, the baseline's final
@@ -110,7 +110,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--out", help="study folder (default: runs/study-<preset>)")
-    parser.add_argument("--eval-questions", type=int, default=2000, help="test questions of every evaluation")
+    parser.add_argument("--eval-questions", type=int, default=1000, help="test questions of every evaluation")
     parser.add_argument("--eval-samples", type=int, default=8, help="answers per test question (T = 1)")
     args, overrides = parser.parse_known_args(argv)
     if "baseline" not in args.arms:
