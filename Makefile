@@ -18,7 +18,7 @@ run: $(STAMP)
 # no test's time limit includes the build.
 test: $(STAMP)
 	$(PY) -c "from rayrep.config import load_preset; from rayrep.models import resolve_policy; resolve_policy(load_preset())"
-	$(PY) -m pytest tests
+	$(PY) -m pytest --durations=25 tests
 
 venv: $(STAMP)
 

@@ -185,17 +185,16 @@ class QuestionAnswers:
         if len(rows):
             if isinstance(rows, range):  # one contiguous run of answers: slices, no gather
                 start, end = batch.offsets[rows.start], batch.offsets[rows.stop]
-                tokens, logprobs = [batch.tokens[start:end]], [batch.logprobs[start:end]]
+                tokens, logprobs = batch.tokens[start:end], batch.logprobs[start:end]
                 lengths = np.diff(batch.offsets[rows.start : rows.stop + 1])
                 rows = slice(rows.start, rows.stop)
             else:
-                spans = [(batch.offsets[i], batch.offsets[i + 1]) for i in rows]
-                tokens = [batch.tokens[start:end] for start, end in spans]
-                logprobs = [batch.logprobs[start:end] for start, end in spans]
-                lengths = np.array([end - start for start, end in spans], np.int64)
                 rows = np.asarray(rows, np.int64)
-            self.tokens = np.concatenate([self.tokens, *tokens])
-            self.logprobs = np.concatenate([self.logprobs, *logprobs])
+                lengths = batch.offsets[rows + 1] - batch.offsets[rows]
+                tokens = _spans(batch.tokens, batch.offsets[rows], lengths)
+                logprobs = _spans(batch.logprobs, batch.offsets[rows], lengths)
+            self.tokens = np.concatenate([self.tokens, tokens])
+            self.logprobs = np.concatenate([self.logprobs, logprobs])
             self.offsets = np.concatenate([self.offsets, self.offsets[-1] + np.cumsum(lengths)])
             self.rewards = np.concatenate([self.rewards, batch.rewards[rows]])
             self.versions = np.concatenate([self.versions, batch.versions[rows]])
@@ -246,9 +245,6 @@ class AnswerStore:
         self.used_rows = 0
         self.dead_tokens = 0
         self.dead_rows = 0
-
-    def column(self, name: str, rows: np.ndarray) -> np.ndarray:
-        return self.columns[name][rows]
 
     @property
     def live_tokens(self) -> int:
@@ -402,7 +398,7 @@ class ReplayShard:
     # ------------------------------------------------------------------ writes
 
     def _holds(self, entry: StoredQuestion, ids: np.ndarray) -> bool:
-        lengths = self.store.column("lengths", entry.rows)
+        lengths = self.store.columns["lengths"][entry.rows]
         return any(np.array_equal(self.store.tokens_of(row), ids) for row in entry.rows[lengths == len(ids)].tolist())
 
     def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
@@ -557,7 +553,7 @@ class ReplayShard:
             "buckets": self.bucket_sizes(),
         }
         if now_step is not None and answers:
-            ages = now_step - self.store.column("steps", self._rows(list(self.questions.values())))
+            ages = now_step - self.store.columns["steps"][self._rows(list(self.questions.values()))]
             stats["age_mean"], stats["age_max"] = float(ages.mean()), int(ages.max())
         return stats
 
@@ -584,6 +580,8 @@ class ReplayShard:
     def restore(self, questions: list[tuple[str, QuestionAnswers]], retired: list[str], evicted: int) -> None:
         # Copied into a new store: arrays that arrive through Ray are read-only views of the
         # call's serialized buffer (all of the restored content), which can then be freed.
+        # Question by question into reserved room: one append of everything would first
+        # concatenate it all, twice the content in memory at once.
         self.store = AnswerStore()
         self.store.reserve(sum(len(entry.tokens) for _, entry in questions), sum(len(entry) for _, entry in questions))
         self.questions = {}
