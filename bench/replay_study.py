@@ -15,7 +15,9 @@ one evaluation's standard error stays small (printed per arm).
 Printed and written to `<out>/study.json` and `<out>/study.png` (mean curve per arm, a band
 of +/- one standard error over seeds): per arm the mean +/- standard error over seeds of
 the peak and final test pass@1, and of the step at which a seed first reaches the
-baseline's mean peak (with how many seeds do).
+baseline's mean peak (with how many seeds do); and, paired with the same seed's baseline
+(same data order, same evaluation draws), the mean +/- standard error of the difference
+in final pass@1 and in the mean over evaluations after step 0.
 
 Restarted with the same `--out`, it reuses every finished run and pool, continues a stopped
 run from its latest checkpoint, and runs only what is missing; the table is rewritten after
@@ -80,23 +82,25 @@ def run_arm(cfg: Config, arm: str, pool: str | None, log):
     return run_stage(cfg.replace(**changes), resume=True, log=log)
 
 
-def finished_curves(out: Path, arms: list[str], seeds: list[int]) -> dict[str, list[list[dict]]]:
-    """The eval curves of every finished run, by arm, in seed order."""
+def finished_curves(out: Path, arms: list[str], seeds: list[int]) -> tuple[dict[str, list[list[dict]]], dict[str, list[int]]]:
+    """The eval curves of every finished run, by arm, in seed order, and their seeds."""
     curves: dict[str, list[list[dict]]] = {}
+    found: dict[str, list[int]] = {}
     for arm in arms:
         for seed in seeds:
             run_dir = out / f"seed-{seed}" / arm
             if (run_dir / "checkpoints" / "final").exists() and (run_dir / "evals.json").is_file():
                 curves.setdefault(arm, []).append(json.loads((run_dir / "evals.json").read_text()))
-    return curves
+                found.setdefault(arm, []).append(seed)
+    return curves, found
 
 
 def report(out: Path, arms: list[str], seeds: list[int], preset: str, log) -> dict | None:
-    curves = finished_curves(out, arms, seeds)
+    curves, found = finished_curves(out, arms, seeds)
     if "baseline" not in curves:
         return None
-    summary = summarize_study(curves)
-    summary.update({"preset": preset, "seeds": seeds, "runs": {arm: len(runs) for arm, runs in curves.items()}})
+    summary = summarize_study(curves, seeds=found)
+    summary.update({"preset": preset, "seeds": seeds, "runs": found})
     plot = plot_study(curves, out / "study.png", title=f"test pass@1 on {preset}: mean +/- SE over seeds")
     (out / "study.json").write_text(json.dumps(summary, indent=2))
     log(study_table(summary))

@@ -178,13 +178,20 @@ def first_step_reaching(points: Sequence[tuple[int, float]], level: float) -> in
     return next((step for step, value in points if value >= level), None)
 
 
-def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseline", metric: str = "test_pass@1") -> dict:
-    """Per arm, over its seeds' eval curves (`curves[arm][i]`: seed i's records):
+def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseline", metric: str = "test_pass@1",
+                    seeds: dict[str, list[int]] | None = None) -> dict:
+    """Per arm, over its seeds' eval curves (`curves[arm][i]`: the records of seed
+    `seeds[arm][i]`; without `seeds`, of seed i):
 
     - `peak`, `final`: mean and standard error over seeds of each seed's peak and final value;
     - `reaches`: the first step at which each seed reaches the baseline's mean peak (None:
       never), and the mean and standard error over the seeds that do;
-    - `eval_se`: the mean standard error of one evaluation (`<metric>_se`, where logged).
+    - `eval_se`: the mean standard error of one evaluation (`<metric>_se`, where logged);
+    - other arms than the baseline, paired with the baseline by seed (same data order, same
+      evaluation draws: the seed-to-seed spread they share cancels): `final_gain`, the mean
+      and standard error of (final - the baseline's final), and `curve_gain`, of (the mean
+      over evaluations after the first - the baseline's, at the steps both evaluated), over
+      `paired_seeds` seeds.
     The baseline arm's mean peak is the level every arm is measured against."""
     if baseline not in curves or not curves[baseline]:
         raise ValueError(f"the study has no finished {baseline!r} run to compare with")
@@ -192,13 +199,15 @@ def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseli
     for arm, runs in points.items():
         if any(not run for run in runs):
             raise ValueError(f"arm {arm!r}: a run without any {metric} evaluation")
+    seeds = {arm: (seeds or {}).get(arm, list(range(len(runs)))) for arm, runs in points.items()}
+    by_seed = {arm: dict(zip(seeds[arm], runs)) for arm, runs in points.items()}
     level = mean_and_se([max(v for _, v in run) for run in points[baseline]])[0]
     summary = {"metric": metric, "baseline": baseline, "baseline_mean_peak": level, "arms": {}}
     for arm, runs in points.items():
         reaches = [first_step_reaching(run, level) for run in runs]
         reached = [step for step in reaches if step is not None]
         errors = [r[f"{metric}_se"] for run in curves[arm] for r in run if isinstance(r.get(f"{metric}_se"), (int, float))]
-        summary["arms"][arm] = {
+        summary["arms"][arm] = row = {
             "seeds": len(runs),
             "peak": mean_and_se([max(v for _, v in run) for run in runs]),
             "final": mean_and_se([run[-1][1] for run in runs]),
@@ -206,7 +215,19 @@ def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseli
             "reach_step": mean_and_se(reached) if reached else (None, None),
             "eval_se": sum(errors) / len(errors) if errors else None,
         }
+        paired = [(by_seed[arm][s], by_seed[baseline][s]) for s in seeds[arm] if s in by_seed[baseline]]
+        if arm != baseline and paired:
+            row["paired_seeds"] = len(paired)
+            row["final_gain"] = mean_and_se([run[-1][1] - base[-1][1] for run, base in paired])
+            row["curve_gain"] = mean_and_se([_curve_mean(run, base) - _curve_mean(base, run) for run, base in paired])
     return summary
+
+
+def _curve_mean(run: list[tuple[int, float]], other: list[tuple[int, float]]) -> float:
+    """The mean of `run`'s values after its first evaluation, at the steps `other` also has."""
+    shared = {step for step, _ in other}
+    values = [value for step, value in run[1:] if step in shared]
+    return sum(values) / len(values) if values else math.nan
 
 
 def study_table(summary: dict) -> str:
@@ -218,14 +239,23 @@ def study_table(summary: dict) -> str:
             return "-"
         return f"{scale * mean:.{digits}f}" + ("" if math.isnan(se) else f" +/- {scale * se:.{digits}f}")
 
+    def gain(row, name) -> str:
+        if name not in row:
+            return "-"
+        mean, se = row[name]
+        return f"{100 * mean:+.1f}" + ("" if math.isnan(se) else f" +/- {100 * se:.1f}")
+
     lines = [f"{'arm':<18}{'seeds':>6}{'peak %':>16}{'final %':>16}"
-             f"{'reaches baseline peak at step':>32}{'one eval SE':>13}"]
+             f"{'reaches baseline peak at step':>32}{'one eval SE':>13}{'final - base':>16}{'curve - base':>16}"]
     for arm, row in summary["arms"].items():
         reached = sum(step is not None for step in row["reaches"])
         steps = f"{pm(row['reach_step'], 1.0, 0)} ({reached}/{row['seeds']})"
         error = "-" if row["eval_se"] is None else f"{100 * row['eval_se']:.2f}"
-        lines.append(f"{arm:<18}{row['seeds']:>6}{pm(row['peak']):>16}{pm(row['final']):>16}{steps:>32}{error:>13}")
-    lines.append(f"baseline mean peak: {100 * summary['baseline_mean_peak']:.1f}% ({summary['metric']})")
+        lines.append(f"{arm:<18}{row['seeds']:>6}{pm(row['peak']):>16}{pm(row['final']):>16}{steps:>32}{error:>13}"
+                     f"{gain(row, 'final_gain'):>16}{gain(row, 'curve_gain'):>16}")
+    lines.append(f"baseline mean peak: {100 * summary['baseline_mean_peak']:.1f}% ({summary['metric']}); "
+                 "final/curve - base: points above the same seed's baseline, mean +/- SE over seeds "
+                 "(curve: the mean of the evaluations after step 0)")
     return "\n".join(lines)
 
 

@@ -238,7 +238,7 @@ def test_mean_and_standard_error_by_hand():
 
 
 def test_study_summary_of_made_up_curves():
-    from rayrep.metrics import first_step_reaching, study_table, summarize_study
+    from rayrep.metrics import first_step_reaching, mean_and_se, study_table, summarize_study
 
     assert first_step_reaching([(0, 0.1), (10, 0.3), (20, 0.5)], 0.3) == 10
     assert first_step_reaching([(0, 0.1)], 0.3) is None
@@ -257,8 +257,16 @@ def test_study_summary_of_made_up_curves():
     assert rlep["reaches"] == [10, 20, None]
     assert rlep["reach_step"][0] == pytest.approx(15) and rlep["reach_step"][1] == pytest.approx(5)  # sd 7.07 / sqrt 2
     assert rlep["peak"][0] == pytest.approx((0.35 + 0.32 + 0.31) / 3) and rlep["eval_se"] == pytest.approx(0.02)
+    # Paired by seed: final gains +0.07, 0.00, 0.00; curve gains (mean of steps 10-20) +0.05,
+    # +0.025, -0.045.
+    assert rlep["paired_seeds"] == 3 and "final_gain" not in base
+    assert rlep["final_gain"][0] == pytest.approx(0.07 / 3) and rlep["final_gain"][1] == pytest.approx(0.07 / 3)
+    gains = [0.05, 0.025, -0.045]
+    assert rlep["curve_gain"][0] == pytest.approx(sum(gains) / 3)
+    assert rlep["curve_gain"][1] == pytest.approx(mean_and_se(gains)[1])
     table = study_table(summary)
     assert "rlep" in table and "15 +/- 5 (2/3)" in table and "32.7 +/- " in table and "baseline mean peak: 32.0%" in table
+    assert "+2.3 +/- 2.3" in table and "+1.0 +/- " in table
     with pytest.raises(ValueError, match="no finished 'baseline' run"):
         summarize_study({"rlep": curves["rlep"]})
 
@@ -293,7 +301,10 @@ def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
     (tmp_path / "seed-0" / "rlep").mkdir()  # stopped before its end: not counted
     (tmp_path / "seed-0" / "rlep" / "evals.json").write_text(json.dumps(curve([0.9])))
     summary = study.report(tmp_path, ["baseline", "rlep"], [0, 1], "made-up", lines.append)
-    assert summary["runs"] == {"baseline": 2, "rlep": 1} and summary["baseline_mean_peak"] == pytest.approx(0.35)
+    assert summary["runs"] == {"baseline": [0, 1], "rlep": [1]} and summary["baseline_mean_peak"] == pytest.approx(0.35)
     assert summary["arms"]["rlep"]["reaches"] == [10]
+    # paired with seed 1's baseline (0.4), not with the first baseline run found (seed 0's 0.3)
+    assert summary["arms"]["rlep"]["paired_seeds"] == 1
+    assert summary["arms"]["rlep"]["final_gain"][0] == pytest.approx(0.1)
     assert json.loads((tmp_path / "study.json").read_text())["runs"] == summary["runs"]
     assert (tmp_path / "study.png").is_file() and any("baseline mean peak: 35.0%" in line for line in lines)
