@@ -3,7 +3,8 @@ seeds on the same budget, and what they reach, with standard errors.
 
     python bench/replay_study.py [--preset tiny-cpu-hard] [--seeds 0 1 2]
                                  [--arms baseline rlep exgrpo] [--out runs/study-<preset>]
-                                 [--eval-questions 1000] [--eval-samples 8] [--<config field> VALUE ...]
+                                 [--eval-questions 1000] [--eval-samples 8] [--report-only]
+                                 [--<config field> VALUE ...]
 
 For each seed (it changes the data order and every sampling draw, never the base policy):
 the GRPO/DAPO baseline trains from the base policy; for the RLEP arms, the baseline's final
@@ -116,6 +117,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--out", help="study folder (default: runs/study-<preset>)")
     parser.add_argument("--eval-questions", type=int, default=1000, help="test questions of every evaluation")
     parser.add_argument("--eval-samples", type=int, default=8, help="answers per test question (T = 1)")
+    parser.add_argument("--report-only", action="store_true", help="only the table and plot of the runs finished so far")
     args, overrides = parser.parse_known_args(argv)
     if "baseline" not in args.arms:
         args.arms.insert(0, "baseline")  # every other arm is measured against it, and RLEP's pool comes from it
@@ -124,6 +126,8 @@ def main(argv=None) -> dict | None:
     for arm in args.arms:  # every arm's config is checked before anything runs
         cfg.replace(**ARMS[arm])
     out = Path(args.out or REPO / "runs" / f"study-{args.preset}")
+    if args.report_only:
+        return report(out, args.arms, args.seeds, args.preset, print)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study-args.json").write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:]}, indent=2))
 

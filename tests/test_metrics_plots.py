@@ -308,3 +308,8 @@ def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
     assert summary["arms"]["rlep"]["final_gain"][0] == pytest.approx(0.1)
     assert json.loads((tmp_path / "study.json").read_text())["runs"] == summary["runs"]
     assert (tmp_path / "study.png").is_file() and any("baseline mean peak: 35.0%" in line for line in lines)
+    # --report-only: the same report, and nothing run
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    again = study.main(["--out", str(tmp_path), "--seeds", "0", "1", "--arms", "rlep", "--report-only"])
+    assert again["runs"] == summary["runs"] and again["arms"]["rlep"]["final_gain"] == summary["arms"]["rlep"]["final_gain"]
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
