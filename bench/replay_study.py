@@ -74,12 +74,16 @@ def pool_for(cfg: Config, seed_dir: Path, baseline_checkpoint: str, log) -> str:
     return stats["pool"]
 
 
-def run_arm(cfg: Config, arm: str, pool: str | None, log):
+def run_arm(cfg: Config, arm: str, pool: str | None, log, baseline_dir: Path | None = None):
+    """One arm's run; the arms after the baseline take its step-0 evaluation (the same base
+    policy, test set and evaluation seeds: the same answers) instead of repeating it."""
     from rayrep.pipeline import run_stage
 
     changes = {**ARMS[arm], "logging.run_name": arm}
     if changes["algorithm.name"] == "rlep":
         changes["algorithm.rlep.pool"] = pool
+    if baseline_dir is not None:
+        changes["run.start_eval"] = str(baseline_dir)
     return run_stage(cfg.replace(**changes), resume=True, log=log)
 
 
@@ -147,7 +151,7 @@ def main(argv=None) -> dict | None:
                 log(f"== seed {seed}: experience pool from {baseline.final_checkpoint} ==")
                 pool = pool_for(seeded, out / f"seed-{seed}", baseline.final_checkpoint, log)
             log(f"== seed {seed}: {arm} ==")
-            run_arm(seeded, arm, pool, log)
+            run_arm(seeded, arm, pool, log, baseline.run_dir)
             report(out, args.arms, args.seeds, args.preset, log)
     summary = report(out, args.arms, args.seeds, args.preset, log)
     log(f"study folder: {out} ({(time.monotonic() - start) / 60:.1f} min this time)")

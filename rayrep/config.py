@@ -232,6 +232,7 @@ class RunConfig:
     save_every: int = option(0, "save a run checkpoint (policy, optimizer, buffer, sampler, random state) every this-many steps (0: only at the end)", min=0)
     keep_checkpoints: int = option(2, "keep the newest this-many step checkpoints (and the final one); 0: keep all", min=0)
     seed: int = option(0, "the run's seed: every other seed (data order, sampling, replay draws, learner init) derives from it unless set explicitly", min=0)
+    start_eval: str = option("", "a run folder whose step-0 evaluation is this run's, not evaluated again: that run started from the same policy with the same model, data, generator, verifier and seed settings (checked), so it drew the same answers (the seeded study's arms share their baseline's)")
     max_policy_lag: int = option(0, "asynchronous rollouts: the generators sample this many steps ahead while the learners update, so answers are up to this many policy versions old (older fresh ones are dropped and counted); 0: synchronous", min=0)
 
 

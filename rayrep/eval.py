@@ -377,6 +377,46 @@ def score_answers(
     return summary
 
 
+START_SECTIONS = ("model", "data", "generator", "verifier")
+"""What the step-0 evaluation depends on besides `run.seed`: the policy, the test set, the
+sampling and the scoring."""
+
+
+def known_start_evaluation(cfg: Config) -> dict:
+    """The step-0 evaluation of the run folder `run.start_eval`, checked to be this run's
+    own start: every field of `START_SECTIONS` and `run.seed` equal, so the policy, the test
+    questions, their sampling seeds and the scoring are the same and evaluating again would
+    draw the same answers. Refused with the first field that differs, or the file missing."""
+    from rayrep.config import ConfigError
+
+    folder = Path(cfg.run.start_eval)
+    try:
+        other = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        evals = json.loads((folder / "evals.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"run.start_eval: {folder} is not a finished run's folder ({err})") from None
+    if not (isinstance(evals, list) and evals and isinstance(evals[0], dict) and evals[0].get("step") == 0):
+        raise ConfigError(f"run.start_eval: {folder / 'evals.json'} has no step-0 evaluation")
+    mine = json.loads(cfg.to_json())  # as the other run saved its own (lists, not tuples)
+
+    def fields(data: dict, prefix: str = "") -> dict:
+        flat = {}
+        for key, value in data.items():
+            flat.update(fields(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return flat
+
+    for section in START_SECTIONS:
+        theirs, ours = fields(other.get(section, {}), f"{section}."), fields(mine[section], f"{section}.")
+        for name in sorted(set(theirs) | set(ours)):
+            if theirs.get(name) != ours.get(name):
+                raise ConfigError(f"run.start_eval: {folder} started otherwise: {name} = {theirs.get(name)!r} "
+                                  f"there, {ours.get(name)!r} here")
+    if other.get("run", {}).get("seed") != cfg.run.seed:
+        raise ConfigError(f"run.start_eval: {folder} started otherwise: run.seed = "
+                          f"{other.get('run', {}).get('seed')!r} there, {cfg.run.seed!r} here")
+    return {**evals[0], "time_eval": 0.0}
+
+
 def evaluate_checkpoint(
     cfg: Config, model_path: str, prompts: Sequence[Prompt] | None = None, progress: Progress | None = None
 ) -> dict[str, float]:

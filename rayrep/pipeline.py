@@ -68,14 +68,16 @@ def compare_with_baseline(
     (out / "config.json").write_text(cfg.to_json())  # what `--resume <out>` starts from
     label = LABELS[method]
     stages = 4 if method == "rlep" else 3
+    method_cfg = cfg.replace(**{"algorithm.name": method, "logging.run_name": method})
     if baseline_checkpoint:
         checkpoint, base_evals = baseline_checkpoint, checkpoint_evals(baseline_checkpoint, cfg)
     else:
         log(f"== 1/{stages} baseline (GRPO/DAPO) ==")
         baseline = run_stage(cfg.replace(**{"algorithm.name": "grpo", "logging.run_name": "baseline"}), resume, log, restarts)
         checkpoint, base_evals = baseline.final_checkpoint, baseline.evals
+        # Both start from the base policy and evaluate the same draws: one step-0 evaluation.
+        method_cfg = method_cfg.replace(**{"run.start_eval": str(baseline.run_dir)})
 
-    method_cfg = cfg.replace(**{"algorithm.name": method, "logging.run_name": method})
     comparison: dict = {}
     if method == "rlep":
         if not pool and resume and (out / "pool.json").is_file():  # written after its pool: both complete

@@ -24,7 +24,7 @@ from rayrep.checkpoint import (RunState, begin_save, finish_save, latest_checkpo
                                read_run_state, rng_state, set_rng_state)
 from rayrep.config import Config, InputError
 from rayrep.data import PromptSampler, encode_prompts, load_split
-from rayrep.eval import evaluate
+from rayrep.eval import evaluate, known_start_evaluation
 from rayrep.learner import LearnerDied
 from rayrep.metrics import MetricsLog, plot_run, step_fields
 from rayrep.models import resolve_policy
@@ -73,6 +73,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
     algorithm = make_algorithm(cfg, train_prompts, prompt_ids)
     run_dir = run_dir_for(cfg)
     checkpoint, state = resume_point(cfg, run_dir) if resume else (None, None)
+    known_start = known_start_evaluation(cfg) if cfg.run.start_eval and state is None else None
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
@@ -90,6 +91,9 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
     metrics = MetricsLog(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_mode)
 
     def evaluation(step: int) -> dict:
+        if step == 0 and known_start is not None:  # the same start, evaluated by another run
+            result.evals.append(known_start)
+            return known_start
         start = time.perf_counter()
         summary = evaluate(runtime, cfg, test_prompts, test_ids)
         record = {"step": step, "time_eval": time.perf_counter() - start}

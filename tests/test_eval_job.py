@@ -131,6 +131,35 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+def test_a_known_start_evaluation_is_taken_only_from_the_same_start(tmp_path, tiny_cfg):
+    """`run.start_eval`: another run's step-0 evaluation stands for this run's only when that
+    run had the same model, data, generator, verifier and seed settings; otherwise the
+    first differing field is named (before anything starts)."""
+    from rayrep.config import ConfigError
+    from rayrep.eval import known_start_evaluation
+
+    baseline = tmp_path / "baseline"
+    baseline.mkdir()
+    (baseline / "config.json").write_text(tiny_cfg.replace(**{"algorithm.name": "grpo"}).to_json())
+    start = {"step": 0, "time_eval": 41.9, "test_pass@1": 0.1185, "test_pass@1_se": 0.0048}
+    (baseline / "evals.json").write_text(json.dumps([start, {**start, "step": 10, "test_pass@1": 0.2}]))
+    # another algorithm, learner and run name: the same start
+    arm = tiny_cfg.replace(**{"algorithm.name": "rlep", "learner.behaviour_cap": 2.0, "logging.run_name": "rlep",
+                              "run.start_eval": str(baseline)})
+    assert known_start_evaluation(arm) == {**start, "time_eval": 0.0}
+    for change, named in [({"data.arithmetic_test_size": 100}, "data.arithmetic_test_size = 500 there, 100 here"),
+                          ({"generator.eval_samples": 8}, "generator.eval_samples = 4 there, 8 here"),
+                          ({"model.tiny_warm_start_steps": 10}, "model.tiny_warm_start_steps = 1300 there, 10 here"),
+                          ({"run.seed": 1}, "run.seed = 0 there, 1 here")]:
+        with pytest.raises(ConfigError, match=re.escape(f"{baseline} started otherwise: {named}")):
+            known_start_evaluation(arm.replace(**change))
+    (baseline / "evals.json").write_text(json.dumps([{**start, "step": 10}]))
+    with pytest.raises(ConfigError, match="has no step-0 evaluation"):
+        known_start_evaluation(arm)
+    with pytest.raises(ConfigError, match="is not a finished run's folder"):
+        known_start_evaluation(arm.replace(**{"run.start_eval": str(tmp_path / "nowhere")}))
+
+
 # ---------------------------------------------------------------------------------------
 # the job end to end: tiny policy, a prompt file with two benchmarks of different k
 

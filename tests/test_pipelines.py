@@ -23,6 +23,9 @@ def test_the_exgrpo_job_compares_with_a_baseline_of_the_same_advantage(tmp_path,
     for run, name in (("baseline", "grpo"), ("exgrpo", "exgrpo")):
         config = json.loads((out / run / "config.json").read_text())
         assert config["algorithm"]["name"] == name and config["algorithm"]["std_normalize"] is False
+    # one step-0 evaluation: the method's run takes the baseline's (the same start and draws)
+    base_start, method_start = (json.loads((out / run / "evals.json").read_text())[0] for run in ("baseline", "exgrpo"))
+    assert method_start == {**base_start, "time_eval": 0.0} and base_start["time_eval"] > 0
     comparison = json.loads((out / "comparison.json").read_text())
     assert comparison["metric"] == "test_pass@1" and comparison["baseline"]["final_step"] == 2
     assert (out / "comparison.png").stat().st_size > 0
