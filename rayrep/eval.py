@@ -399,21 +399,22 @@ def known_start_evaluation(cfg: Config) -> dict:
         raise ConfigError(f"run.start_eval: {folder / 'evals.json'} has no step-0 evaluation")
     mine = json.loads(cfg.to_json())  # as the other run saved its own (lists, not tuples)
 
-    def fields(data: dict, prefix: str = "") -> dict:
+    def start_fields(data: dict, prefix: str = "") -> dict:
+        """The fields that decide the step-0 evaluation, flat (`section.field`)."""
         flat = {}
         for key, value in data.items():
-            flat.update(fields(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                flat.update(start_fields(value, f"{name}."))
+            elif name.split(".")[0] in START_SECTIONS or name == "run.seed":
+                flat[name] = value
         return flat
 
-    for section in START_SECTIONS:
-        theirs, ours = fields(other.get(section, {}), f"{section}."), fields(mine[section], f"{section}.")
-        for name in sorted(set(theirs) | set(ours)):
-            if theirs.get(name) != ours.get(name):
-                raise ConfigError(f"run.start_eval: {folder} started otherwise: {name} = {theirs.get(name)!r} "
-                                  f"there, {ours.get(name)!r} here")
-    if other.get("run", {}).get("seed") != cfg.run.seed:
-        raise ConfigError(f"run.start_eval: {folder} started otherwise: run.seed = "
-                          f"{other.get('run', {}).get('seed')!r} there, {cfg.run.seed!r} here")
+    theirs, ours = start_fields(other), start_fields(mine)
+    for name in sorted(set(theirs) | set(ours)):
+        if theirs.get(name) != ours.get(name):
+            raise ConfigError(f"run.start_eval: {folder} started otherwise: {name} = {theirs.get(name)!r} "
+                              f"there, {ours.get(name)!r} here")
     return {**evals[0], "time_eval": 0.0}
 
 

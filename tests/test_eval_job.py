@@ -143,8 +143,8 @@ def test_a_known_start_evaluation_is_taken_only_from_the_same_start(tmp_path, ti
     (baseline / "config.json").write_text(tiny_cfg.replace(**{"algorithm.name": "grpo"}).to_json())
     start = {"step": 0, "time_eval": 41.9, "test_pass@1": 0.1185, "test_pass@1_se": 0.0048}
     (baseline / "evals.json").write_text(json.dumps([start, {**start, "step": 10, "test_pass@1": 0.2}]))
-    # another algorithm, learner and run name: the same start
-    arm = tiny_cfg.replace(**{"algorithm.name": "rlep", "learner.behaviour_cap": 2.0, "logging.run_name": "rlep",
+    # another algorithm, learner, run length and name: the same start
+    arm = tiny_cfg.replace(**{"algorithm.name": "rlep", "learner.behaviour_cap": 2.0, "logging.run_name": "rlep", "run.steps": 5,
                               "run.start_eval": str(baseline)})
     assert known_start_evaluation(arm) == {**start, "time_eval": 0.0}
     for change, named in [({"data.arithmetic_test_size": 100}, "data.arithmetic_test_size = 500 there, 100 here"),
