@@ -173,6 +173,15 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
+def mean_curve(runs: Sequence[Sequence[dict]], metric: str = "test_pass@1") -> list[tuple[int, float, float]]:
+    """`(step, mean, standard error)` over `runs` of `metric`, at the steps every run evaluated."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        for step, value in series(run, metric):
+            by_step.setdefault(step, []).append(value)
+    return [(step, *mean_and_se(by_step[step])) for step in sorted(by_step) if len(by_step[step]) == len(runs)]
+
+
 def first_step_reaching(points: Sequence[tuple[int, float]], level: float) -> int | None:
     """The first step whose value is at least `level`; None if none is."""
     return next((step for step, value in points if value >= level), None)
@@ -187,6 +196,7 @@ def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseli
     - `reaches`: the first step at which each seed reaches the baseline's mean peak (None:
       never), and the mean and standard error over the seeds that do;
     - `eval_se`: the mean standard error of one evaluation (`<metric>_se`, where logged);
+    - `curve`: the mean curve over seeds, `(step, mean, standard error)` (`mean_curve`);
     - other arms than the baseline, paired with the baseline by seed (same data order, same
       evaluation draws: the seed-to-seed spread they share cancels): `final_gain`, the mean
       and standard error of (final - the baseline's final), and `curve_gain`, of (the mean
@@ -214,6 +224,7 @@ def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseli
             "reaches": reaches,
             "reach_step": mean_and_se(reached) if reached else (None, None),
             "eval_se": sum(errors) / len(errors) if errors else None,
+            "curve": mean_curve(curves[arm], metric),
         }
         paired = [(by_seed[arm][s], by_seed[baseline][s]) for s in seeds[arm] if s in by_seed[baseline]]
         if arm != baseline and paired:
@@ -256,6 +267,12 @@ def study_table(summary: dict) -> str:
     lines.append(f"baseline mean peak: {100 * summary['baseline_mean_peak']:.1f}% ({summary['metric']}); "
                  "final/curve - base: points above the same seed's baseline, mean +/- SE over seeds "
                  "(curve: the mean of the evaluations after step 0)")
+    steps = sorted({step for row in summary["arms"].values() for step, _, _ in row["curve"]})
+    lines += ["", f"mean {summary['metric']} (%) by step, +/- SE over seeds",
+              f"{'arm':<18}" + "".join(f"{step:>14}" for step in steps)]
+    for arm, row in summary["arms"].items():
+        at = {step: (mean, se) for step, mean, se in row["curve"]}
+        lines.append(f"{arm:<18}" + "".join(f"{pm(at[step]) if step in at else '-':>14}" for step in steps))
     return "\n".join(lines)
 
 
@@ -265,14 +282,10 @@ def plot_study(curves: dict[str, list[list[dict]]], path: str | Path, metric: st
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
     for arm, runs in curves.items():
-        by_step: dict[int, list[float]] = {}
-        for run in runs:
-            for step, value in series(run, metric):
-                by_step.setdefault(step, []).append(value)
-        steps = [step for step in sorted(by_step) if len(by_step[step]) == len(runs)]
-        stats = [mean_and_se(by_step[step]) for step in steps]
-        means = [100 * m for m, _ in stats]
-        errors = [0.0 if math.isnan(se) else 100 * se for _, se in stats]
+        curve = mean_curve(runs, metric)
+        steps = [step for step, _, _ in curve]
+        means = [100 * mean for _, mean, _ in curve]
+        errors = [0.0 if math.isnan(se) else 100 * se for _, _, se in curve]
         line = ax.plot(steps, means, marker="o", markersize=3, label=f"{arm} ({len(runs)} seeds)")[0]
         ax.fill_between(steps, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
                         color=line.get_color(), alpha=0.2)

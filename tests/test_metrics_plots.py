@@ -238,7 +238,7 @@ def test_mean_and_standard_error_by_hand():
 
 
 def test_study_summary_of_made_up_curves():
-    from rayrep.metrics import first_step_reaching, mean_and_se, study_table, summarize_study
+    from rayrep.metrics import first_step_reaching, mean_and_se, mean_curve, study_table, summarize_study
 
     assert first_step_reaching([(0, 0.1), (10, 0.3), (20, 0.5)], 0.3) == 10
     assert first_step_reaching([(0, 0.1)], 0.3) is None
@@ -267,6 +267,12 @@ def test_study_summary_of_made_up_curves():
     table = study_table(summary)
     assert "rlep" in table and "15 +/- 5 (2/3)" in table and "32.7 +/- " in table and "baseline mean peak: 32.0%" in table
     assert "+2.3 +/- 2.3" in table and "+1.0 +/- " in table
+    # The mean curve: at step 10 the baseline's seeds evaluated 0.30, 0.25, 0.34.
+    assert [step for step, _, _ in base["curve"]] == [0, 10, 20]
+    assert base["curve"][1] == (10, *mean_and_se([0.30, 0.25, 0.34]))
+    assert "29.7 +/- 2.6" in table.split("by step")[1]
+    # only the steps every run evaluated: a run stopped after step 10 leaves step 20 out
+    assert [step for step, _, _ in mean_curve([curve([0.2, 0.3, 0.4]), curve([0.2, 0.5])])] == [0, 10]
     with pytest.raises(ValueError, match="no finished 'baseline' run"):
         summarize_study({"rlep": curves["rlep"]})
 
