@@ -132,6 +132,8 @@ def test_a_job_killed_while_saving_resumes_from_the_checkpoint_before(runs, tmp_
     assert "at step 2" in output
     assert [step for step, _ in step_checkpoints(run)] == [2, 4]
     assert not list((run / "checkpoints").glob(".step-*"))
+    # A run started again from scratch with the same run.seed (then killed and resumed)
+    # repeats the first one step for step: the test that one seed repeats a run.
     whole = read_metrics(out / "whole" / "metrics.jsonl")
     again = read_metrics(run / "metrics.jsonl")
     assert [comparable(r) for r in again] == [comparable(r) for r in whole]
