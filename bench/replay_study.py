@@ -21,8 +21,11 @@ baseline's mean peak (with how many seeds do); and, paired with the same seed's 
 in final pass@1 and in the mean over evaluations after step 0.
 
 Restarted with the same `--out`, it reuses every finished run and pool, continues a stopped
-run from its latest checkpoint, and runs only what is missing; the table is rewritten after
-every run, so a partial study shows what it has.
+run from its latest checkpoint, and runs only what is missing; a finished run that ran with
+other settings than asked for now (another preset value, another option) is refused, naming
+the field, before anything runs. The table is rewritten after every run, so a partial study
+shows what it has; its `replayed %` column says how much of each arm's training was replay
+(an arm that never replayed measured something else).
 
 Arms: `baseline`, `rlep`, `exgrpo` (its Dr.GRPO advantage, as its paper; the baseline keeps
 the std-normalised one: one difference between the arms besides replay), and the variants
@@ -44,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rayrep.config import Config, parse_cli  # noqa: E402
-from rayrep.metrics import plot_study, study_table, summarize_study  # noqa: E402
+from rayrep.metrics import load_run_metrics, plot_study, study_table, summarize_study  # noqa: E402
+from rayrep.pipeline import check_finished_run, finished_run, run_stage  # noqa: E402
 
 ARMS: dict[str, dict] = {
     "baseline": {"algorithm.name": "grpo"},
@@ -62,29 +66,25 @@ def seed_config(cfg: Config, out: Path, seed: int) -> Config:
     return cfg.replace(**{"run.seed": seed, "logging.out_dir": str(out / f"seed-{seed}")})
 
 
-def pool_for(cfg: Config, seed_dir: Path, baseline_checkpoint: str, log) -> str:
-    """The seed's experience pool, collected once from its baseline's final checkpoint."""
+def collect_seed_pool(seeded: Config, seed_dir: Path, baseline_checkpoint: str, log) -> None:
+    """The seed's experience pool, `seed_dir/pool.parquet`, from its baseline's final checkpoint;
+    `pool.json` is written after it, so that both are complete when it exists."""
     from rayrep.algos.rlep import collect_pool
 
-    stats_file = seed_dir / "pool.json"
-    if stats_file.is_file():  # written after its pool: both complete
-        return json.loads(stats_file.read_text())["pool"]
-    stats = collect_pool(cfg, baseline_checkpoint, seed_dir / "pool.parquet", log=log)
-    stats_file.write_text(json.dumps(stats, indent=2))
-    return stats["pool"]
+    stats = collect_pool(seeded, baseline_checkpoint, seed_dir / "pool.parquet", log=log)
+    (seed_dir / "pool.json").write_text(json.dumps(stats, indent=2))
 
 
-def run_arm(cfg: Config, arm: str, pool: str | None, log, baseline_dir: Path | None = None):
-    """One arm's run; the arms after the baseline take its step-0 evaluation (the same base
-    policy, test set and evaluation seeds: the same answers) instead of repeating it."""
-    from rayrep.pipeline import run_stage
-
+def arm_config(seeded: Config, arm: str, seed_dir: Path) -> Config:
+    """One arm's run config for one seed: RLEP arms replay the seed's pool; the arms after
+    the baseline take its step-0 evaluation (the same base policy, test set and evaluation
+    seeds: the same answers) instead of repeating it."""
     changes = {**ARMS[arm], "logging.run_name": arm}
     if changes["algorithm.name"] == "rlep":
-        changes["algorithm.rlep.pool"] = pool
-    if baseline_dir is not None:
-        changes["run.start_eval"] = str(baseline_dir)
-    return run_stage(cfg.replace(**changes), resume=True, log=log)
+        changes["algorithm.rlep.pool"] = str(seed_dir / "pool.parquet")
+    if arm != "baseline":
+        changes["run.start_eval"] = str(seed_dir / "baseline")
+    return seeded.replace(**changes)
 
 
 def finished_curves(out: Path, arms: list[str], seeds: list[int]) -> tuple[dict[str, list[list[dict]]], dict[str, list[int]]]:
@@ -94,10 +94,16 @@ def finished_curves(out: Path, arms: list[str], seeds: list[int]) -> tuple[dict[
     for arm in arms:
         for seed in seeds:
             run_dir = out / f"seed-{seed}" / arm
-            if (run_dir / "checkpoints" / "final").exists() and (run_dir / "evals.json").is_file():
+            if finished_run(run_dir):
                 curves.setdefault(arm, []).append(json.loads((run_dir / "evals.json").read_text()))
                 found.setdefault(arm, []).append(seed)
     return curves, found
+
+
+def mean_replay_share(run_dir: Path) -> float:
+    """The mean over a run's steps of the share of its trained answers that were replayed."""
+    steps = [r for r in load_run_metrics(run_dir) if r.get("step", 0) > 0 and "accuracy" in r]
+    return sum(r.get("replay_share", 0.0) for r in steps) / len(steps) if steps else 0.0
 
 
 def report(out: Path, arms: list[str], seeds: list[int], preset: str, log) -> dict | None:
@@ -106,6 +112,10 @@ def report(out: Path, arms: list[str], seeds: list[int], preset: str, log) -> di
         return None
     summary = summarize_study(curves, seeds=found)
     summary.update({"preset": preset, "seeds": seeds, "runs": found})
+    for arm, arm_seeds in found.items():
+        # How much each arm replayed: an arm that never replayed (say, ExGRPO whose batches
+        # never reach its start pass rate) measured something else than replay.
+        summary["arms"][arm]["replay_share"] = sum(mean_replay_share(out / f"seed-{seed}" / arm) for seed in arm_seeds) / len(arm_seeds)
     plot = plot_study(curves, out / "study.png", title=f"test pass@1 on {preset}: mean +/- SE over seeds")
     (out / "study.json").write_text(json.dumps(summary, indent=2))
     log(study_table(summary))
@@ -132,9 +142,16 @@ def main(argv=None) -> dict | None:
                      "--generator.eval_samples", str(args.eval_samples), *overrides])
     for arm in args.arms:  # every arm's config is checked before anything runs
         cfg.replace(**ARMS[arm])
-    out = Path(args.out or REPO / "runs" / f"study-{args.preset}")
+    out = Path(args.out or REPO / "runs" / f"study-{args.preset}").resolve()
     if args.report_only:
         return report(out, args.arms, args.seeds, args.preset, print)
+    # A finished run is reused only if it is the run asked for (a changed preset or option
+    # would otherwise be compared under the old settings): checked before anything runs.
+    for seed in args.seeds:
+        for arm in args.arms:
+            run_dir = out / f"seed-{seed}" / arm
+            if finished_run(run_dir):
+                check_finished_run(arm_config(seed_config(cfg, out, seed), arm, out / f"seed-{seed}"), run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study-args.json").write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:]}, indent=2))
 
@@ -143,18 +160,17 @@ def main(argv=None) -> dict | None:
 
     start = time.monotonic()
     for seed in args.seeds:
-        seeded = seed_config(cfg, out, seed)
+        seeded, seed_dir = seed_config(cfg, out, seed), out / f"seed-{seed}"
         log(f"== seed {seed}: baseline ==")
-        baseline = run_arm(seeded, "baseline", None, log)
-        pool = None
+        baseline = run_stage(arm_config(seeded, "baseline", seed_dir), resume=True, log=log)
         for arm in args.arms:
             if arm == "baseline":
                 continue
-            if ARMS[arm]["algorithm.name"] == "rlep" and pool is None:
+            if ARMS[arm]["algorithm.name"] == "rlep" and not (seed_dir / "pool.json").is_file():
                 log(f"== seed {seed}: experience pool from {baseline.final_checkpoint} ==")
-                pool = pool_for(seeded, out / f"seed-{seed}", baseline.final_checkpoint, log)
+                collect_seed_pool(seeded, seed_dir, baseline.final_checkpoint, log)
             log(f"== seed {seed}: {arm} ==")
-            run_arm(seeded, arm, pool, log, baseline.run_dir)
+            run_stage(arm_config(seeded, arm, seed_dir), resume=True, log=log)
             report(out, args.arms, args.seeds, args.preset, log)
     summary = report(out, args.arms, args.seeds, args.preset, log)
     log(f"study folder: {out} ({(time.monotonic() - start) / 60:.1f} min this time)")

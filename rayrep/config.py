@@ -618,6 +618,24 @@ def resume_base(run_dir: str) -> dict:
     return data
 
 
+def differing_fields(theirs: dict, ours: dict, keep: Callable[[str], bool] = lambda name: True) -> list[tuple[str, Any, Any]]:
+    """`(section.field, their value, our value)` for every field where two configs as
+    `Config.to_json` writes them (a run's `config.json`) differ, by name; only the names
+    `keep` accepts. A field one of them lacks counts as None."""
+
+    def flat(data: dict, prefix: str = "") -> dict:
+        fields = {}
+        for key, value in data.items():
+            if isinstance(value, dict):
+                fields.update(flat(value, f"{prefix}{key}."))
+            elif keep(f"{prefix}{key}"):
+                fields[f"{prefix}{key}"] = value
+        return fields
+
+    a, b = flat(theirs), flat(ours)
+    return [(name, a.get(name), b.get(name)) for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+
+
 def job_parser(description: str, trains: bool = True, dry_run: bool = True):
     """An argparse parser for a job's own flags; config fields go to `parse_job_args`.
 

@@ -387,7 +387,7 @@ def known_start_evaluation(cfg: Config) -> dict:
     own start: every field of `START_SECTIONS` and `run.seed` equal, so the policy, the test
     questions, their sampling seeds and the scoring are the same and evaluating again would
     draw the same answers. Refused with the first field that differs, or the file missing."""
-    from rayrep.config import ConfigError
+    from rayrep.config import ConfigError, differing_fields
 
     folder = Path(cfg.run.start_eval)
     try:
@@ -398,23 +398,10 @@ def known_start_evaluation(cfg: Config) -> dict:
     if not (isinstance(evals, list) and evals and isinstance(evals[0], dict) and evals[0].get("step") == 0):
         raise ConfigError(f"run.start_eval: {folder / 'evals.json'} has no step-0 evaluation")
     mine = json.loads(cfg.to_json())  # as the other run saved its own (lists, not tuples)
-
-    def start_fields(data: dict, prefix: str = "") -> dict:
-        """The fields that decide the step-0 evaluation, flat (`section.field`)."""
-        flat = {}
-        for key, value in data.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                flat.update(start_fields(value, f"{name}."))
-            elif name.split(".")[0] in START_SECTIONS or name == "run.seed":
-                flat[name] = value
-        return flat
-
-    theirs, ours = start_fields(other), start_fields(mine)
-    for name in sorted(set(theirs) | set(ours)):
-        if theirs.get(name) != ours.get(name):
-            raise ConfigError(f"run.start_eval: {folder} started otherwise: {name} = {theirs.get(name)!r} "
-                              f"there, {ours.get(name)!r} here")
+    differences = differing_fields(other, mine, keep=lambda name: name.split(".")[0] in START_SECTIONS or name == "run.seed")
+    if differences:
+        name, there, here = differences[0]
+        raise ConfigError(f"run.start_eval: {folder} started otherwise: {name} = {there!r} there, {here!r} here")
     return {**evals[0], "time_eval": 0.0}
 
 

@@ -256,15 +256,17 @@ def study_table(summary: dict) -> str:
         mean, se = row[name]
         return f"{100 * mean:+.1f}" + ("" if math.isnan(se) else f" +/- {100 * se:.1f}")
 
-    lines = [f"{'arm':<18}{'seeds':>6}{'peak %':>16}{'final %':>16}"
-             f"{'reaches baseline peak at step':>32}{'one eval SE':>13}{'final - base':>16}{'curve - base':>16}"]
+    lines = [f"{'arm':<18}{'seeds':>6}{'peak %':>16}{'final %':>16}{'reaches baseline peak at step':>32}"
+             f"{'one eval SE':>13}{'replayed %':>12}{'final - base':>16}{'curve - base':>16}"]
     for arm, row in summary["arms"].items():
         reached = sum(step is not None for step in row["reaches"])
         steps = f"{pm(row['reach_step'], 1.0, 0)} ({reached}/{row['seeds']})"
         error = "-" if row["eval_se"] is None else f"{100 * row['eval_se']:.2f}"
+        replayed = f"{100 * row['replay_share']:.1f}" if "replay_share" in row else "-"
         lines.append(f"{arm:<18}{row['seeds']:>6}{pm(row['peak']):>16}{pm(row['final']):>16}{steps:>32}{error:>13}"
-                     f"{gain(row, 'final_gain'):>16}{gain(row, 'curve_gain'):>16}")
+                     f"{replayed:>12}{gain(row, 'final_gain'):>16}{gain(row, 'curve_gain'):>16}")
     lines.append(f"baseline mean peak: {100 * summary['baseline_mean_peak']:.1f}% ({summary['metric']}); "
+                 "replayed: the share of trained answers that were replayed, mean over steps and seeds; "
                  "final/curve - base: points above the same seed's baseline, mean +/- SE over seeds "
                  "(curve: the mean of the evaluations after step 0)")
     steps = sorted({step for row in summary["arms"].values() for step, _, _ in row["curve"]})

@@ -106,18 +106,49 @@ def compare_with_baseline(
 
 
 def run_stage(cfg: Config, resume: bool, log=print, restarts: int = 0):
-    """One training stage of the pipeline; resuming, a finished run is reused and a stopped
-    one continues from its latest checkpoint (one stopped before its first checkpoint starts over)."""
+    """One training stage of the pipeline; resuming, a finished run is reused (when it ran
+    with these settings: `check_finished_run`) and a stopped one continues from its latest
+    checkpoint under these settings, as `--resume` does (one stopped before its first
+    checkpoint starts over)."""
     from rayrep.checkpoint import latest_checkpoint
     from rayrep.train import RunResult, keep_metrics_until, run_dir_for, train_resuming
 
     run_dir = run_dir_for(cfg)
     if resume:
-        final, evals = run_dir / "checkpoints" / "final", run_dir / "evals.json"
-        if final.exists() and evals.is_file():
+        if finished_run(run_dir):
+            check_finished_run(cfg, run_dir)
             log(f"{run_dir}: finished before, reused")
-            return RunResult(run_dir, str(final), json.loads(evals.read_text()))
+            return RunResult(run_dir, str(run_dir / "checkpoints" / "final"), json.loads((run_dir / "evals.json").read_text()))
         if latest_checkpoint(run_dir) is not None:
             return train_resuming(cfg, log=log, resume=True, restarts=restarts)
         keep_metrics_until(run_dir / "metrics.jsonl", -1)  # a start that saved nothing: start over
     return train_resuming(cfg, log=log, restarts=restarts)
+
+
+def finished_run(run_dir: Path) -> bool:
+    return (run_dir / "checkpoints" / "final").exists() and (run_dir / "evals.json").is_file()
+
+
+def check_finished_run(cfg: Config, run_dir: Path) -> None:
+    """A finished run stands for the run `cfg` asks for only if it ran with the same settings
+    (its `config.json`); refused with the first field that differs. Fields that cannot have
+    changed what it did may differ: its logging settings, `run.start_eval` (which only spares
+    the step-0 evaluation), and the sections of other algorithms (`algorithm.exgrpo.*` for
+    an RLEP run)."""
+    from rayrep.config import ConfigError, differing_fields
+
+    try:
+        saved = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{run_dir}: a finished run without a readable config.json ({err})") from None
+
+    def matters(name: str) -> bool:
+        section = name.split(".")
+        other_algorithm = section[0] == "algorithm" and len(section) > 2 and section[1] != cfg.algorithm.name
+        return not (other_algorithm or section[0] == "logging" or name == "run.start_eval")
+
+    differences = differing_fields(saved, json.loads(cfg.to_json()), keep=matters)
+    if differences:
+        name, there, here = differences[0]
+        raise ConfigError(f"{run_dir} finished with {name} = {there!r}, not the {here!r} asked for now: remove "
+                          "that folder to run it again with these settings, or write to another folder")

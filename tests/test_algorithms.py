@@ -287,7 +287,7 @@ def test_exgrpo_needs_the_mean_only_advantage():
 
 
 def test_exgrpo_collects_nothing_before_the_pass_rate_switch():
-    algo = exgrpo(**{"algorithm.exgrpo.replay_ratio": 0.0})
+    algo = exgrpo(**{"algorithm.exgrpo.replay_ratio": 0.0, "algorithm.exgrpo.start_pass_rate": 0.35})  # the paper's
     _, _, metrics = step(algo, 1, lambda uid, n: [True] + [False] * (n - 1))  # pass rate 0.25 < 0.35
     assert metrics["exgrpo_collecting"] == 0.0 and algo.buffer.stats()["questions"] == 0
     # 0.5 > 0.35: the switch flips and this step's groups are stored.

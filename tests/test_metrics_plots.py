@@ -294,21 +294,25 @@ def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
 
-    def finished(seed, arm, values):
+    def finished(seed, arm, values, replayed=(0.0, 0.0)):
         run = tmp_path / f"seed-{seed}" / arm
         (run / "checkpoints" / "final").mkdir(parents=True)
         (run / "evals.json").write_text(json.dumps(curve(values)))
+        steps = [{"step": step, "accuracy": 0.3, "replay_share": share} for step, share in enumerate(replayed, 1)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"step": 0, "test_pass@1": 0.2}, *steps]))
 
     lines = []
     assert study.report(tmp_path, ["baseline", "rlep"], [0, 1], "made-up", lines.append) is None  # nothing yet
     finished(0, "baseline", [0.2, 0.3])
     finished(1, "baseline", [0.2, 0.4])
-    finished(1, "rlep", [0.2, 0.5])
+    finished(1, "rlep", [0.2, 0.5], replayed=(0.1, 0.2))
     (tmp_path / "seed-0" / "rlep").mkdir()  # stopped before its end: not counted
     (tmp_path / "seed-0" / "rlep" / "evals.json").write_text(json.dumps(curve([0.9])))
     summary = study.report(tmp_path, ["baseline", "rlep"], [0, 1], "made-up", lines.append)
     assert summary["runs"] == {"baseline": [0, 1], "rlep": [1]} and summary["baseline_mean_peak"] == pytest.approx(0.35)
     assert summary["arms"]["rlep"]["reaches"] == [10]
+    # how much each arm replayed, mean over steps and seeds (an arm that never did says so)
+    assert summary["arms"]["rlep"]["replay_share"] == pytest.approx(0.15) and summary["arms"]["baseline"]["replay_share"] == 0
     # paired with seed 1's baseline (0.4), not with the first baseline run found (seed 0's 0.3)
     assert summary["arms"]["rlep"]["paired_seeds"] == 1
     assert summary["arms"]["rlep"]["final_gain"][0] == pytest.approx(0.1)
@@ -318,4 +322,18 @@ def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     again = study.main(["--out", str(tmp_path), "--seeds", "0", "1", "--arms", "rlep", "--report-only"])
     assert again["runs"] == summary["runs"] and again["arms"]["rlep"]["final_gain"] == summary["arms"]["rlep"]["final_gain"]
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    # Restarted with another setting, the study refuses to reuse a finished run that ran
+    # otherwise, before anything runs (or is written).
+    from rayrep.config import ConfigError, parse_cli
+
+    cfg = parse_cli(["--preset", "tiny-cpu-hard", "--data.arithmetic_test_size", "2000", "--generator.eval_samples", "4"])
+    for seed, arm in ((0, "baseline"), (1, "baseline"), (1, "rlep")):
+        seeded = study.seed_config(cfg, tmp_path, seed)
+        (tmp_path / f"seed-{seed}" / arm / "config.json").write_text(study.arm_config(seeded, arm, tmp_path / f"seed-{seed}").to_json())
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match="seed-0/baseline finished with learner.lr = 0.0001, not the 0.0003 asked for"):
+        study.main(["--out", str(tmp_path), "--seeds", "0", "1", "--learner.lr", "3e-4"])
+    with pytest.raises(ConfigError, match="seed-1/rlep finished with algorithm.rlep.replays_per_group = 2, not the 3"):
+        study.main(["--out", str(tmp_path), "--seeds", "1", "--arms", "rlep", "--algorithm.rlep.replays_per_group", "3"])
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before

@@ -30,3 +30,39 @@ def test_the_exgrpo_job_compares_with_a_baseline_of_the_same_advantage(tmp_path,
     assert comparison["metric"] == "test_pass@1" and comparison["baseline"]["final_step"] == 2
     assert (out / "comparison.png").stat().st_size > 0
     assert "ExGRPO" in done.stdout and "peak test_pass@1" in done.stdout
+
+
+def test_a_finished_run_is_reused_only_under_the_settings_it_ran_with(tmp_path, tiny_cfg):
+    """Resuming a pipeline (or a study), a finished run stands for the run asked for only if
+    it ran with the same settings; otherwise the first differing field is named, and the
+    finished run is left as it is. Settings that cannot have changed it may differ."""
+    import pytest
+
+    from rayrep.config import ConfigError
+    from rayrep.pipeline import run_stage
+
+    cfg = tiny_cfg.replace(**{"algorithm.name": "grpo", "logging.out_dir": str(tmp_path), "logging.run_name": "baseline"})
+    run = tmp_path / "baseline"
+    (run / "checkpoints" / "final").mkdir(parents=True)
+    (run / "config.json").write_text(cfg.to_json())
+    evals = [{"step": 0, "test_pass@1": 0.2}, {"step": 60, "test_pass@1": 0.3}]
+    (run / "evals.json").write_text(json.dumps(evals))
+    before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
+
+    # the same run: reused (no training: this test starts no Ray cluster)
+    harmless = {"logging.plots": False, "run.start_eval": str(tmp_path / "other"), "algorithm.exgrpo.start_pass_rate": 0.2,
+                "algorithm.rlep.replays_per_group": 4}
+    for changes in ({}, harmless):
+        reused = run_stage(cfg.replace(**changes), resume=True, log=lambda _: None)
+        assert (reused.run_dir, reused.final_checkpoint, reused.evals) == (run, str(run / "checkpoints" / "final"), evals)
+    for changes, named in [({"learner.lr": 2e-4}, "learner.lr = 0.0001, not the 0.0002"),
+                           ({"run.seed": 1}, "run.seed = 0, not the 1"),
+                           ({"algorithm.std_normalize": False}, "algorithm.std_normalize = True, not the False")]:
+        with pytest.raises(ConfigError, match=f"{run} finished with {named} asked for now"):
+            run_stage(cfg.replace(**changes), resume=True, log=lambda _: None)
+    assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before  # nothing written
+    # an RLEP run's own section counts
+    rlep = cfg.replace(**{"algorithm.name": "rlep", "algorithm.rlep.pool": "pool.parquet"})
+    (run / "config.json").write_text(rlep.to_json())
+    with pytest.raises(ConfigError, match="algorithm.rlep.replays_per_group = 2, not the 4"):
+        run_stage(rlep.replace(**{"algorithm.rlep.replays_per_group": 4}), resume=True, log=lambda _: None)
