@@ -115,7 +115,8 @@ def report(out: Path, arms: list[str], seeds: list[int], preset: str, log) -> di
     for arm, arm_seeds in found.items():
         # How much each arm replayed: an arm that never replayed (say, ExGRPO whose batches
         # never reach its start pass rate) measured something else than replay.
-        summary["arms"][arm]["replay_share"] = sum(mean_replay_share(out / f"seed-{seed}" / arm) for seed in arm_seeds) / len(arm_seeds)
+        shares = [mean_replay_share(out / f"seed-{seed}" / arm) for seed in arm_seeds]
+        summary["arms"][arm]["replay_share"] = sum(shares) / len(shares)
     plot = plot_study(curves, out / "study.png", title=f"test pass@1 on {preset}: mean +/- SE over seeds")
     (out / "study.json").write_text(json.dumps(summary, indent=2))
     log(study_table(summary))

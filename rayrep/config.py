@@ -618,7 +618,9 @@ def resume_base(run_dir: str) -> dict:
     return data
 
 
-def differing_fields(theirs: dict, ours: dict, keep: Callable[[str], bool] = lambda name: True) -> list[tuple[str, Any, Any]]:
+def differing_fields(
+    theirs: dict, ours: dict, keep: Callable[[str], bool] = lambda name: True
+) -> list[tuple[str, Any, Any]]:
     """`(section.field, their value, our value)` for every field where two configs as
     `Config.to_json` writes them (a run's `config.json`) differ, by name; only the names
     `keep` accepts. A field one of them lacks counts as None."""

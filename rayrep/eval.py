@@ -398,7 +398,8 @@ def known_start_evaluation(cfg: Config) -> dict:
     if not (isinstance(evals, list) and evals and isinstance(evals[0], dict) and evals[0].get("step") == 0):
         raise ConfigError(f"run.start_eval: {folder / 'evals.json'} has no step-0 evaluation")
     mine = json.loads(cfg.to_json())  # as the other run saved its own (lists, not tuples)
-    differences = differing_fields(other, mine, keep=lambda name: name.split(".")[0] in START_SECTIONS or name == "run.seed")
+    differences = differing_fields(
+        other, mine, keep=lambda name: name.split(".")[0] in START_SECTIONS or name == "run.seed")
     if differences:
         name, there, here = differences[0]
         raise ConfigError(f"run.start_eval: {folder} started otherwise: {name} = {there!r} there, {here!r} here")

@@ -118,7 +118,8 @@ def run_stage(cfg: Config, resume: bool, log=print, restarts: int = 0):
         if finished_run(run_dir):
             check_finished_run(cfg, run_dir)
             log(f"{run_dir}: finished before, reused")
-            return RunResult(run_dir, str(run_dir / "checkpoints" / "final"), json.loads((run_dir / "evals.json").read_text()))
+            evals = json.loads((run_dir / "evals.json").read_text())
+            return RunResult(run_dir, str(run_dir / "checkpoints" / "final"), evals)
         if latest_checkpoint(run_dir) is not None:
             return train_resuming(cfg, log=log, resume=True, restarts=restarts)
         keep_metrics_until(run_dir / "metrics.jsonl", -1)  # a start that saved nothing: start over
