@@ -14,10 +14,7 @@ STAMP  := $(VENV)/.installed-$(EXTRAS)
 run: $(STAMP)
 	$(PY) jobs/rlep.py
 
-# The embedded policy is built (minutes, once: it is cached) before the tests start, so that
-# no test's time limit includes the build.
 test: $(STAMP)
-	$(PY) -c "from rayrep.config import load_preset; from rayrep.models import resolve_policy; resolve_policy(load_preset())"
 	$(PY) -m pytest --durations=25 tests
 
 venv: $(STAMP)

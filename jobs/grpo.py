@@ -9,8 +9,8 @@ from rayrep.config import job_parser, parse_job_args, run_job
 
 
 def main(argv: list[str]):
-    parser = job_parser(__doc__)
-    args, cfg = parse_job_args(parser, argv + ["--algorithm.name", "grpo"])
+    parser = job_parser(__doc__, sets={"algorithm.name": "the baseline, grpo; jobs/train.py runs any algorithm"})
+    args, cfg = parse_job_args(parser, argv)
 
     from rayrep.train import train_resuming
 

@@ -19,7 +19,10 @@ from rayrep.pipeline import compare_with_baseline
 
 
 def main(argv: list[str]) -> dict:
-    parser = job_parser(__doc__)
+    parser = job_parser(__doc__, sets={
+        "algorithm.name": "grpo for the baseline, rlep for the method; jobs/train.py runs one algorithm",
+        "algorithm.rlep.pool": "from the collect stage; --pool replays a pool of your own",
+    })
     parser.add_argument("--baseline-checkpoint", help="skip the baseline run: use this checkpoint (its run's evals.json if any)")
     parser.add_argument("--pool", help="skip collection: replay this experience pool")
     parser.add_argument("--out", help="pipeline folder (default: runs/rlep-pipeline-<time>)")

@@ -43,7 +43,7 @@ def option(default: Any, doc: str, *, min: float | None = None, max: float | Non
 
 @dataclass
 class DataConfig:
-    train_files: tuple[str, ...] = option((), "prompt sets (jsonl/parquet, verl/DAPO rows) to train on; empty: the embedded arithmetic task")
+    train_files: tuple[str, ...] = option((), "prompt sets (jsonl/json/parquet; verl/DAPO rows, or plain prompt/question + answer rows) to train on; empty: the embedded arithmetic task")
     test_files: tuple[str, ...] = option((), "prompt sets to evaluate on; empty: the embedded task's test split")
     arithmetic_levels: tuple[str, ...] = option(("add2", "sub2", "mix3"), "difficulty levels of the embedded arithmetic task")
     arithmetic_train_size: int = option(20000, "train questions of the embedded task", min=1)
@@ -60,7 +60,6 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = option("float32", "compute dtype of rollouts and training; the learner keeps fp32 master weights and optimizer state")
     rope_theta: float = option(0.0, "override the checkpoint's RoPE base (ExGRPO: 40000, with a longer context); 0: keep it", min=0.0)
     max_position_embeddings: int = option(0, "override the checkpoint's positions (ExGRPO: 16384); 0: keep it", min=0)
-    cache_dir: str = option("", "where the embedded tiny policy is built and cached; empty: $RAYREP_CACHE_DIR or ~/.cache/rayrep")
     tiny_hidden_size: int = option(128, "hidden size of the embedded tiny policy", min=32)
     tiny_layers: int = option(4, "transformer layers of the embedded tiny policy", min=1)
     tiny_warm_start_problems: int = option(20000, "train problems of the embedded task the tiny policy is warm-started on", min=1)
@@ -558,11 +557,21 @@ def load_preset(name: str = DEFAULT_PRESET) -> Config:
     return from_dict(_parse_toml(*_preset_text(name)))
 
 
-def help_text() -> str:
-    lines = ["config fields (override with --<field> VALUE):"]
+def help_text(cfg: Config | None = None, origin: str = "") -> str:
+    """Every field with its type, value and doc: the values of `cfg` (from `origin`, a preset
+    or a run's config), else the schema's defaults."""
+    values = cfg.to_dict() if cfg is not None else None
+    lines = [f"config fields, as {origin} sets them (override with --<field> VALUE):" if origin
+             else "config fields (override with --<field> VALUE):"]
     for name, kind, f in _field_specs():
         type_name = getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
-        lines.append(f"  --{name} ({type_name}, default {f.default!r}): {f.metadata.get('doc', '')}")
+        value = f.default
+        if values is not None:
+            value = values
+            for part in name.split("."):
+                value = value[part]
+            value = tuple(value) if isinstance(value, list) else value
+        lines.append(f"  --{name} ({type_name}, default {value!r}): {f.metadata.get('doc', '')}")
     return "\n".join(lines)
 
 
@@ -638,19 +647,21 @@ def differing_fields(
     return [(name, a.get(name), b.get(name)) for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
 
 
-def job_parser(description: str, trains: bool = True, dry_run: bool = True):
+def job_parser(description: str, trains: bool = True, dry_run: bool = True, sets: dict[str, str] | None = None):
     """An argparse parser for a job's own flags; config fields go to `parse_job_args`.
 
     Every job takes `--dry-run`: print the placement plan and, for a GPU run, the memory
     plan, then stop, starting nothing (exit 2 when the plan cannot fit). `trains`: the job
     starts learners (a training run), not only generators and verifiers. `dry_run=False`:
-    the job has no such plan and defines its own `--dry-run` (the server).
+    the job has no such plan and defines its own `--dry-run` (the server). `sets`: config
+    fields the job sets itself, each with how: a config that gives one of them another value
+    than its default is refused, not silently overridden.
     """
     import argparse
 
     parser = argparse.ArgumentParser(
         description=description,
-        epilog="Any config field can be set too, e.g. --preset tiny-cpu --learner.lr 1e-5.\n\n" + help_text(),
+        epilog=_EPILOG + help_text(load_preset(), f"preset {DEFAULT_PRESET}"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     if dry_run:
@@ -665,8 +676,42 @@ def job_parser(description: str, trains: bool = True, dry_run: bool = True):
                             help="when a learner dies, continue the run from its latest complete checkpoint "
                                  "on its own, up to N times (default 3); without it the job stops and says "
                                  "how to resume")
-    parser.set_defaults(trains=trains, plans=dry_run)
+    parser.set_defaults(trains=trains, plans=dry_run, sets=sets or {})
     return parser
+
+
+_EPILOG = "Any config field can be set too, e.g. --preset tiny-cpu --learner.lr 1e-5.\n\n"
+
+
+def _help_config(argv: list[str]) -> tuple[Config, str]:
+    """The config that `--help` describes, and where it comes from: the `--preset` and
+    `--config` files of `argv` (the default preset when they do not load)."""
+    preset, files, args = DEFAULT_PRESET, [], list(argv)
+    while args:
+        key, has_value, value = args.pop(0).partition("=")
+        if key in ("--preset", "--config"):
+            if not has_value:
+                value = args.pop(0) if args else ""
+            if key == "--preset":
+                preset = value
+            else:
+                files.append(value)
+    try:
+        return parse_cli(["--preset", preset, *[arg for path in files for arg in ("--config", path)]]), \
+            " + ".join([f"preset {preset}", *files])
+    except ConfigError:
+        return load_preset(), f"preset {DEFAULT_PRESET}"
+
+
+def _check_job_sets(parser, cfg: Config) -> None:
+    """Refuse a config that sets a field the job sets itself (`job_parser(sets=...)`)."""
+    defaults = {name: f.default for name, _, f in _field_specs()}
+    for name, how in parser.get_default("sets").items():
+        value = cfg.to_dict()
+        for part in name.split("."):
+            value = value[part]
+        if value != defaults[name]:
+            raise ConfigError(f"{name} = {value!r}: {parser.prog} sets it itself ({how}); leave it out")
 
 
 def parse_job_args(parser, argv: list[str] | None = None):
@@ -675,9 +720,13 @@ def parse_job_args(parser, argv: list[str] | None = None):
     A config error exits with status 2 and the message, before anything starts; so does
     `--dry-run`, after printing the plans (status 0 when they fit).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:  # the values the chosen preset (and config files) set
+        parser.epilog = _EPILOG + help_text(*_help_config(argv))
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = parse_cli(rest, base=resume_base(args.resume) if getattr(args, "resume", None) else None)
+        _check_job_sets(parser, cfg)
         if getattr(args, "auto_resume", 0) < 0:
             raise ConfigError(f"--auto-resume {args.auto_resume}: the number of restarts cannot be negative")
         if getattr(args, "resume", None) == "" and not cfg.logging.run_name:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from rayrep.config import Config, InputError
+from rayrep.library_output import LIBRARY_LOG_ENV
 
 
 class PlacementError(InputError):
@@ -191,13 +192,17 @@ def make_plan(cfg: Config, learners: bool = True) -> Plan:
 class Placement:
     """The placement groups of a plan, created and ready; hands out actor options per slot."""
 
-    def __init__(self, plan: Plan, timeout_s: float = 600, can_grow: str = "auto", log=print):
+    def __init__(self, plan: Plan, timeout_s: float = 600, can_grow: str = "auto", log=print,
+                 library_log: str | None = None):
         """Checks the plan against the cluster first (`check_fits`), then creates the groups
-        and waits for them, logging what is pending every 30 s, up to `timeout_s`."""
+        and waits for them, logging what is pending every 30 s, up to `timeout_s`.
+        `library_log`: the file every actor placed here sends its libraries' output to
+        (`rayrep.library_output`); None: they print it, and Ray forwards it to the driver."""
         import ray
         from ray.util.placement_group import placement_group
 
         self.plan = plan
+        self.library_log = library_log
         check_fits(plan, can_grow)
         self.groups = {
             name: placement_group(bundles, strategy=plan.strategies[name], name=f"rayrep-{name}")
@@ -233,7 +238,7 @@ class Placement:
         slot = self.plan.slots[role][index]
         resources = dict(slot.resources)
         num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
-        return {
+        options = {
             "num_cpus": num_cpus,
             "num_gpus": num_gpus,
             "resources": resources,  # a CPU node's marker, if any
@@ -241,6 +246,9 @@ class Placement:
                 placement_group=self.groups[slot.group], placement_group_bundle_index=slot.bundle
             ),
         }
+        if self.library_log:  # merged with the job's runtime_env (its working_dir stays)
+            options["runtime_env"] = {"env_vars": {LIBRARY_LOG_ENV: self.library_log}}
+        return options
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -6,9 +6,11 @@ weight sync between them, and, for the replay methods, the replay buffer's shard
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
@@ -16,6 +18,7 @@ from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
+from rayrep.library_output import LIBRARY_LOG
 from rayrep.memory import check_memory
 from rayrep.models import check_context
 from rayrep.placement import Placement, Plan, make_plan
@@ -32,11 +35,14 @@ def connect_ray(plan: Plan) -> bool:
     """
     if ray.is_initialized():
         return False
+    # Ray's own notices (a local instance started, token authentication on) only at ERROR:
+    # the terminal is for the run's progress. Actors' output still reaches it (log_to_driver),
+    # where they do not send it to the run's log file.
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=True)
+        ray.init(log_to_driver=True, logging_level=logging.ERROR)
         return False
     cpus = max(os.cpu_count() or 1, math.ceil(plan.total.get("CPU", 1)))
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.ERROR)
     return True
 
 
@@ -54,10 +60,11 @@ class Runtime:
 
     @staticmethod
     def start(cfg: Config, model_path: str, train: bool = True, policy_version: int = 0,
-              generator_path: str | None = None) -> "Runtime":
+              generator_path: str | None = None, log_dir: str | Path | None = None) -> "Runtime":
         """Every role's actors; `train=False` starts generators and verifiers only (sampling jobs).
         `generator_path`: the generators' weights when they are not `model_path`'s (a resumed
-        run's checkpoint), of policy version `policy_version`.
+        run's checkpoint), of policy version `policy_version`. The actors' library output
+        goes to `libraries.log` in `log_dir` (a run's folder; default: `logging.out_dir`).
 
         What cannot work fails first: a context longer than the policy's positions, a GPU
         plan that does not fit in memory."""
@@ -65,7 +72,9 @@ class Runtime:
         check_memory(cfg, trains=train)
         plan = make_plan(cfg, learners=train)
         started_ray = connect_ray(plan)
-        placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow)
+        library_log = Path(log_dir or cfg.logging.out_dir).resolve() / LIBRARY_LOG
+        placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
+                              library_log=str(library_log))
         generators = GeneratorPool.create(cfg, generator_path or model_path, placement, policy_version)
         verifiers = VerifierPool.create(cfg, placement)
         learners = sync = buffer = None

@@ -26,6 +26,7 @@ from rayrep.config import Config, InputError
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.eval import evaluate, known_start_evaluation
 from rayrep.learner import LearnerDied
+from rayrep.library_output import LIBRARY_LOG
 from rayrep.metrics import MetricsLog, plot_run, step_fields
 from rayrep.models import resolve_policy
 from rayrep.progress import Progress
@@ -87,7 +88,8 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
     # A resumed run's generators start from the checkpoint's weights; its learners from the
     # base policy, whose every weight the learner checkpoint's fp32 masters then replace.
     runtime = Runtime.start(cfg, model_path, policy_version=state.policy_version if state else 0,
-                            generator_path=str(checkpoint) if checkpoint else None)
+                            generator_path=str(checkpoint) if checkpoint else None, log_dir=run_dir)
+    log(f"run folder: {run_dir} (libraries' output: {LIBRARY_LOG} there)")
     metrics = MetricsLog(run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_mode)
 
     def evaluation(step: int) -> dict:

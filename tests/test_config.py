@@ -184,3 +184,33 @@ def test_job_parser_separates_job_flags_and_exits_on_config_errors(capsys):
         parse_job_args(parser, ["--learner.lr", "oops"])
     assert exit_info.value.code == 2
     assert "learner.lr: expected a number, got 'oops'" in capsys.readouterr().err
+
+
+def test_help_shows_the_values_of_the_chosen_preset(capsys):
+    """`--help` lists each field with the value the preset (and config files) give it, not
+    the schema's default."""
+    for argv, steps, origin in ((["--help"], 60, "preset tiny-cpu"),
+                                (["--preset", "qwen2.5-math-7b-rlep", "-h"], 400, "preset qwen2.5-math-7b-rlep"),
+                                (["--preset=tiny-cpu-hard", "--help"], 60, "preset tiny-cpu-hard")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_job_args(job_parser("demo"), argv)
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert f"config fields, as {origin} sets them" in out
+        assert f"  --run.steps (int, default {steps}): rollout steps" in out
+    assert "--generator.max_response_tokens (int, default 72)" in out  # tiny-cpu-hard's, not tiny-cpu's 48
+
+
+def test_a_job_refuses_a_setting_it_sets_itself(tmp_path, capsys):
+    """A field the job sets (jobs/grpo.py: the algorithm) given another value, on the command
+    line or in a config file, stops the job with its name; the value the job uses passes."""
+    parser = job_parser("demo", sets={"algorithm.name": "the baseline"})
+    assert parse_job_args(parser, ["--algorithm.name", "grpo"])[1].algorithm.name == "grpo"
+    user = tmp_path / "mine.toml"
+    user.write_text('[algorithm]\nname = "exgrpo"\n')
+    for argv in (["--algorithm.name", "rlep"], ["--config", str(user)]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_job_args(parser, argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "algorithm.name = " in err and "sets it itself (the baseline); leave it out" in err

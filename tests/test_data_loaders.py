@@ -1,4 +1,4 @@
-"""Prompt files in the verl / DAPO row format: round trips, verl-written parquet, errors."""
+"""Prompt files in the verl / DAPO row format and the plain one: round trips, verl-written parquet, errors."""
 
 from __future__ import annotations
 
@@ -94,6 +94,41 @@ def test_saved_rows_are_in_the_verl_format(tmp_path):
         "extra_info": {"index": "chat-1"},
     }
     assert rows[1]["extra_info"] == {"index": "ünï-2"}
+
+
+def test_plain_rows_load_as_verl_rows_do(tmp_path):
+    """Hand-made rows with a `prompt` or `question` and an `answer` give the same prompts as
+    the verl rows of the same questions; what else they carry stays in extra; they round-trip."""
+    plain = write_jsonl(tmp_path / "plain.jsonl", [
+        {"prompt": "What is 6+7?", "answer": "13"},
+        {"question": "What is 2*3?", "answer": 6, "level": "easy"},
+    ])
+    (tmp_path / "verl").mkdir()  # the same file name: the data source (the file's stem) is the same
+    verl = write_jsonl(tmp_path / "verl" / "plain.jsonl", [
+        {"prompt": "What is 6+7?", "reward_model": {"ground_truth": "13"}},
+        {"prompt": "What is 2*3?", "reward_model": {"ground_truth": "6"}},
+    ])
+    loaded = load_prompts(plain)
+    assert core(loaded) == core(load_prompts(verl))
+    assert [p.ground_truth for p in loaded] == ["13", "6"] and loaded[1].extra == {"level": "easy"}
+    assert core(load_prompts(save_prompts(loaded, tmp_path / "out.parquet"))) == core(loaded)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"question": "What is 2*3?"}, "field 'reward_model' is missing (a plain row gives the ground truth as 'answer')"),
+        ({"answer": "6"}, "field 'prompt' is missing (a plain row gives the question as 'question' or 'prompt')"),
+        ({"question": "  ", "answer": "6"}, "field 'question' is empty"),
+        ({"question": "What is 2*3?", "answer": ""}, "field 'answer' is empty"),
+        ({"question": "What is 2*3?", "answer": [6]}, "field 'answer' must be a string or a number, got list"),
+    ],
+)
+def test_plain_rows_errors_name_their_field(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "plain.jsonl", [{"question": "What is 1+1?", "answer": "2"}, row])
+    with pytest.raises(PromptFileError) as error:
+        load_prompts(path)
+    assert str(error.value) == f"{path}, row 2: {message}"
 
 
 def test_jsonl_string_prompts_blank_lines_and_extra_fields(tmp_path):

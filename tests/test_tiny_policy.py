@@ -1,4 +1,5 @@
-"""The embedded tiny policy: tokenizer, build, caching, and loading in transformers and vLLM."""
+"""The embedded tiny policy: tokenizer, the build command, the shipped policies and their
+checks, and loading in transformers and vLLM."""
 
 import json
 import os
@@ -6,7 +7,9 @@ import os
 import pytest
 import torch
 
-from rayrep.models.tiny import TinyPolicySpec, ensure_tiny_policy
+from rayrep.config import InputError, load_preset, parse_cli
+from rayrep.models import resolve_policy, shipped_policy, tiny_spec
+from rayrep.models.tiny import SHIPPED, TinyPolicySpec, build_policy, read_record, weights_sha256
 from rayrep.models.tokenizer import build_char_tokenizer
 
 
@@ -41,32 +44,39 @@ def test_tokenizer_reloads_identically_through_auto_tokenizer(tmp_path):
 @pytest.fixture(scope="module")
 def small_build(tmp_path_factory):
     spec = TinyPolicySpec(num_train=300, warm_start_steps=3, warm_start_batch=8)
-    cache = tmp_path_factory.mktemp("cache")
-    return spec, cache, ensure_tiny_policy(spec, cache, log=lambda _: None)
+    out = tmp_path_factory.mktemp("build") / "policy"
+    return spec, out, build_policy(spec, out, log=lambda _: None, record={"preset": "test"})
 
 
-def test_build_writes_a_complete_checkpoint_and_is_cached(small_build):
-    spec, cache, path = small_build
+def test_build_writes_a_complete_checkpoint_and_replaces_one_whole(small_build):
+    spec, path, record = small_build
     files = set(os.listdir(path))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "rayrep_build.json"} <= files
-    assert json.loads((path / "rayrep_build.json").read_text())["cache_key"] == spec.cache_key()
-    assert [p.name for p in cache.iterdir()] == [path.name]  # no staging folders left
-    before = (path / "model.safetensors").stat().st_mtime_ns
-    calls = []
-    assert ensure_tiny_policy(spec, cache, log=calls.append) == path
-    assert calls == [] and (path / "model.safetensors").stat().st_mtime_ns == before
+    assert read_record(path) == record
+    assert (record["cache_key"], record["preset"]) == (spec.cache_key(), "test")
+    assert record["machine"] and record["torch"] == torch.__version__
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no staging folders left
+    # Built again into the same folder (a shipped policy rebuilt): replaced by the same weights.
+    again = build_policy(spec, path, log=lambda _: None, record={"preset": "test"})
+    assert again["weights_sha256"] == record["weights_sha256"] == weights_sha256(path)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    # A folder that holds something else is never overwritten.
+    other = path.parent / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty and not a tiny policy"):
+        build_policy(spec, other, log=lambda _: None)
+    assert (other / "notes.txt").read_text() == "mine"
+    (other / "notes.txt").unlink()
+    other.rmdir()
 
 
 def test_the_build_file_records_the_weights_hash(small_build, tmp_path):
-    """The hash covers every tensor's bytes: it matches a recomputation, changes with one
-    weight, and is added to the build file of a policy built before builds recorded it."""
+    """The hash covers every tensor's bytes: it matches a recomputation and changes with one weight."""
     from safetensors.torch import load_file, save_file
 
-    from rayrep.models.tiny import build_info, weights_sha256
-
-    _, _, path = small_build
-    recorded = json.loads((path / "rayrep_build.json").read_text())["weights_sha256"]
-    assert len(recorded) == 64 and recorded == weights_sha256(path)
+    _, path, record = small_build
+    assert len(record["weights_sha256"]) == 64 and record["weights_sha256"] == weights_sha256(path)
     changed = tmp_path / "changed"
     changed.mkdir()
     tensors = load_file(path / "model.safetensors")
@@ -74,11 +84,7 @@ def test_the_build_file_records_the_weights_hash(small_build, tmp_path):
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] = torch.nextafter(tensors[name].view(-1)[0], torch.tensor(1e9))  # one ulp
     save_file(tensors, changed / "model.safetensors")
-    assert weights_sha256(changed) != recorded
-    older = {k: v for k, v in json.loads((path / "rayrep_build.json").read_text()).items() if k != "weights_sha256"}
-    (changed / "rayrep_build.json").write_text(json.dumps(older))
-    assert build_info(changed)["weights_sha256"] == weights_sha256(changed)
-    assert json.loads((changed / "rayrep_build.json").read_text())["weights_sha256"] == weights_sha256(changed)
+    assert weights_sha256(changed) != record["weights_sha256"]
 
 
 def cpu_has_avx2() -> bool:
@@ -92,13 +98,99 @@ def test_the_build_pins_its_kernels_so_that_cpu_models_agree(small_build, tmp_pa
     instructions (what a CPU without AVX-512 gives it) builds the very same weights."""
     from rayrep.models.tiny import build_with_portable_kernels
 
-    spec, _, path = small_build
-    recorded = json.loads((path / "rayrep_build.json").read_text())
+    spec, path, recorded = small_build
     assert recorded["cpu_capability"] == "AVX2" and recorded["torch"] == torch.__version__
     other = tmp_path / "avx2-only"
     other.mkdir()
     stats = build_with_portable_kernels(spec, other, log=lambda _: None, env={"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
     assert stats["weights_sha256"] == recorded["weights_sha256"]
+
+
+def test_every_shipped_policy_is_whole_and_matches_its_preset():
+    """Each shipped policy: a loadable checkpoint whose weights hash to its build record, and
+    whose recipe is the one its preset describes today (a preset changed without a rebuild
+    fails here)."""
+    from transformers import AutoTokenizer
+
+    names = sorted(entry.name for entry in SHIPPED.iterdir())
+    assert names == ["tiny-cpu", "tiny-cpu-hard"]
+    for name in names:
+        record = read_record(SHIPPED / name)
+        assert weights_sha256(SHIPPED / name) == record["weights_sha256"], name
+        assert record["preset"] == name and record["cache_key"] == tiny_spec(load_preset(name)).cache_key()
+        assert {"torch", "cpu_capability", "machine", "parameters", "recipe_version"} <= set(record)
+        assert shipped_policy(tiny_spec(load_preset(name))) == SHIPPED / name
+        assert AutoTokenizer.from_pretrained(SHIPPED / name).eos_token == "<|endoftext|>"
+
+
+def test_resolving_the_tiny_policy_uses_the_shipped_one_and_names_its_hash():
+    lines = []
+    path = resolve_policy(load_preset("tiny-cpu-hard"), log=lines.append)
+    assert path == str(SHIPPED / "tiny-cpu-hard")
+    assert f"weights sha256 {read_record(path)['weights_sha256'][:16]}" in lines[0] and "shipped" in lines[0]
+
+
+def test_a_changed_shipped_policy_is_refused(tmp_path):
+    import shutil
+
+    root = tmp_path / "policies"
+    shutil.copytree(SHIPPED / "tiny-cpu", root / "tiny-cpu")
+    weights = root / "tiny-cpu" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor
+    weights.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"tiny-cpu: its weights hash to \w{16}, not to the \w{16} of its build "
+                                         r"record: the files were changed"):
+        shipped_policy(tiny_spec(load_preset("tiny-cpu")), root)
+
+
+def test_a_recipe_without_a_shipped_policy_is_refused_with_how_to_build_it(tmp_path):
+    """Nothing is built on first use: a config whose recipe no shipped policy has (a changed
+    warm start, a new build recipe) fails, naming what differs and the build command."""
+    import json
+    import shutil
+
+    cfg = parse_cli(["--model.tiny_warm_start_steps", "10"])
+    with pytest.raises(InputError) as refused:
+        resolve_policy(cfg)
+    message = str(refused.value)
+    assert "the closest, tiny-cpu, differs: model.tiny_warm_start_steps = 1300 there, 10 here." in message
+    assert "`python -m rayrep.models.tiny build --preset tiny-cpu ... --out DIR`" in message
+    assert f"--out {SHIPPED / 'tiny-cpu'}" in message
+    # A shipped policy of an older recipe version: refused, the version named.
+    root = tmp_path / "policies"
+    shutil.copytree(SHIPPED / "tiny-cpu", root / "tiny-cpu")
+    record = json.loads((root / "tiny-cpu" / "rayrep_build.json").read_text())
+    record.update(recipe_version=record["recipe_version"] - 1, cache_key="0" * 16)
+    (root / "tiny-cpu" / "rayrep_build.json").write_text(json.dumps(record))
+    with pytest.raises(InputError, match=r"differs: build recipe version \d+ there, \d+ here"):
+        shipped_policy(tiny_spec(load_preset("tiny-cpu")), root)
+
+
+def test_the_build_command_builds_what_a_preset_describes(tmp_path):
+    """`python -m rayrep.models.tiny build` (a few steps here): the recipe of the preset with
+    the overrides given, recorded with the preset's name; the folder then serves as
+    `model.path`."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    out = tmp_path / "mine"
+    overrides = ["--model.tiny_warm_start_steps", "3", "--model.tiny_warm_start_problems", "300"]
+    done = subprocess.run([sys.executable, "-m", "rayrep.models.tiny", "build", "--preset", "tiny-cpu-hard",
+                           *overrides, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "tiny policy ready: " in done.stdout and "weights sha256 " in done.stdout
+    record = read_record(out)
+    cfg = parse_cli(["--preset", "tiny-cpu-hard", *overrides])
+    assert (record["preset"], record["cache_key"]) == ("tiny-cpu-hard", tiny_spec(cfg).cache_key())
+    assert AutoConfig.from_pretrained(out).model_type == "qwen2"
+    assert resolve_policy(cfg.replace(**{"model.path": str(out)})) == str(out)
+    bad = subprocess.run([sys.executable, "-m", "rayrep.models.tiny", "build", "--model.tiny_layers", "0",
+                          "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "model.tiny_layers: 0 is below the minimum 1" in bad.stderr
+    assert not (tmp_path / "bad").exists()
 
 
 def test_cache_key_tracks_every_field():
@@ -185,7 +277,8 @@ def test_the_hard_preset_builds_on_its_own_levels_past_its_test_reserve(tmp_path
     longest = max(len(tokenizer(p.solution(2), add_special_tokens=False)["input_ids"]) + 1 for p in warm_start[:3000])
     assert longest <= budget, (longest, budget)
     small = dataclasses.replace(spec, num_train=200, warm_start_steps=3, warm_start_batch=8)
-    path = ensure_tiny_policy(small, tmp_path, log=lambda _: None)
+    path = tmp_path / "policy"
+    build_policy(small, path, log=lambda _: None)
     assert AutoConfig.from_pretrained(path).model_type == "qwen2"
     assert json.loads((path / "rayrep_build.json").read_text())["spec"]["levels"] == ["add3", "sub3", "mix4"]
 

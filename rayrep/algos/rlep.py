@@ -145,7 +145,7 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
     prompts = questions_to_collect(cfg, load_split(cfg.data, "train"))
     prompt_ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_tokens)
     start = time.perf_counter()
-    runtime = Runtime.start(cfg, checkpoint, train=False)
+    runtime = Runtime.start(cfg, checkpoint, train=False, log_dir=Path(out_path).parent)
     rows, kept_questions, samples = [], 0, 0
     recovery: Counter = Counter()
     progress = Progress(len(prompts), "collect", unit="question", log=log)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
+from rayrep.library_output import route_library_output
 from rayrep.types import Group, Rollout
 
 SOURCES = ("pool", "online")
@@ -384,6 +385,7 @@ class ReplayShard:
     """One shard's questions; see the module docstring."""
 
     def __init__(self, max_answers_per_question: int, seed: int = 0):
+        route_library_output()
         self.cap = max_answers_per_question
         """Stored answers kept per question, the oldest evicted beyond it; 0: no cap."""
         self.store = AnswerStore()

@@ -1,4 +1,4 @@
-"""Prompt sets from files in the verl / DAPO row format.
+"""Prompt sets from files in the verl / DAPO row format, or in the plain one.
 
 One row per question (DAPO-Math-17k, verl's preprocessed GSM8K and MATH, the RLEP pool)::
 
@@ -8,6 +8,10 @@ One row per question (DAPO-Math-17k, verl's preprocessed GSM8K and MATH, the RLE
      "reward_model": {"ground_truth": "34", "style": "rule"},
      "extra_info": {"index": "a1b2..."}}
 
+or, as hand-made files usually are, plain (`question` in place of `prompt` too)::
+
+    {"prompt": "What is 6 x 7?", "answer": "42"}
+
 `load_prompts` reads `.jsonl` (one object per line), `.json` (a list of objects) and
 `.parquet` files; `save_prompts` writes the same format, so the embedded task can be
 exported and any exported set read back.
@@ -16,9 +20,11 @@ What becomes of a row:
 
 - `prompt`, a chat list or a plain string (one user message), becomes `Prompt.messages`;
   each message keeps only its `role` and `content`.
+  A row without `prompt` takes its question from `question`.
 - `reward_model.ground_truth` becomes `Prompt.ground_truth` (integers and floats are
   turned into strings); the other `reward_model` keys (`style`, the RLEP pool's
-  `candidates`) are kept in `Prompt.extra["reward_model"]`.
+  `candidates`) are kept in `Prompt.extra["reward_model"]`. A row without `reward_model`
+  takes its ground truth from `answer`.
 - `data_source` becomes `Prompt.data_source`, the file's stem when the row has none.
 - Every other field (`ability`, `extra_info`, ...) goes into `Prompt.extra` untouched,
   except that top-level null fields (and null `reward_model` keys) are dropped: in a
@@ -44,8 +50,11 @@ from rayrep.types import Prompt
 ROLES = ("system", "user", "assistant")
 SUFFIXES = (".jsonl", ".json", ".parquet")
 _SUFFIX_LIST = ", ".join(SUFFIXES)
-# Row fields that become Prompt fields; every other field goes to Prompt.extra.
-_CORE_FIELDS = ("data_source", "prompt", "reward_model")
+# Where a row's question and ground truth are, verl / DAPO's field first, the plain one second.
+_QUESTION_FIELDS = ("prompt", "question")
+_ANSWER_FIELDS = ("reward_model", "answer")
+# The fields of a row as `save_prompts` writes it.
+_ROW_FIELDS = ("data_source", "prompt", "reward_model")
 
 
 class PromptFileError(InputError):
@@ -112,7 +121,7 @@ def load_prompts(path: str | Path) -> list[Prompt]:
             raise PromptFileError(err.message, path=path, row=row_number, field=err.field) from None
         previous = first_row_of_uid.setdefault(prompt.uid, row_number)
         if previous != row_number:
-            if uid_field == "prompt":
+            if uid_field in _QUESTION_FIELDS:
                 message = (
                     f"repeats the question of row {previous} (same data_source, prompt and "
                     f"ground_truth, hence the same uid {prompt.uid!r}); rows {previous} and "
@@ -188,14 +197,24 @@ def _parse_row(row, default_source: str) -> tuple[Prompt, str]:
     if not isinstance(row, dict):
         raise _RowError(None, f"a row must be an object, got {_type_name(row)}")
 
-    messages = _parse_messages(_required(row, "prompt"))
+    question_field = next((key for key in _QUESTION_FIELDS if key in row), "prompt")
+    if question_field not in row:
+        raise _RowError("prompt", "is missing (a plain row gives the question as 'question' or 'prompt')")
+    messages = _parse_messages(_required(row, question_field), question_field)
 
-    reward_model = _required(row, "reward_model")
-    if not isinstance(reward_model, dict):
-        raise _RowError("reward_model", f"must be an object, got {_type_name(reward_model)}")
-    ground_truth = _parse_ground_truth(
-        _required(reward_model, "ground_truth", "reward_model.ground_truth")
-    )
+    answer_field = next((key for key in _ANSWER_FIELDS if key in row), None)
+    reward_model = {}
+    if answer_field is None:
+        raise _RowError("reward_model", "is missing (a plain row gives the ground truth as 'answer')")
+    if answer_field == "answer":
+        ground_truth = _parse_ground_truth(_required(row, "answer"), "answer")
+    else:
+        reward_model = _required(row, "reward_model")
+        if not isinstance(reward_model, dict):
+            raise _RowError("reward_model", f"must be an object, got {_type_name(reward_model)}")
+        ground_truth = _parse_ground_truth(
+            _required(reward_model, "ground_truth", "reward_model.ground_truth"), "reward_model.ground_truth"
+        )
 
     data_source = row.get("data_source")
     if data_source is None:
@@ -207,7 +226,8 @@ def _parse_row(row, default_source: str) -> tuple[Prompt, str]:
 
     # A null field is an absent one: parquet has a null wherever a row lacks a column, or
     # a struct lacks a key that other rows have.
-    extra = {key: value for key, value in row.items() if key not in _CORE_FIELDS and value is not None}
+    used = ("data_source", question_field, answer_field)
+    extra = {key: value for key, value in row.items() if key not in used and value is not None}
     reward_rest = {
         key: value for key, value in reward_model.items() if key != "ground_truth" and value is not None
     }
@@ -218,7 +238,7 @@ def _parse_row(row, default_source: str) -> tuple[Prompt, str]:
     if index is not None:
         uid, uid_field = index, "extra_info.index"
     else:
-        uid, uid_field = content_uid(data_source, messages, ground_truth), "prompt"
+        uid, uid_field = content_uid(data_source, messages, ground_truth), question_field
     return Prompt(uid, messages, ground_truth, data_source, extra), uid_field
 
 
@@ -232,18 +252,18 @@ def _required(mapping: dict, key: str, field: str | None = None):
     return value
 
 
-def _parse_messages(prompt) -> tuple[dict, ...]:
+def _parse_messages(prompt, name: str = "prompt") -> tuple[dict, ...]:
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise _RowError("prompt", "is empty")
-        return ({"role": "user", "content": _unicode(prompt, "prompt")},)
+            raise _RowError(name, "is empty")
+        return ({"role": "user", "content": _unicode(prompt, name)},)
     if not isinstance(prompt, (list, tuple)):
-        raise _RowError("prompt", f"must be a chat list or a string, got {_type_name(prompt)}")
+        raise _RowError(name, f"must be a chat list or a string, got {_type_name(prompt)}")
     if not prompt:
-        raise _RowError("prompt", "is empty")
+        raise _RowError(name, "is empty")
     messages = []
     for i, message in enumerate(prompt):
-        field = f"prompt[{i}]"
+        field = f"{name}[{i}]"
         if not isinstance(message, dict):
             raise _RowError(field, f"must be a {{role, content}} object, got {_type_name(message)}")
         role, content = message.get("role"), message.get("content")
@@ -253,12 +273,11 @@ def _parse_messages(prompt) -> tuple[dict, ...]:
             raise _RowError(f"{field}.content", f"must be a string, got {_type_name(content)}")
         messages.append({"role": role, "content": _unicode(content, f"{field}.content")})
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
-        raise _RowError("prompt", "has no non-empty user message")
+        raise _RowError(name, "has no non-empty user message")
     return tuple(messages)
 
 
-def _parse_ground_truth(value) -> str:
-    field = "reward_model.ground_truth"
+def _parse_ground_truth(value, field: str) -> str:
     if isinstance(value, bool):  # a bool is an int to Python, but never an answer
         raise _RowError(field, f"must be a string or a number, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
@@ -399,7 +418,7 @@ def _to_row(prompt: Prompt) -> dict:
         "data_source": prompt.data_source,
         "prompt": [{"role": m["role"], "content": m["content"]} for m in prompt.messages],
     }
-    row.update((key, value) for key, value in extra.items() if key not in _CORE_FIELDS)
+    row.update((key, value) for key, value in extra.items() if key not in _ROW_FIELDS)
     row["reward_model"] = {
         "ground_truth": prompt.ground_truth,
         **{key: value for key, value in reward_rest.items() if key != "ground_truth"},

@@ -11,6 +11,7 @@ import os
 import ray
 
 from rayrep.config import Config
+from rayrep.library_output import route_library_output
 from rayrep.sync.collective import WeightManifest
 from rayrep.types import Rollout
 
@@ -18,6 +19,7 @@ from rayrep.types import Rollout
 class GeneratorWorker:
     def __init__(self, cfg: Config, model_path: str, worker_index: int, threads: int, bundles: list[int],
                  version: int = 0):
+        route_library_output()  # before vLLM starts: its notices go to the run's log file
         import torch
 
         from rayrep.generator.engine import make_engine

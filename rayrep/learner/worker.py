@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from rayrep.config import Config
 from rayrep.learner.loss import mini_batch_totals, policy_loss
+from rayrep.library_output import route_library_output
 from rayrep.metrics import MetricSums
 from rayrep.sync.collective import WeightGroup, WeightManifest
 from rayrep.types import LossSpec, TrainBatch
@@ -74,6 +75,8 @@ def token_budget_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int)
 class LearnerWorker:
     def __init__(self, cfg: Config, rank: int, world_size: int, threads: int):
         from rayrep.placement import pinned_cores
+
+        route_library_output()
 
         cores = pinned_cores(cfg, "learner", rank, threads)
         if cores is not None:  # before any thread starts: the threads inherit it

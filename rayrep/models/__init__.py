@@ -32,22 +32,70 @@ def tiny_spec(cfg: Config):
     )
 
 
+# The config field behind each field of the recipe that a config sets (the others are fixed).
+RECIPE_FIELDS = {
+    "hidden_size": "model.tiny_hidden_size", "intermediate_size": "model.tiny_hidden_size",
+    "num_heads": "model.tiny_hidden_size", "num_kv_heads": "model.tiny_hidden_size",
+    "num_layers": "model.tiny_layers", "levels": "data.arithmetic_levels",
+    "num_train": "model.tiny_warm_start_problems", "task_seed": "data.arithmetic_seed",
+    "test_reserve": "data.arithmetic_test_reserve", "warm_start_steps": "model.tiny_warm_start_steps",
+    "warm_start_slips": "model.tiny_warm_start_slips", "warm_start_slip_steps": "model.tiny_warm_start_slip_steps",
+}
+
+
 def resolve_policy(cfg: Config, log=print) -> str:
-    """Path (or hub id) of the base policy; builds the tiny policy on first use."""
+    """Path (or hub id) of the base policy: for `model.path = "tiny"`, the shipped policy
+    built with the recipe the config describes, its weights checked against its record."""
     if cfg.model.path != "tiny":
         return cfg.model.path
-    from rayrep.models.tiny import build_info, ensure_tiny_policy
+    from rayrep.models.tiny import read_record
 
-    cache = Path(cfg.model.cache_dir) if cfg.model.cache_dir else None
-    path = ensure_tiny_policy(tiny_spec(cfg), cache, log=log)
+    path = shipped_policy(tiny_spec(cfg))
+    record = read_record(path)
     # Figures are comparable only between runs of the same base weights: say which.
-    info = build_info(path)
-    built_with = f"torch {info['torch']}, {info['cpu_capability']} kernels" if "torch" in info else "an earlier recipe"
-    log(f"policy: the embedded tiny policy {path.name}, weights sha256 {info['weights_sha256'][:16]} ({built_with})")
-    if info.get("cpu_capability") not in (None, "AVX2"):
-        log(f"note: this CPU built the tiny policy with {info['cpu_capability']} kernels, not AVX2: its weights differ "
-            f"from those AVX2 machines build, and so do the figures of its runs")
+    log(f"policy: the embedded tiny policy {path.name}, weights sha256 {record['weights_sha256'][:16]} "
+        f"(shipped; built with torch {record['torch']} on {record['machine']})")
     return str(path)
+
+
+def shipped_policy(spec, root: Path | None = None) -> Path:
+    """The folder of the shipped policy built with `spec`'s recipe; an InputError when its
+    files do not hash to its record, or when no shipped policy has that recipe (saying how
+    to build one)."""
+    from dataclasses import asdict
+
+    from rayrep.models.tiny import RECIPE_VERSION, SHIPPED, shipped_records, weights_sha256
+
+    root = Path(root or SHIPPED)
+    records = shipped_records(root)
+    for name, record in records.items():
+        if record["cache_key"] == spec.cache_key():
+            path = root / name
+            found = weights_sha256(path)
+            if found != record["weights_sha256"]:
+                raise InputError(
+                    f"{path}: its weights hash to {found[:16]}, not to the {record['weights_sha256'][:16]} of its "
+                    f"build record: the files were changed; reinstall rayrep, or rebuild them with "
+                    f"`python -m rayrep.models.tiny build --preset {name} --out {path}`")
+            return path
+    wanted = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(spec).items()}
+
+    def differences(record: dict) -> list[str]:
+        found = [f"{RECIPE_FIELDS.get(key, 'the fixed ' + key)} = {record['spec'].get(key)!r} there, {value!r} here"
+                 for key, value in wanted.items() if record["spec"].get(key) != value]
+        if record.get("recipe_version") != RECIPE_VERSION:
+            found.append(f"build recipe version {record.get('recipe_version')} there, {RECIPE_VERSION} here")
+        return list(dict.fromkeys(found))
+
+    if not records:
+        raise InputError(f"model.path = 'tiny': no tiny policy is shipped in {root}; reinstall rayrep")
+    closest = min(records, key=lambda name: len(differences(records[name])))
+    raise InputError(
+        f"model.path = 'tiny': no shipped tiny policy has the recipe this config describes; the closest, "
+        f"{closest}, differs: {'; '.join(differences(records[closest]))}. Build one with the same config "
+        f"arguments (`python -m rayrep.models.tiny build --preset {closest} ... --out DIR`, a few minutes) and "
+        f"pass --model.path DIR; to rebuild the shipped one after changing its recipe, "
+        f"--out {root / closest}")
 
 
 def config_overrides(cfg: Config, model_path: str) -> dict:

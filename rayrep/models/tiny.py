@@ -85,10 +85,6 @@ class TinyPolicySpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("RAYREP_CACHE_DIR", Path.home() / ".cache" / "rayrep"))
-
-
 def padded_vocab_size(tokenizer) -> int:
     """The embedding rows of the tiny policy: its tokenizer's size, rounded up to 8."""
     return 8 * math.ceil(len(tokenizer) / 8)
@@ -204,10 +200,12 @@ def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
     model.save_pretrained(out_dir, safe_serialization=True)
     stats = {
         "spec": asdict(spec),
+        "recipe_version": RECIPE_VERSION,
         "cache_key": spec.cache_key(),
         "weights_sha256": weights_sha256(out_dir),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": machine_name(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_loss": float(loss.item()),
         "build_seconds": round(time.monotonic() - start, 1),
@@ -219,7 +217,7 @@ def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
 def build_with_portable_kernels(spec: TinyPolicySpec, out_dir: Path, log=print, env: dict | None = None) -> dict:
     """`train_tiny_policy` in a new Python process with `PORTABLE_KERNELS` (and `env` on
     top); its lines go to `log`. Returns the build stats."""
-    command = [sys.executable, "-m", "rayrep.models.tiny", json.dumps(asdict(spec)), str(out_dir)]
+    command = [sys.executable, "-m", "rayrep.models.tiny", "warm-start", json.dumps(asdict(spec)), str(out_dir)]
     process = subprocess.Popen(command, env={**os.environ, **PORTABLE_KERNELS, **(env or {})},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -252,48 +250,96 @@ def weights_sha256(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def build_info(model_dir: Path) -> dict:
-    """The build file of a tiny policy; the weight hash is added (and saved) for a policy
-    built before builds recorded it."""
-    path = Path(model_dir) / "rayrep_build.json"
-    info = json.loads(path.read_text())
-    if "weights_sha256" not in info:
-        info["weights_sha256"] = weights_sha256(model_dir)
-        fd, temp = tempfile.mkstemp(prefix=path.name + ".", dir=model_dir)
-        with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(info, indent=2))
-        os.replace(temp, path)
-    return info
+def machine_name() -> str:
+    """The CPU model, as the build record names the machine a policy was built on."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return f"{line.partition(':')[2].strip()}, {os.cpu_count()} cores, {platform.machine()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
-def ensure_tiny_policy(spec: TinyPolicySpec = TinyPolicySpec(), cache_dir: Path | None = None, log=print) -> Path:
-    """Path of the tiny policy checkpoint for `spec`, building it on first use.
+BUILD_RECORD = "rayrep_build.json"
 
-    The build writes into a temporary directory that is renamed into place only when
-    complete, so an interrupted build never leaves a half-written checkpoint behind and
-    two concurrent builders never read each other's partial files.
+SHIPPED = Path(__file__).parent / "policies"
+"""The built policies that ship inside the package, one folder per preset: resolving
+`model.path = "tiny"` uses these, so that every machine starts from the same weights (a
+build repeats byte for byte on one CPU model only, even with `PORTABLE_KERNELS`)."""
+
+
+def build_policy(spec: TinyPolicySpec, out_dir: Path, log=print, record: dict | None = None) -> dict:
+    """Build the policy of `spec` into `out_dir` (with `PORTABLE_KERNELS`), `record` added to
+    its build record; returns the record.
+
+    The build writes into a folder beside `out_dir` that replaces it only when complete: an
+    interrupted build leaves nothing half-written, and an existing policy there (a shipped
+    one being rebuilt) stays as it was until the new one is whole.
     """
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / f"tiny-policy-{spec.cache_key()}"
-    if (target / "rayrep_build.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    log(f"building the tiny policy into {target} (cached for later runs)")
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=root))
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / BUILD_RECORD).exists():
+        raise FileExistsError(f"{out_dir}: not empty and not a tiny policy; choose a new folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         stats = build_with_portable_kernels(spec, staging, log=log)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "rayrep_build.json").exists():  # not a concurrent builder's win
-                raise
-        log(f"tiny policy ready: {stats['parameters']:,} parameters, built in {stats['build_seconds']} s")
+        stats.update(record or {})
+        (staging / BUILD_RECORD).write_text(json.dumps(stats, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return stats
 
 
-if __name__ == "__main__":  # the build process of `build_with_portable_kernels`
-    spec_fields = json.loads(sys.argv[1])
-    spec_fields["levels"] = tuple(spec_fields["levels"])
-    train_tiny_policy(TinyPolicySpec(**spec_fields), Path(sys.argv[2]), log=lambda line: print(line, flush=True))
+def read_record(policy_dir: Path) -> dict:
+    return json.loads((Path(policy_dir) / BUILD_RECORD).read_text())
+
+
+def shipped_records(root: Path = SHIPPED) -> dict[str, dict]:
+    """{folder name: build record} of the policies shipped in `root`."""
+    if not root.is_dir():
+        return {}
+    return {entry.name: read_record(entry) for entry in sorted(root.iterdir()) if (entry / BUILD_RECORD).is_file()}
+
+
+def main(argv: list[str]) -> None:
+    """`python -m rayrep.models.tiny build --preset NAME --out DIR [--section.field VALUE ...]`:
+    build the tiny policy the preset (with any overrides) describes. To change a shipped
+    policy, build into its folder, `rayrep/models/policies/NAME`."""
+    import argparse
+
+    if argv[:1] == ["warm-start"]:  # the build process of `build_with_portable_kernels`
+        spec_fields = json.loads(argv[1])
+        spec_fields["levels"] = tuple(spec_fields["levels"])
+        train_tiny_policy(TinyPolicySpec(**spec_fields), Path(argv[2]), log=lambda line: print(line, flush=True))
+        return
+    parser = argparse.ArgumentParser(prog="python -m rayrep.models.tiny", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="build a tiny policy from a preset's recipe")
+    build.add_argument("--out", required=True, help="folder of the built policy (replaced when complete)")
+    build.add_argument("--preset", default="tiny-cpu", help="the preset whose model and data fields give the recipe")
+    args, rest = parser.parse_known_args(argv)
+    from rayrep.config import ConfigError, parse_cli
+    from rayrep.models import tiny_spec
+
+    try:
+        spec = tiny_spec(parse_cli(["--preset", args.preset, *rest]))
+    except ConfigError as err:
+        parser.exit(2, f"{parser.prog}: config error: {err}\n")
+    preset = args.preset
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    log(f"building the tiny policy of {preset} (recipe {spec.cache_key()}) into {args.out}")
+    stats = build_policy(spec, Path(args.out), log=log, record={"preset": preset, "built_with": " ".join(rest)})
+    log(f"tiny policy ready: {stats['parameters']:,} parameters, weights sha256 {stats['weights_sha256'][:16]}, "
+        f"built in {stats['build_seconds']} s on {stats['machine']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

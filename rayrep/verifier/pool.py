@@ -27,6 +27,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rayrep.config import Config
 from rayrep.eval import maj_at_k
 from rayrep.generator.pool import PendingRollouts
+from rayrep.library_output import route_library_output
 from rayrep.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
@@ -72,6 +73,7 @@ class VerifierWorker:
     # A sync actor: its methods run one at a time on the main thread, and the sandbox
     # enforces the time limit from there.
     def __init__(self, timeout_s: float):
+        route_library_output()
         self.timeout_s = timeout_s
         self.sandbox = MathSandbox().start()
 
