@@ -13,6 +13,7 @@ then shuts Serve down; with --detach it deploys onto a running cluster and retur
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -50,10 +51,11 @@ def main(argv: list[str]) -> None:
     from ray import serve
 
     started_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    # Ray's start-up notices only at ERROR: the terminal is for the server's own lines.
     if started_ray:
-        ray.init(address="local", include_dashboard=False)
+        ray.init(address="local", include_dashboard=False, logging_level=logging.ERROR)
     else:
-        ray.init(ignore_reinit_error=True)
+        ray.init(ignore_reinit_error=True, logging_level=logging.ERROR)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # `ray job stop` sends SIGTERM; set after ray.init, which sets its own
         signal.signal(sig, lambda *_: stop.set())

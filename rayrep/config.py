@@ -56,7 +56,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = option("tiny", "Hugging Face checkpoint directory of the base policy; 'tiny': the embedded tiny policy")
+    path: str = option("tiny", "Hugging Face checkpoint directory of the base policy; 'tiny': the embedded tiny policy that ships for the recipe of model.tiny_* and data.arithmetic_* (tiny-cpu's, tiny-cpu-hard's)")
     dtype: Literal["float32", "bfloat16"] = option("float32", "compute dtype of rollouts and training; the learner keeps fp32 master weights and optimizer state")
     rope_theta: float = option(0.0, "override the checkpoint's RoPE base (ExGRPO: 40000, with a longer context); 0: keep it", min=0.0)
     max_position_embeddings: int = option(0, "override the checkpoint's positions (ExGRPO: 16384); 0: keep it", min=0)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real embedded tiny policy (built once, cached) and the default config."""
+"""Shared fixtures: the real embedded tiny policy (shipped in the package) and the default config."""
 
 import pytest
 
@@ -12,8 +12,7 @@ def tiny_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_policy(tiny_cfg) -> str:
-    """Path of the embedded tiny policy checkpoint (built on first use, ~6 min here: `make
-    test` builds it before pytest starts, outside every test's time limit)."""
+    """Path of the embedded tiny policy checkpoint of the default preset (shipped, hash checked)."""
     from rayrep.models import resolve_policy
 
     return resolve_policy(tiny_cfg)

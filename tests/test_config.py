@@ -22,8 +22,9 @@ def test_every_preset_loads_and_validates():
         assert isinstance(load_preset(name), Config)
 
 
-def test_presets_ship_inside_an_installed_wheel(tmp_path):
-    """Built as a wheel and imported from outside the source tree, the package still has its presets."""
+def test_presets_and_policies_ship_inside_an_installed_wheel(tmp_path):
+    """Built as a wheel and imported from outside the source tree, the package still has its
+    presets and its built tiny policies (weights, tokenizer, build record)."""
     import shutil
     import subprocess
     import sys
@@ -41,6 +42,11 @@ def test_presets_ship_inside_an_installed_wheel(tmp_path):
     (wheel,) = tmp_path.glob("rayrep-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(tmp_path / "site")
+        files = set(archive.namelist())
+    for preset in ("tiny-cpu", "tiny-cpu-hard"):
+        shipped = {f"rayrep/models/policies/{preset}/{name}" for name in
+                   ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "rayrep_build.json")}
+        assert shipped <= files, shipped - files
     code = ("import rayrep, rayrep.config as c; print(rayrep.__file__); print(*c.preset_names()); "
             "print(c.load_preset('qwen2.5-math-7b-rlep').learner.num_workers)")
     # The editable install's import hook would find the source tree first: -I ignores it

@@ -84,6 +84,11 @@ def test_grpo_runs_through_ray_job_submit(submitted_run):
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[-1]["policy_version"] == 2
     assert (run_dir / "checkpoints" / "final" / "model.safetensors").exists()
+    # The terminal has rayrep's lines; the actors' library output (vLLM's CPU-backend notices
+    # among it) went to the run's log file, through the actors' runtime_env merged with the job's.
+    terminal = submit.stdout + submit.stderr
+    assert "pid=" not in terminal, terminal[-3000:]  # Ray prefixes every forwarded actor line "(Role pid=N)"
+    assert "WARNING" in (run_dir / "libraries.log").read_text()
 
 
 def test_the_trained_policy_is_served_by_a_submitted_job_and_stopped_cleanly(ray_head, submitted_run):

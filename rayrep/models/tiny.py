@@ -2,8 +2,9 @@
 
 Built entirely by this code (no hub access): a random Qwen2, then a short supervised warm
 start on worked solutions of the embedded arithmetic task's train split. The result is an
-ordinary Hugging Face checkpoint directory that `transformers` and vLLM both load, cached
-by a hash of everything that determines it.
+ordinary Hugging Face checkpoint directory that `transformers` and vLLM both load. The
+policies of the presets ship built (`SHIPPED`): `python -m rayrep.models.tiny build` is for
+changing a recipe, not for first use.
 
 The warm start is made to leave room for RL, the way a pretrained model leaves room for
 RL on real reasoning: it first learns the arithmetic from clean solutions, then, in its
@@ -13,11 +14,11 @@ often right) yet sampling a careless one much of the time; RL with a verifier ca
 it to stop slipping within minutes on a CPU. Without the slips, a policy this small sits
 on a steep part of its learning curve, and what RL can gain in a few minutes is small.
 
-The same spec builds the same weights on every x86 CPU with AVX2: the build runs in a
-Python process of its own with the kernels pinned (`PORTABLE_KERNELS`). Left to choose,
-torch takes AVX-512 kernels where the CPU has them, and two CPU models then build two
-different policies (measured: another capability, another weight hash, from the first
-optimizer step on).
+The build runs in a Python process of its own with the kernels pinned (`PORTABLE_KERNELS`):
+left to choose, torch takes AVX-512 kernels where the CPU has them, and two CPU models
+build two policies from the first optimizer step on. Pinned, a build repeats byte for byte
+on one CPU model, yet still not across all of them (an AMD EPYC and an Intel Xeon built
+different weights): hence the shipped policies.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ It costs about 1.2x the build time of AVX-512 kernels (measured on an AMD EPYC).
 
 @dataclass(frozen=True)
 class TinyPolicySpec:
-    """Everything that determines the tiny policy's weights (the cache key)."""
+    """Everything that determines the tiny policy's weights (`cache_key` names the recipe)."""
 
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -333,10 +334,11 @@ def main(argv: list[str]) -> None:
         spec = tiny_spec(parse_cli(["--preset", args.preset, *rest]))
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
-    preset = args.preset
-    log = lambda line: print(line, flush=True)  # noqa: E731
-    log(f"building the tiny policy of {preset} (recipe {spec.cache_key()}) into {args.out}")
-    stats = build_policy(spec, Path(args.out), log=log, record={"preset": preset, "built_with": " ".join(rest)})
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    log(f"building the tiny policy of {args.preset} (recipe {spec.cache_key()}) into {args.out}")
+    stats = build_policy(spec, Path(args.out), log=log, record={"preset": args.preset, "built_with": " ".join(rest)})
     log(f"tiny policy ready: {stats['parameters']:,} parameters, weights sha256 {stats['weights_sha256'][:16]}, "
         f"built in {stats['build_seconds']} s on {stats['machine']}")
 

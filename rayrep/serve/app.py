@@ -25,6 +25,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from rayrep.config import Config, InputError
+from rayrep.library_output import LIBRARY_LOG, LIBRARY_LOG_ENV, route_library_output
 from rayrep.serve import openai_api as oai
 
 api = FastAPI(title="rayrep policy server", docs_url=None, redoc_url=None)
@@ -95,6 +96,7 @@ def model_name(checkpoint: str) -> str:
 @serve.ingress(api)
 class PolicyServer:
     def __init__(self, cfg: Config, checkpoint: str, name: str):
+        route_library_output()  # before the engine process starts: it inherits the file
         from transformers import AutoTokenizer
 
         from rayrep.generator.engine import configure_vllm_env, engine_args
@@ -287,6 +289,9 @@ def deployment_options(cfg: Config) -> dict:
         # Ray worker per GPU bundle of the replica's placement group.
         options["placement_group_bundles"] = [{"CPU": s.cpus_per_replica}] + [{"GPU": 1}] * tp
         options["placement_group_strategy"] = "STRICT_PACK"
+    # vLLM's notices (the replica's and its engine process's) go to a log file, not the terminal.
+    library_log = Path(cfg.logging.out_dir).resolve() / "serve" / LIBRARY_LOG
+    actor["runtime_env"] = {"env_vars": {LIBRARY_LOG_ENV: str(library_log)}}
     options["ray_actor_options"] = actor
     return options
 
