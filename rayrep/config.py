@@ -543,6 +543,12 @@ def _merge(base: dict, update: dict) -> dict:
     return merged
 
 
+def _get_dotted(data: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     *sections, leaf = dotted.split(".")
     for section in sections:
@@ -565,12 +571,8 @@ def help_text(cfg: Config | None = None, origin: str = "") -> str:
              else "config fields (override with --<field> VALUE):"]
     for name, kind, f in _field_specs():
         type_name = getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
-        value = f.default
-        if values is not None:
-            value = values
-            for part in name.split("."):
-                value = value[part]
-            value = tuple(value) if isinstance(value, list) else value
+        value = f.default if values is None else _get_dotted(values, name)
+        value = tuple(value) if isinstance(value, list) else value
         lines.append(f"  --{name} ({type_name}, default {value!r}): {f.metadata.get('doc', '')}")
     return "\n".join(lines)
 
@@ -707,9 +709,7 @@ def _check_job_sets(parser, cfg: Config) -> None:
     """Refuse a config that sets a field the job sets itself (`job_parser(sets=...)`)."""
     defaults = {name: f.default for name, _, f in _field_specs()}
     for name, how in parser.get_default("sets").items():
-        value = cfg.to_dict()
-        for part in name.split("."):
-            value = value[part]
+        value = _get_dotted(cfg.to_dict(), name)
         if value != defaults[name]:
             raise ConfigError(f"{name} = {value!r}: {parser.prog} sets it itself ({how}); leave it out")
 

@@ -32,15 +32,15 @@ def tiny_spec(cfg: Config):
     )
 
 
-# The config field behind each field of the recipe that a config sets (the others are fixed).
+# The config field behind each field of the recipe that a config sets; the sizes derived from
+# the hidden size follow it, and the other fields are fixed.
 RECIPE_FIELDS = {
-    "hidden_size": "model.tiny_hidden_size", "intermediate_size": "model.tiny_hidden_size",
-    "num_heads": "model.tiny_hidden_size", "num_kv_heads": "model.tiny_hidden_size",
-    "num_layers": "model.tiny_layers", "levels": "data.arithmetic_levels",
+    "hidden_size": "model.tiny_hidden_size", "num_layers": "model.tiny_layers", "levels": "data.arithmetic_levels",
     "num_train": "model.tiny_warm_start_problems", "task_seed": "data.arithmetic_seed",
     "test_reserve": "data.arithmetic_test_reserve", "warm_start_steps": "model.tiny_warm_start_steps",
     "warm_start_slips": "model.tiny_warm_start_slips", "warm_start_slip_steps": "model.tiny_warm_start_slip_steps",
 }
+DERIVED = ("intermediate_size", "num_heads", "num_kv_heads")
 
 
 def resolve_policy(cfg: Config, log=print) -> str:
@@ -82,10 +82,10 @@ def shipped_policy(spec, root: Path | None = None) -> Path:
 
     def differences(record: dict) -> list[str]:
         found = [f"{RECIPE_FIELDS.get(key, 'the fixed ' + key)} = {record['spec'].get(key)!r} there, {value!r} here"
-                 for key, value in wanted.items() if record["spec"].get(key) != value]
+                 for key, value in wanted.items() if record["spec"].get(key) != value and key not in DERIVED]
         if record.get("recipe_version") != RECIPE_VERSION:
             found.append(f"build recipe version {record.get('recipe_version')} there, {RECIPE_VERSION} here")
-        return list(dict.fromkeys(found))
+        return found
 
     if not records:
         raise InputError(f"model.path = 'tiny': no tiny policy is shipped in {root}; reinstall rayrep")
