@@ -47,6 +47,9 @@ def main(argv: list[str]) -> None:
         print(f"deployment: {deployment_options(cfg)}")
         return
 
+    from rayrep.generator.engine import check_vllm_version
+
+    check_vllm_version()  # before Ray starts: a replica would fail later, and less clearly
     import ray
     from ray import serve
 

@@ -16,6 +16,7 @@ import ray
 
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
+from rayrep.generator.engine import check_vllm_version
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
 from rayrep.library_output import LIBRARY_LOG
@@ -66,8 +67,9 @@ class Runtime:
         run's checkpoint), of policy version `policy_version`. The actors' library output
         goes to `libraries.log` in `log_dir` (a run's folder; default: `logging.out_dir`).
 
-        What cannot work fails first: a context longer than the policy's positions, a GPU
-        plan that does not fit in memory."""
+        What cannot work fails first: a vLLM of another release than the pinned one, a
+        context longer than the policy's positions, a GPU plan that does not fit in memory."""
+        check_vllm_version()
         check_context(cfg, model_path)
         check_memory(cfg, trains=train)
         plan = make_plan(cfg, learners=train)

