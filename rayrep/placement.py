@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 
 from rayrep.config import Config, InputError
-from rayrep.library_output import LIBRARY_LOG_ENV
 
 
 class PlacementError(InputError):
@@ -193,16 +192,16 @@ class Placement:
     """The placement groups of a plan, created and ready; hands out actor options per slot."""
 
     def __init__(self, plan: Plan, timeout_s: float = 600, can_grow: str = "auto", log=print,
-                 library_log: str | None = None):
+                 actor_env: dict[str, str] | None = None):
         """Checks the plan against the cluster first (`check_fits`), then creates the groups
         and waits for them, logging what is pending every 30 s, up to `timeout_s`.
-        `library_log`: the file every actor placed here sends its libraries' output to
-        (`rayrep.library_output`); None: they print it, and Ray forwards it to the driver."""
+        `actor_env`: environment variables every actor placed here starts with (the run's
+        library log, its NCCL settings: `rayrep.runtime.actor_environment`)."""
         import ray
         from ray.util.placement_group import placement_group
 
         self.plan = plan
-        self.library_log = library_log
+        self.actor_env = dict(actor_env or {})
         check_fits(plan, can_grow)
         self.groups = {
             name: placement_group(bundles, strategy=plan.strategies[name], name=f"rayrep-{name}")
@@ -246,8 +245,8 @@ class Placement:
                 placement_group=self.groups[slot.group], placement_group_bundle_index=slot.bundle
             ),
         }
-        if self.library_log:  # merged with the job's runtime_env (its working_dir stays)
-            options["runtime_env"] = {"env_vars": {LIBRARY_LOG_ENV: self.library_log}}
+        if self.actor_env:  # merged with the job's runtime_env (its working_dir stays)
+            options["runtime_env"] = {"env_vars": dict(self.actor_env)}
         return options
 
     def remove(self) -> None:

@@ -19,10 +19,11 @@ from rayrep.config import Config
 from rayrep.generator.engine import check_vllm_version
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
-from rayrep.library_output import LIBRARY_LOG
+from rayrep.library_output import LIBRARY_LOG, LIBRARY_LOG_ENV
 from rayrep.memory import check_memory
 from rayrep.models import check_context
 from rayrep.placement import Placement, Plan, make_plan
+from rayrep.sync.collective import nccl_environment
 from rayrep.sync.weights import WeightSync
 from rayrep.verifier.pool import VerifierPool
 
@@ -45,6 +46,17 @@ def connect_ray(plan: Plan) -> bool:
     cpus = max(os.cpu_count() or 1, math.ceil(plan.total.get("CPU", 1)))
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.ERROR)
     return True
+
+
+def actor_environment(cfg: Config, log_dir: str | Path | None = None) -> dict[str, str]:
+    """The environment every actor of a run starts with (through its Ray `runtime_env`):
+    where its libraries' output goes (`libraries.log` in `log_dir`, default
+    `logging.out_dir`) and, on GPUs, one NCCL environment for all of them
+    (`rayrep.sync.collective.nccl_environment`)."""
+    env = {LIBRARY_LOG_ENV: str(Path(log_dir or cfg.logging.out_dir).resolve() / LIBRARY_LOG)}
+    if cfg.placement.device == "gpu":
+        env.update(nccl_environment())
+    return env
 
 
 @dataclass
@@ -74,9 +86,8 @@ class Runtime:
         check_memory(cfg, trains=train)
         plan = make_plan(cfg, learners=train)
         started_ray = connect_ray(plan)
-        library_log = Path(log_dir or cfg.logging.out_dir).resolve() / LIBRARY_LOG
         placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
-                              library_log=str(library_log))
+                              actor_env=actor_environment(cfg, log_dir))
         generators = GeneratorPool.create(cfg, generator_path or model_path, placement, policy_version)
         verifiers = VerifierPool.create(cfg, placement)
         learners = sync = buffer = None

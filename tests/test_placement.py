@@ -107,6 +107,39 @@ def test_placement_groups_pin_actors_to_their_bundles(ray_cluster):
         placement.remove()
 
 
+def test_every_actor_of_a_run_starts_with_the_run_environment(ray_cluster, tmp_path):
+    """The environment a placement hands out reaches the actors (through their runtime_env):
+    on a GPU run one NCCL environment for all (`NCCL_CUMEM_ENABLE` explicit, the driver's
+    `NCCL_*` passed on) and, on every run, the run's library log."""
+    import os
+
+    from rayrep.library_output import LIBRARY_LOG_ENV
+    from rayrep.runtime import actor_environment
+    from rayrep.sync.collective import nccl_environment
+
+    assert nccl_environment({"NCCL_DEBUG": "WARN", "PATH": "/bin"}) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_DEBUG": "WARN"}
+    assert nccl_environment({"NCCL_CUMEM_ENABLE": "1"}) == {"NCCL_CUMEM_ENABLE": "1"}  # the driver's own choice
+    cfg = load_preset("tiny-cpu")
+    assert actor_environment(cfg, tmp_path) == {LIBRARY_LOG_ENV: str(tmp_path.resolve() / "libraries.log")}
+    gpu = actor_environment(load_preset("qwen2.5-math-7b-rlep"), tmp_path)
+    assert gpu["NCCL_CUMEM_ENABLE"] == "0" and gpu[LIBRARY_LOG_ENV].endswith("libraries.log")
+
+    placement = Placement(make_plan(cfg), actor_env={"NCCL_CUMEM_ENABLE": "0", "RAYREP_PROBE": "here"})
+    try:
+        @ray.remote
+        class Probe:
+            def env(self, names):
+                return {name: os.environ.get(name) for name in names}
+
+        for role in ("learner", "generator", "verifier"):
+            probe = Probe.options(**placement.options(role, 0)).remote()
+            assert ray.get(probe.env.remote(["NCCL_CUMEM_ENABLE", "RAYREP_PROBE"])) == {
+                "NCCL_CUMEM_ENABLE": "0", "RAYREP_PROBE": "here"}
+            ray.kill(probe)
+    finally:
+        placement.remove()
+
+
 def test_an_impossible_plan_is_refused_at_once_naming_what_is_missing(ray_cluster):
     """The test cluster (4 CPUs, no GPU, no autoscaler) cannot grow: no waiting."""
     gpu = make_plan(load_preset("tiny-cpu").replace(**{"placement.device": "gpu"}))

@@ -22,6 +22,33 @@ import torch
 import torch.distributed as dist
 
 GROUP_TIMEOUT = timedelta(minutes=10)
+"""How long a member waits for the others (store, gloo and NCCL collectives alike)."""
+
+NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0"}
+"""NCCL settings every process of a run shares unless the driver's environment sets them.
+A learner and a vLLM process that disagree on `NCCL_CUMEM_ENABLE` (older vLLM set it to 0
+at import, in its own processes only) broke weight sync in SkyRL; 0 is the value vLLM chose
+(cuMem costs GPU memory with CUDA graphs and all-reduce, NVIDIA/nccl#1234)."""
+
+
+def nccl_environment(environ=None) -> dict[str, str]:
+    """The NCCL environment of a run: every `NCCL_*` variable of the driver's environment
+    (`environ`, by default this process's), over `NCCL_DEFAULTS`. Every actor starts with it,
+    so that all members of a group run NCCL alike."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    return {**NCCL_DEFAULTS, **{key: value for key, value in environ.items() if key.startswith("NCCL_")}}
+
+
+def nccl_options(timeout: timedelta = GROUP_TIMEOUT):
+    """`ProcessGroupNCCL.Options` with the group's timeout: without options NCCL's own
+    10-minute watchdog applies, whatever the group's. As torch's own `new_group` builds them
+    (`distributed_c10d._new_process_group_helper`): a normal-priority stream, `_timeout`."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    return options
 
 
 @dataclass(frozen=True)
@@ -101,7 +128,7 @@ def open_group(host: str, port: int, world_size: int, rank: int, backend: str, d
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=GROUP_TIMEOUT)
     elif backend == "nccl":
         torch.cuda.set_device(device)
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options())
     else:
         raise ValueError(f"unknown weight-sync backend {backend!r}; expected 'gloo' or 'nccl'")
     handle = WeightGroup(store, group, rank, world_size)
