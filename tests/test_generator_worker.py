@@ -34,6 +34,57 @@ def test_the_installed_vllm_is_the_pinned_series_and_another_is_refused():
     check_vllm_version({"vllm": f"{VLLM_SERIES}.4"})
 
 
+class RecordingEngine:
+    """The calls a vLLM engine receives, in order. vLLM's CPU worker ignores sleep and wake
+    (it logs "sleep mode is not supported on CPU"), so on CPU the order of the calls is what
+    can be checked of a hand-over; this stands in for the engine only there."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", None if tags is None else tuple(tags)))
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append((method,))
+        return [0]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
+    """Two steps of a colocated GPU run, in the driver's order (the learners' turn: the
+    engine sleeps; the weight sync: new weights arrive; the generators' turn): every step
+    sleeps once, wakes the weights before loading them and the KV cache after, and wakes no
+    memory twice. On CPU (the roles do not take turns) nothing sleeps or wakes."""
+    from rayrep.config import load_preset
+    from rayrep.generator.worker import GeneratorWorker
+
+    def worker_for(cfg):
+        worker = GeneratorWorker.__new__(GeneratorWorker)  # the engine-facing logic, on a recording engine
+        worker.cfg, worker.llm, worker.sleeping, worker.version = cfg, RecordingEngine(), (), 0
+        return worker
+
+    gpu = worker_for(load_preset("qwen2.5-math-7b-rlep"))
+    assert gpu.cfg.placement.takes_turns
+    for step in (1, 2):
+        assert gpu.sleep() and not gpu.sleep()  # Runtime.hand_over_to_learners (a second call: already asleep)
+        gpu.receive_weights(manifest=None, version=step)  # WeightSync.push
+        assert gpu.wake_up() == ("kv_cache",)  # Runtime.hand_over_to_generators
+        assert gpu.wake_up() == () and gpu.version == step
+    one_step = [("sleep", 1), ("wake_up", ("weights",)), ("rayrep_receive_weights",), ("reset_prefix_cache",),
+                ("wake_up", ("kv_cache",))]
+    assert gpu.llm.calls == one_step * 2
+    cpu = worker_for(load_preset("tiny-cpu"))
+    assert not cpu.sleep()
+    cpu.receive_weights(manifest=None, version=1)
+    assert cpu.wake_up() == () and cpu.llm.calls == [("rayrep_receive_weights",), ("reset_prefix_cache",)]
+
+
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_cfg, tiny_policy):
     cfg = tiny_cfg.replace(**{"generator.num_workers": 2, "placement.cpus_per_bundle": 1, "placement.threads": 1})

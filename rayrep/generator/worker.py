@@ -16,6 +16,10 @@ from rayrep.sync.collective import WeightManifest
 from rayrep.types import Rollout
 
 
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What vLLM's sleep level 1 frees, in the order a hand-over takes it back."""
+
+
 class GeneratorWorker:
     def __init__(self, cfg: Config, model_path: str, worker_index: int, threads: int, bundles: list[int],
                  version: int = 0):
@@ -32,7 +36,8 @@ class GeneratorWorker:
         torch.set_num_threads(threads)
         self.cfg = cfg
         self.version = version  # the policy version of `model_path` (a resumed run's checkpoint: its own)
-        self.asleep = False
+        self.sleeping: tuple[str, ...] = ()
+        """The engine's memory that sleeps now, of `SLEEP_TAGS`, in their order."""
         self.llm = make_engine(
             cfg,
             model_path,
@@ -63,21 +68,23 @@ class GeneratorWorker:
         """Free the GPU for the learners (vLLM sleep level 1: weights to CPU memory, KV cache
         dropped). Only where the roles take turns on GPUs; elsewhere (CPU) nothing to free.
         Returns whether the engine went to sleep."""
-        if self.cfg.placement.takes_turns and not self.asleep:
+        if self.cfg.placement.takes_turns and not self.sleeping:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.sleeping = SLEEP_TAGS
             return True
         return False
 
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Take the GPU back: `tags` "weights" and/or "kv_cache" (all when None). Returns
-        whether anything was woken."""
-        if not self.asleep:
-            return False
-        self.llm.wake_up(tags=tags)
-        if tags is None or "kv_cache" in tags:
-            self.asleep = False
-        return True
+    def wake_up(self, tags: list[str] | None = None) -> tuple[str, ...]:
+        """Take back what sleeps of `tags` ("weights", "kv_cache"; all when None), weights
+        first; returns what was woken. Each tag is woken once per sleep: the weights when new
+        ones arrive (`receive_weights`), the KV cache after they are loaded. (vLLM 0.32's
+        executor warns and does nothing for a tag that is not asleep, and its allocator skips
+        memory already mapped; asking only for what sleeps keeps the hand-over exact.)"""
+        woken = tuple(tag for tag in self.sleeping if tags is None or tag in tags)
+        if woken:
+            self.llm.wake_up(tags=list(woken))
+            self.sleeping = tuple(tag for tag in self.sleeping if tag not in woken)
+        return woken
 
     def receive_weights(self, manifest: WeightManifest, version: int) -> int:
         self.wake_up(["weights"])  # a sleeping engine's weights are on the CPU: load into GPU buffers
