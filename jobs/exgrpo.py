@@ -18,7 +18,7 @@ from rayrep.pipeline import compare_with_baseline
 
 def main(argv: list[str]) -> dict:
     parser = job_parser(__doc__, sets={
-        "algorithm.name": "grpo for the baseline, exgrpo for the method; jobs/train.py runs one algorithm"})
+        "algorithm.name": (None, "grpo for the baseline, exgrpo for the method; jobs/train.py runs one algorithm")})
     parser.add_argument("--baseline-checkpoint", help="skip the baseline run: use this checkpoint's run (evals.json)")
     parser.add_argument("--out", help="folder for both runs (default: runs/exgrpo-<time>)")
     if not any(a.startswith("--algorithm.std_normalize") for a in argv):

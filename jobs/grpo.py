@@ -9,7 +9,7 @@ from rayrep.config import job_parser, parse_job_args, run_job
 
 
 def main(argv: list[str]):
-    parser = job_parser(__doc__, sets={"algorithm.name": "the baseline, grpo; jobs/train.py runs any algorithm"})
+    parser = job_parser(__doc__, sets={"algorithm.name": ("grpo", "the baseline; jobs/train.py runs any algorithm")})
     args, cfg = parse_job_args(parser, argv)
 
     from rayrep.train import train_resuming

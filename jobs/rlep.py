@@ -20,8 +20,8 @@ from rayrep.pipeline import compare_with_baseline
 
 def main(argv: list[str]) -> dict:
     parser = job_parser(__doc__, sets={
-        "algorithm.name": "grpo for the baseline, rlep for the method; jobs/train.py runs one algorithm",
-        "algorithm.rlep.pool": "from the collect stage; --pool replays a pool of your own",
+        "algorithm.name": (None, "grpo for the baseline, rlep for the method; jobs/train.py runs one algorithm"),
+        "algorithm.rlep.pool": (None, "from the collect stage; --pool replays a pool of your own"),
     })
     parser.add_argument("--baseline-checkpoint", help="skip the baseline run: use this checkpoint (its run's evals.json if any)")
     parser.add_argument("--pool", help="skip collection: replay this experience pool")

@@ -583,9 +583,19 @@ def parse_cli(argv: list[str], base: dict | None = None) -> Config:
     Later sources override earlier ones: preset < config file < field overrides. `base`: a
     saved config (a run's config.json) in place of the preset.
     """
-    preset, files, overrides = DEFAULT_PRESET, [], []
+    preset, user = _cli_sources(argv)
+    if base is not None and preset != DEFAULT_PRESET:
+        raise ConfigError("--preset does not apply when resuming: the run's own config.json is the base")
+    return from_dict(_merge(base if base is not None else _parse_toml(*_preset_text(preset)), user))
+
+
+def _cli_sources(argv: list[str]) -> tuple[str, dict]:
+    """(the preset named, what the user sets on top of it: the `--config` files merged in
+    order, then the `--section.field` overrides, as a nested dict)."""
+    preset, user = DEFAULT_PRESET, {}
     kinds = {name: kind for name, kind, _ in _field_specs()}
     args = list(argv)
+    overrides = []
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
@@ -598,21 +608,16 @@ def parse_cli(argv: list[str], base: dict | None = None) -> Config:
         if key == "preset":
             preset = value
         elif key == "config":
-            files.append(value)
+            user = _merge(user, _parse_toml(*_config_file_text(value)))
         elif key in kinds:
             overrides.append((key, value))
         else:
             close = [k for k in kinds if k.endswith("." + key.rpartition(".")[2])]
             hint = f"; did you mean {', '.join('--' + k for k in close)}?" if close else ""
             raise ConfigError(f"unknown config field --{key}{hint}")
-    if base is not None and preset != DEFAULT_PRESET:
-        raise ConfigError("--preset does not apply when resuming: the run's own config.json is the base")
-    data = base if base is not None else _parse_toml(*_preset_text(preset))
-    for path in files:
-        data = _merge(data, _parse_toml(*_config_file_text(path)))
     for key, text in overrides:
-        _set_dotted(data, key, _parse_text(text, kinds[key], key))
-    return from_dict(data)
+        _set_dotted(user, key, _parse_text(text, kinds[key], key))
+    return preset, user
 
 
 def resume_base(run_dir: str) -> dict:
@@ -649,15 +654,16 @@ def differing_fields(
     return [(name, a.get(name), b.get(name)) for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
 
 
-def job_parser(description: str, trains: bool = True, dry_run: bool = True, sets: dict[str, str] | None = None):
+def job_parser(description: str, trains: bool = True, dry_run: bool = True,
+               sets: dict[str, tuple[Any, str]] | None = None):
     """An argparse parser for a job's own flags; config fields go to `parse_job_args`.
 
     Every job takes `--dry-run`: print the placement plan and, for a GPU run, the memory
     plan, then stop, starting nothing (exit 2 when the plan cannot fit). `trains`: the job
     starts learners (a training run), not only generators and verifiers. `dry_run=False`:
     the job has no such plan and defines its own `--dry-run` (the server). `sets`: config
-    fields the job sets itself, each with how: a config that gives one of them another value
-    than its default is refused, not silently overridden.
+    fields the job sets itself, each as (its value, how the job sets it); value None: the
+    job sets it stage by stage (the pipelines). The user's other value is refused.
     """
     import argparse
 
@@ -705,13 +711,20 @@ def _help_config(argv: list[str]) -> tuple[Config, str]:
         return load_preset(), f"preset {DEFAULT_PRESET}"
 
 
-def _check_job_sets(parser, cfg: Config) -> None:
-    """Refuse a config that sets a field the job sets itself (`job_parser(sets=...)`)."""
-    defaults = {name: f.default for name, _, f in _field_specs()}
-    for name, how in parser.get_default("sets").items():
-        value = _get_dotted(cfg.to_dict(), name)
-        if value != defaults[name]:
-            raise ConfigError(f"{name} = {value!r}: {parser.prog} sets it itself ({how}); leave it out")
+def _apply_job_sets(parser, cfg: Config, argv: list[str]) -> Config:
+    """The fields the job sets itself (`job_parser(sets=...)`), set; a value the user gives
+    one of them on the command line or in a `--config` file, other than the job's own, is
+    refused rather than silently replaced. (A preset's or a resumed run's value is not the
+    user's word: `jobs/grpo.py --preset qwen2.5-math-7b-rlep` is that preset's baseline.)"""
+    _, user = _cli_sources(argv)
+    for name, (value, how) in parser.get_default("sets").items():
+        try:
+            given = _get_dotted(user, name)
+        except (KeyError, TypeError):
+            continue
+        if value is None or given != value:
+            raise ConfigError(f"{name} = {given!r}: {parser.prog} sets it itself ({how}); leave it out")
+    return cfg.replace(**{name: value for name, (value, _) in parser.get_default("sets").items() if value is not None})
 
 
 def parse_job_args(parser, argv: list[str] | None = None):
@@ -726,7 +739,7 @@ def parse_job_args(parser, argv: list[str] | None = None):
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = parse_cli(rest, base=resume_base(args.resume) if getattr(args, "resume", None) else None)
-        _check_job_sets(parser, cfg)
+        cfg = _apply_job_sets(parser, cfg, rest)
         if getattr(args, "auto_resume", 0) < 0:
             raise ConfigError(f"--auto-resume {args.auto_resume}: the number of restarts cannot be negative")
         if getattr(args, "resume", None) == "" and not cfg.logging.run_name:

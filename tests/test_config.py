@@ -208,15 +208,20 @@ def test_help_shows_the_values_of_the_chosen_preset(capsys):
 
 
 def test_a_job_refuses_a_setting_it_sets_itself(tmp_path, capsys):
-    """A field the job sets (jobs/grpo.py: the algorithm) given another value, on the command
-    line or in a config file, stops the job with its name; the value the job uses passes."""
-    parser = job_parser("demo", sets={"algorithm.name": "the baseline"})
+    """A field the job sets (jobs/grpo.py: the algorithm) given another value by the user, on
+    the command line or in a config file, stops the job with its name; the job's own value
+    passes, and a preset's value is the job's to replace (the RLEP preset's baseline)."""
+    parser = job_parser("demo", sets={"algorithm.name": ("grpo", "the baseline")})
     assert parse_job_args(parser, ["--algorithm.name", "grpo"])[1].algorithm.name == "grpo"
+    assert parse_job_args(parser, ["--preset", "qwen2.5-math-7b-rlep"])[1].algorithm.name == "grpo"
+    staged = job_parser("pipeline", sets={"algorithm.name": (None, "stage by stage")})
+    assert parse_job_args(staged, ["--preset", "qwen2.5-math-7b-rlep"])[1].algorithm.name == "rlep"
     user = tmp_path / "mine.toml"
     user.write_text('[algorithm]\nname = "exgrpo"\n')
-    for argv in (["--algorithm.name", "rlep"], ["--config", str(user)]):
+    for job, argv in ((parser, ["--algorithm.name", "rlep"]), (parser, ["--config", str(user)]),
+                      (staged, ["--algorithm.name", "grpo"])):
         with pytest.raises(SystemExit) as exit_info:
-            parse_job_args(parser, argv)
+            parse_job_args(job, argv)
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
-        assert "algorithm.name = " in err and "sets it itself (the baseline); leave it out" in err
+        assert "algorithm.name = " in err and "sets it itself (" in err and "); leave it out" in err
