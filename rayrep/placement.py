@@ -131,8 +131,8 @@ def make_plan(cfg: Config, learners: bool = True) -> Plan:
     """The plan of a run; `learners=False` leaves the learner role out (sampling jobs).
 
     Engine e of tensor-parallel size T spans bundles e*T .. e*T + T - 1 of its role's
-    bundles; its actor sits in the first of them (with T > 1, vLLM places its T workers in
-    all of them).
+    bundles; its actor sits in the first of them (with T > 1 it takes no GPU there: vLLM
+    places its T workers, a GPU share each, in all of them).
     """
     place = cfg.placement
     gpu = place.device == "gpu"
@@ -155,19 +155,26 @@ def make_plan(cfg: Config, learners: bool = True) -> Plan:
         per_group = place.gpus_per_node if gpu else len(groups[f"{name}-0"])
         return RoleSlot(f"{name}-{index // per_group}", index % per_group, resources)
 
+    def engine_actor(resources: dict) -> dict:
+        """What a generator actor asks of its first bundle. With T > 1 vLLM's T Ray workers
+        take the engine's GPUs, one bundle each; the actor that drives them takes none, or
+        worker 0 would find its bundle's GPU taken and never be scheduled (OpenRLHF's
+        vllm_engine.py does the same)."""
+        return {key: value for key, value in resources.items() if key != "GPU"} if tp > 1 else resources
+
     if place.mode == "colocated":
         add_groups("policy", max(learner_count, generators * tp))
         # Two roles share each bundle: each asks for half of it, so Ray accounts exactly.
         half = {key: value / 2 for key, value in bundle.items()}
         if learner_count:
             slots["learner"] = [slot("policy", i, half) for i in range(learner_count)]
-        slots["generator"] = [slot("policy", i * tp, half) for i in range(generators)]
+        slots["generator"] = [slot("policy", i * tp, engine_actor(half)) for i in range(generators)]
     else:
         if learner_count:
             add_groups("learners", learner_count)
             slots["learner"] = [slot("learners", i, dict(bundle)) for i in range(learner_count)]
         add_groups("generators", generators * tp)
-        slots["generator"] = [slot("generators", i * tp, dict(bundle)) for i in range(generators)]
+        slots["generator"] = [slot("generators", i * tp, engine_actor(dict(bundle))) for i in range(generators)]
     gpu_groups = len(groups) if gpu else 0
 
     # CPU roles: spread over the nodes (verifiers share the CPU load, shards the memory), on

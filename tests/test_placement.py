@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import time
@@ -49,6 +50,35 @@ def test_every_gpu_generates_by_default():
         cfg.replace(**{"placement.mode": "disaggregated"})
     with pytest.raises(ConfigError, match="CPU engines run on one device"):
         load_preset("tiny-cpu").replace(**{"generator.tensor_parallel_size": 2})
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_tensor_parallel_engines_ask_no_more_of_a_bundle_than_it_holds(mode, monkeypatch):
+    """With T = 2 the generator actor takes no GPU (vLLM's two Ray workers take the engine's
+    bundles, a GPU share each, as engine_args asks): in every bundle the learner's share plus
+    the vLLM workers' shares fit the bundle's one GPU, so every worker can be scheduled."""
+    from rayrep.generator.engine import engine_args
+
+    cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{
+        "generator.tensor_parallel_size": 2, "placement.mode": mode,
+        "generator.num_workers": 0 if mode == "colocated" else 8})
+    plan = make_plan(cfg)
+    for name in ("VLLM_RAY_PER_WORKER_GPUS", "VLLM_RAY_BUNDLE_INDICES"):
+        monkeypatch.delenv(name, raising=False)  # engine_args sets them for vLLM (restored afterwards)
+    assert engine_args(cfg, "Qwen/Qwen2.5-Math-7B", bundles=[0, 1])["distributed_executor_backend"] == "ray"
+    per_worker = float(os.environ.get("VLLM_RAY_PER_WORKER_GPUS", 1))
+    demand = {}
+    for role in ("learner", "generator"):
+        for slot in plan.slots[role]:
+            demand[slot.group, slot.bundle] = demand.get((slot.group, slot.bundle), 0) + slot.resources.get("GPU", 0)
+    for slot in plan.slots["generator"]:
+        assert "GPU" not in slot.resources and slot.resources["CPU"] > 0
+        for bundle in (slot.bundle, slot.bundle + 1):  # vLLM's TP workers, one per bundle of the engine
+            demand[slot.group, bundle] = demand.get((slot.group, bundle), 0) + per_worker
+    assert demand and all(plan.groups[group][bundle]["GPU"] >= used for (group, bundle), used in demand.items())
+    assert max(demand.values()) == 1  # each GPU fully used: the learner's half and a worker's half, or a worker
+    untouched = make_plan(load_preset("qwen2.5-math-7b-rlep"))  # T = 1: the actor is the engine, with its share
+    assert {s.resources["GPU"] for s in untouched.slots["generator"]} == {0.5}
 
 
 @pytest.mark.parametrize(("preset", "nodes"), [("qwen2.5-math-7b-exgrpo", 1), ("qwen2.5-math-7b-rlep", 8)])
