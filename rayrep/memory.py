@@ -1,7 +1,9 @@
 """The memory plan of a GPU run: what each GPU holds while learning and while generating,
 estimated before anything starts, and a plan that cannot fit refused with its numbers.
 
-Estimates, per GPU, in bytes (P parameters, W learner ranks, T tokens of one micro-batch):
+Estimates, per GPU, in bytes (P parameters, W learner ranks, T tokens of one micro-batch:
+`learner.micro_batch_size` rows of the longest sequence, or with `learner.micro_batch_tokens`
+at most that many padded tokens, one row at least):
 
 - learner, FSDP2: fp32 master shard 4P/W, AdamW moments 8P/W, fp32 gradient shard 4P/W;
   the compute-dtype copies gathered at once (the root's embedding and head, and two
@@ -177,6 +179,8 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:
     P, W, H, L = shape.parameters, learner.num_workers, shape.hidden_size, shape.num_hidden_layers
     sequence = cfg.data.max_prompt_tokens + gen.max_response_tokens
     tokens = learner.micro_batch_size * sequence
+    if learner.micro_batch_tokens:  # passes of rows of like length, at most this many padded tokens (one row at least)
+        tokens = min(tokens, max(sequence, learner.micro_batch_tokens))
     per_layer_activations = tokens * (16 * H + 6 * shape.intermediate_size) * itemsize
     activations = (L * tokens * H * itemsize + per_layer_activations if learner.gradient_checkpointing
                    else L * per_layer_activations)

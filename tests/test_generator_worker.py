@@ -124,6 +124,6 @@ def test_sleep_and_wake_are_no_ops_on_cpu(pool, tiny_policy):
     free, and the engines keep generating."""
     cfg, generators = pool
     assert ray.get([w.sleep.remote() for w in generators.workers]) == [False, False]
-    assert ray.get([w.wake_up.remote() for w in generators.workers]) == [False, False]
+    assert ray.get([w.wake_up.remote() for w in generators.workers]) == [(), ()]  # nothing was asleep
     (rollouts,) = generators.gather(generators.generate([[5, 6, 7, 8]], n=2, temperature=1.0, top_p=1.0, max_tokens=8))
     assert len(rollouts) == 2 and all(len(r.response_ids) == len(r.logprobs) > 0 for r in rollouts)

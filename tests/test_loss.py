@@ -221,6 +221,55 @@ def test_the_exgrpo_code_scale_is_the_token_sum_over_8192_and_the_accumulation_c
         mini_batch_totals(mask, spec.agg)
 
 
+def test_the_exgrpo_preset_gives_the_public_runs_gradient_for_the_same_batch():
+    """The public run (ExGRPO/exp_scripts/run_exgrpo.sh; mix_src/mix_actor.py update_policy,
+    mix_src/mix_core_alg.py): on each of its W GPUs, every dynamic micro-batch's loss is
+    (token losses x mask).sum() / 8192 (the padded response width) / GA, with GA = ppo
+    mini-batch // micro-batch per GPU = 64 // 64 = 1; the micro-batch count does not enter;
+    FSDP averages the W ranks' gradients. Here, scaled down (W = 2 GPUs of 4 sequences, one
+    split into micro-batches of 3 and 1 rows), that is computed by hand beside rayrep's loss
+    with micro_batch_size = the public run's sequences per GPU, split its own way: the
+    gradients agree token for token. The preset holds the public run's numbers: 512
+    sequences per mini-batch over 64 per unit gives its 8 GPUs x GA 1."""
+    from rayrep.config import load_preset
+
+    torch.manual_seed(0)
+    width, ranks, per_gpu = 7, 2, 4
+    mask = torch.rand(ranks * per_gpu, width) < 0.7
+    mask[:, 0] = True
+    advantages = torch.randn(ranks * per_gpu, dtype=torch.float64)
+    old = torch.randn(ranks * per_gpu, width, dtype=torch.float64) * 0.1
+    start = old + torch.randn_like(old) * 0.05
+
+    public = start.clone().requires_grad_(True)
+    rank_grads = []
+    for rank, micro_batches in ((0, [range(0, 3), range(3, 4)]), (1, [range(4, 8)])):
+        public.grad = None
+        for rows in micro_batches:
+            rows = list(rows)
+            ratio = (public[rows] - old[rows]).exp()  # unclipped fresh tokens (loss_remove_clip)
+            token_loss = -advantages[rows, None] * ratio
+            pg_loss = (token_loss * mask[rows]).sum() / width  # / eos_mask.shape[-1]
+            (pg_loss / 1).backward()  # / gradient_accumulation
+        rank_grads.append(public.grad.clone())
+    public_grad = sum(rank_grads) / ranks  # FSDP's gradient average over the ranks
+
+    spec = LossSpec(agg="seq-mean-token-sum-norm", norm_constant=float(width), clip_fresh=False, dual_clip=None)
+    totals = mini_batch_totals(mask, spec.agg, micro_batch_size=per_gpu)
+    ours = start.clone().requires_grad_(True)
+    for rows in (slice(0, 2), slice(2, 5), slice(5, 8)):  # any split: each divides by the whole batch's units
+        loss, _ = policy_loss(ours[rows], old[rows], advantages[rows], mask[rows], spec, totals=totals)
+        loss.backward()  # the learner sums micro-batches and ranks exactly (backward x world size, FSDP's mean)
+    torch.testing.assert_close(ours.grad, public_grad)
+
+    cfg = load_preset("qwen2.5-math-7b-exgrpo")
+    sequences = cfg.learner.mini_batch_prompts * cfg.algorithm.group_size
+    public_gpus, public_accumulation = 8, 64 // 64
+    assert math.ceil(sequences / cfg.learner.micro_batch_size) == public_gpus * public_accumulation
+    assert (cfg.learner.loss_agg, cfg.learner.loss_norm_constant) == ("seq-mean-token-sum-norm", 8192.0)
+    assert cfg.learner.loss_norm_constant == cfg.generator.max_response_tokens  # the public padded width
+
+
 def test_aggregation_errors_fail_when_the_spec_is_built():
     with pytest.raises(ValueError, match="'seq-mean'"):
         LossSpec(agg="seq-mean")

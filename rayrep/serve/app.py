@@ -109,7 +109,11 @@ class PolicyServer:
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.vocab_size = len(self.tokenizer)
         tp = cfg.generator.tensor_parallel_size
-        # With tensor parallelism the engine's GPUs are bundles 1.. of the replica's group.
+        # With tensor parallelism the engine's GPUs are bundles 1.. of the replica's group. The
+        # engine core runs in a process of its own, outside Ray: vLLM (0.32,
+        # EngineArgs.create_engine_config) hands it this replica's placement group
+        # (`ray.util.get_current_placement_group()` in a Ray actor, into ParallelConfig), so its
+        # workers take these bundles rather than asking for a group of their own.
         kwargs = engine_args(cfg, checkpoint, bundles=list(range(1, tp + 1)), max_model_len=self.context)
         # A server keeps its GPU: no sleep mode, no GPU shared with a learner.
         kwargs.pop("enable_sleep_mode", None)
