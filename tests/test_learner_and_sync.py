@@ -97,6 +97,43 @@ def test_two_ranks_take_the_same_update_as_one(ray_cluster, tiny_cfg, tiny_polic
     assert moved > 1e-4  # the update really changed the weights
 
 
+def test_fsdp2_reduce_scatters_every_micro_batch(tmp_path, tiny_cfg, tiny_policy):
+    """After a micro-batch that is not a mini-batch's last, every parameter already holds its
+    gradient shard: FSDP2 reduce-scattered it, and no rank keeps the model's unsharded fp32
+    gradients until the last micro-batch (4 bytes a parameter). The second micro-batch adds
+    to the shards: their sum is the gradient of both losses. (A one-rank gloo group in a
+    process of its own: this test process must not hold a default group.)"""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+        from rayrep.config import load_preset
+        from rayrep.learner.sharding import FSDP2Sharding
+        dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
+        model = AutoModelForCausalLM.from_pretrained({tiny_policy!r})
+        sharding = FSDP2Sharding(model, load_preset("tiny-cpu"), 1, torch.device("cpu"))
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+        def loss():
+            return sharding.model(input_ids=ids).logits.float().logsumexp(-1).mean()
+        sharding.backward(loss(), last_micro_batch=False)
+        params = list(sharding.model.parameters())
+        missing = [p for p in params if p.grad is None]
+        first = [p.grad.to_local().clone() if p.grad is not None else None for p in params]
+        sharding.backward(loss(), last_micro_batch=True)
+        doubled = all(g is not None and torch.allclose(p.grad.to_local(), 2 * g, rtol=1e-4, atol=1e-7)
+                      for p, g in zip(params, first))
+        print(len(params), len(missing), doubled)
+        dist.destroy_process_group()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    count, missing, doubled = done.stdout.split()
+    assert int(count) > 0 and missing == "0" and doubled == "True", done.stdout
+
+
 def test_token_budget_chunks_hold_every_row_once_within_the_budget():
     lengths = torch.tensor([30, 7, 12, 30, 45, 9, 9, 20, 3, 60])
     rows = torch.tensor([0, 2, 3, 4, 5, 7, 8, 9])  # one rank's share

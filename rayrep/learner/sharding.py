@@ -97,8 +97,11 @@ class FSDP2Sharding:
         self.skip_above = cfg.learner.skip_grad_norm_above
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
-        # Reduce-scatter gradients once per mini-batch, on its last micro-batch.
-        self.model.set_requires_gradient_sync(last_micro_batch)
+        # Gradients are reduce-scattered after every micro-batch (FSDP2's default), each rank
+        # accumulating its fp32 shard. With the sync off until the last micro-batch, every
+        # rank would hold the whole model's unsharded fp32 gradients meanwhile (4 bytes a
+        # parameter: 28 GiB for a 7B policy), which the memory plan has no room for. The
+        # price: one reduce-scatter per micro-batch instead of one per mini-batch.
         loss.backward()
 
     def step(self) -> tuple[float, bool]:
