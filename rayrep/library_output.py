@@ -19,6 +19,11 @@ LIBRARY_LOG = "libraries.log"
 """The file's name in a run's folder."""
 
 
+def library_log_env(folder) -> dict[str, str]:
+    """The environment variable that sends an actor's library output to `folder`/libraries.log."""
+    return {LIBRARY_LOG_ENV: str(Path(folder).resolve() / LIBRARY_LOG)}
+
+
 def route_library_output() -> str | None:
     """Send this process's stdout and stderr to the file `$RAYREP_LIBRARY_LOG` names
     (appended), at the level of file descriptors, so that output from C++ and from

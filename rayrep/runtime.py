@@ -19,7 +19,7 @@ from rayrep.config import Config
 from rayrep.generator.engine import check_vllm_version
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
-from rayrep.library_output import LIBRARY_LOG, LIBRARY_LOG_ENV
+from rayrep.library_output import library_log_env
 from rayrep.memory import check_memory
 from rayrep.models import check_context
 from rayrep.placement import Placement, Plan, make_plan
@@ -53,7 +53,7 @@ def actor_environment(cfg: Config, log_dir: str | Path | None = None) -> dict[st
     where its libraries' output goes (`libraries.log` in `log_dir`, default
     `logging.out_dir`) and, on GPUs, one NCCL environment for all of them
     (`rayrep.sync.collective.nccl_environment`)."""
-    env = {LIBRARY_LOG_ENV: str(Path(log_dir or cfg.logging.out_dir).resolve() / LIBRARY_LOG)}
+    env = library_log_env(log_dir or cfg.logging.out_dir)
     if cfg.placement.device == "gpu":
         env.update(nccl_environment())
     return env

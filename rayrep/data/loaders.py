@@ -203,9 +203,9 @@ def _parse_row(row, default_source: str) -> tuple[Prompt, str]:
     messages = _parse_messages(_required(row, question_field), question_field)
 
     answer_field = next((key for key in _ANSWER_FIELDS if key in row), None)
-    reward_model = {}
     if answer_field is None:
         raise _RowError("reward_model", "is missing (a plain row gives the ground truth as 'answer')")
+    reward_model = {}
     if answer_field == "answer":
         ground_truth = _parse_ground_truth(_required(row, "answer"), "answer")
     else:

@@ -334,6 +334,7 @@ def main(argv: list[str]) -> None:
         spec = tiny_spec(parse_cli(["--preset", args.preset, *rest]))
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
+
     def log(line: str) -> None:
         print(line, flush=True)
 

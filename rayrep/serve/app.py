@@ -25,7 +25,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from rayrep.config import Config, InputError
-from rayrep.library_output import LIBRARY_LOG, LIBRARY_LOG_ENV, route_library_output
+from rayrep.library_output import library_log_env, route_library_output
 from rayrep.serve import openai_api as oai
 
 api = FastAPI(title="rayrep policy server", docs_url=None, redoc_url=None)
@@ -294,8 +294,7 @@ def deployment_options(cfg: Config) -> dict:
         options["placement_group_bundles"] = [{"CPU": s.cpus_per_replica}] + [{"GPU": 1}] * tp
         options["placement_group_strategy"] = "STRICT_PACK"
     # vLLM's notices (the replica's and its engine process's) go to a log file, not the terminal.
-    library_log = Path(cfg.logging.out_dir).resolve() / "serve" / LIBRARY_LOG
-    actor["runtime_env"] = {"env_vars": {LIBRARY_LOG_ENV: str(library_log)}}
+    actor["runtime_env"] = {"env_vars": library_log_env(Path(cfg.logging.out_dir) / "serve")}
     options["ray_actor_options"] = actor
     return options
 
