@@ -62,12 +62,12 @@ def raw_broadcast_seconds(learners, generators, num_bytes: int) -> float:
     def send(learner, size):
         payload = torch.ones(size, dtype=torch.uint8)
         start = time.perf_counter()
-        learner.weight_group.broadcast(payload, root=0)
+        learner.weight_channel.broadcast(payload, root=0)
         return time.perf_counter() - start
 
     def receive(worker, size):
         payload = torch.empty(size, dtype=torch.uint8)
-        worker._rayrep_group.broadcast(payload, root=0)
+        worker._rayrep_channel.broadcast(payload, root=0)
         return int(payload[-1])
 
     def receive_in_engine(generator, size):

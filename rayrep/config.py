@@ -456,6 +456,13 @@ def validate(cfg: Config) -> None:
     if place.mode == "colocated" and not gen.num_workers and learner.num_workers % gen.tensor_parallel_size:
         raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size} must divide "
                           f"learner.num_workers={learner.num_workers} (one engine per group of the learners' GPUs)")
+    engine_gpus = (gen.num_workers or learner.num_workers // gen.tensor_parallel_size) * gen.tensor_parallel_size
+    if place.mode == "colocated" and place.device == "gpu" and engine_gpus > learner.num_workers:
+        # Their GPUs' learner rank would hand them weights, and there is none: a broadcast from
+        # rank 0 instead would put rank 0 and engine worker 0 on one GPU in one NCCL group.
+        raise ConfigError(f"generator.num_workers={gen.num_workers} x tensor_parallel_size={gen.tensor_parallel_size} "
+                          f"engine GPUs exceed learner.num_workers={learner.num_workers}: colocated, each engine GPU "
+                          "shares a learner's; use placement.mode='disaggregated' for more engines")
     if learner.mini_batch_prompts % learner.num_workers:
         raise ConfigError(
             f"learner.num_workers={learner.num_workers} must divide "

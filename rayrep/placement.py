@@ -57,6 +57,8 @@ class Plan:
     """Role -> torch threads per actor."""
     nodes: int
     """GPU nodes this plan needs (one per GPU group); CPU runs: 1."""
+    transport: str = ""
+    """How a weight sync reaches the engines (`weight_transport`); empty: no learners, no sync."""
 
     @property
     def total(self) -> dict[str, float]:
@@ -80,8 +82,10 @@ class Plan:
                 spots = f"{spots.split(', ')[0]}, ..., {spots.split(', ')[-1]}"
             lines.append(f"  {role}: {len(slots)} actor(s), each {slots[0].resources}, "
                          f"{self.threads[role]} thread(s), in {spots}")
-        lines.append(f"  total: {self.total}; GPU nodes needed: {self.nodes}" if any(
-            "GPU" in b for bs in self.groups.values() for b in bs) else f"  total: {self.total}")
+        gpu = any("GPU" in b for bs in self.groups.values() for b in bs)
+        if self.transport:
+            lines.append(f"  weight sync: {describe_transport(self.transport, gpu)}")
+        lines.append(f"  total: {self.total}; GPU nodes needed: {self.nodes}" if gpu else f"  total: {self.total}")
         return "\n".join(lines)
 
 
@@ -125,6 +129,24 @@ def generator_count(cfg: Config) -> int:
     """vLLM engines: `generator.num_workers`, or by default one per tensor-parallel group of
     the policy's GPUs (every GPU generates; colocated, that is the learners' GPUs)."""
     return cfg.generator.num_workers or max(1, cfg.learner.num_workers // cfg.generator.tensor_parallel_size)
+
+
+def weight_transport(cfg: Config) -> str:
+    """How a sync's weights reach the engines: the one place it is chosen
+    (`rayrep.sync.transport`). `handles` when every engine worker shares a learner rank's
+    bundle (colocated, no more engine workers than learner ranks): the rank beside each
+    worker hands it the tensors, as NCCL refuses two ranks of one group on one GPU.
+    Otherwise `broadcast` from learner rank 0 over a group (colocated GPU runs never get
+    there: the config refuses more engine GPUs than learner GPUs)."""
+    engine_workers = generator_count(cfg) * cfg.generator.tensor_parallel_size
+    return "handles" if cfg.placement.mode == "colocated" and engine_workers <= cfg.learner.num_workers else "broadcast"
+
+
+def describe_transport(transport: str, gpu: bool) -> str:
+    if transport == "handles":
+        return (f"{'CUDA IPC' if gpu else 'shared-memory'} handles: learner rank j hands engine worker j, "
+                f"on the same {'GPU' if gpu else 'node'}, each bucket")
+    return f"{'NCCL' if gpu else 'gloo'} broadcast from learner rank 0 to every engine worker"
 
 
 def make_plan(cfg: Config, learners: bool = True) -> Plan:
@@ -192,7 +214,7 @@ def make_plan(cfg: Config, learners: bool = True) -> Plan:
     # Colocated roles take turns, so each may use all of its bundle's cores (or `placement.threads`).
     threads = place.threads or cpus
     return Plan(groups, strategies, slots, {"learner": threads, "generator": threads, "verifier": 1, "replay": 1},
-                nodes=max(1, gpu_groups))
+                nodes=max(1, gpu_groups), transport=weight_transport(cfg) if learners else "")
 
 
 class Placement:

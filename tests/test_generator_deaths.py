@@ -23,7 +23,7 @@ from conftest import kill_and_wait
 from rayrep.data import encode_prompts, load_split
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
-from rayrep.placement import Placement, make_plan
+from rayrep.placement import Placement, make_plan, weight_transport
 from rayrep.sync.weights import WeightSync
 from rayrep.types import LossSpec
 
@@ -108,14 +108,19 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
         placement.remove()
 
 
+@pytest.mark.parametrize(("learner_ranks", "transport"), [(1, "broadcast"), (2, "handles")])
 def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_policy(
-        ray_cluster, tiny_cfg, tiny_policy):
+        ray_cluster, tiny_cfg, tiny_policy, learner_ranks, transport):
     """The learners moved the policy away from the checkpoint (version 1): the replacement,
     which loads the checkpoint, must get the learners' weights and version before it samples;
-    later syncs reach every generator through the rebuilt group."""
+    later syncs reach every generator through the rebuilt transport. With one learner rank the
+    second engine shares no learner's bundle (a broadcast); with two, each rank hands the
+    engine beside it its tensors (colocated handles)."""
     from test_learner_and_sync import synthetic_batch
 
-    cfg = two_generators(tiny_cfg).replace(**{"learner.num_workers": 1, "learner.lr": 1e-3, "learner.warmup_steps": 0})
+    cfg = two_generators(tiny_cfg).replace(**{"learner.num_workers": learner_ranks, "learner.lr": 1e-3,
+                                              "learner.warmup_steps": 0})
+    assert weight_transport(cfg) == transport
     placement = Placement(make_plan(cfg))
     learners = LearnerGroup(cfg, tiny_policy, placement)
     generators = GeneratorPool.create(cfg, tiny_policy, placement)

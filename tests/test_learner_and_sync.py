@@ -275,12 +275,15 @@ def test_three_bf16_steps_agree_with_fp32_within_bf16_tolerance(ray_cluster, tin
     assert (moved32 - moved16).abs().mean() < 0.1 * moved32.abs().mean()
 
 
-@pytest.mark.parametrize(("dtype", "tolerance", "moved"), [("float32", 1e-3, 1e-2), ("bfloat16", 0.3, 0.5)])
+@pytest.mark.parametrize(("dtype", "tolerance", "moved", "mode"), [
+    ("float32", 1e-3, 1e-2, "colocated"), ("bfloat16", 0.3, 0.5, "colocated"), ("float32", 1e-3, 1e-2, "disaggregated")])
 def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_cluster, tiny_cfg, tiny_policy,
-                                                                         dtype, tolerance, moved):
+                                                                         dtype, tolerance, moved, mode):
     """After each sync the behaviour log-probs of fresh samples equal the learner's weights'
     log-probs of those tokens (a transformers forward pass of the gathered state). In bf16
-    the generators get the fp32 masters rounded to bf16, and compute in bf16."""
+    the generators get the fp32 masters rounded to bf16, and compute in bf16. Colocated, the
+    learner rank beside the engine hands it each bucket (shared-memory handles); disaggregated,
+    rank 0 broadcasts (gloo)."""
     from transformers import AutoTokenizer
 
     from rayrep.data import encode_prompts, load_split
@@ -288,8 +291,9 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
     # lr 3e-3: three steps move the weights well clear of bf16's computing noise (at 1e-3 the
     # current tiny policy's samples were 0.38 from the original weights, 0.155 from the trained).
     cfg = tiny_cfg.replace(**{"learner.lr": 3e-3, "learner.warmup_steps": 0, "sync.bucket_mb": 0.5,
-                              "model.dtype": dtype})
+                              "model.dtype": dtype, "placement.mode": mode})
     cfg, placement, learners = make_learners(cfg, tiny_policy, 2)
+    assert placement.plan.transport == {"colocated": "handles", "disaggregated": "broadcast"}[mode]
     generators = GeneratorPool.create(cfg, tiny_policy, placement)
     sync = WeightSync(cfg, learners, generators)
     assert len(sync.manifest.buckets) > 1  # several bounded buckets, not one call per tensor

@@ -57,8 +57,11 @@ class GeneratorWorker:
 
     def join_weight_group(self, host: str, port: int, world_size: int, first_rank: int) -> None:
         """Every worker of the engine joins: tensor-parallel rank t as group rank first_rank + t."""
+        from rayrep.placement import weight_transport
+
         backend = self.cfg.placement.collective_backend
-        self.llm.collective_rpc("rayrep_join_weight_group", args=(host, port, world_size, first_rank, backend))
+        self.llm.collective_rpc("rayrep_join_weight_group",
+                                args=(host, port, world_size, first_rank, backend, weight_transport(self.cfg)))
 
     def leave_weight_group(self) -> None:
         """Every worker of the engine leaves the group (it is rebuilt when a generator is replaced)."""

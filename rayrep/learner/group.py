@@ -11,7 +11,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rayrep.config import Config
 from rayrep.learner.worker import RemoteLearnerWorker
 from rayrep.metrics import MetricSums
-from rayrep.placement import Placement, death_cause
+from rayrep.placement import Placement, death_cause, weight_transport
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 
@@ -35,6 +35,7 @@ class LearnerGroup:
         master_addr, master_port = ray.get(self.workers[0].address.remote())
         ray.get([w.setup.remote(model_path, master_addr, master_port) for w in self.workers])
         self.base_model_path = model_path
+        self.cfg = cfg
 
     def mean_entropies(self, answers: list[ray.ObjectRef | PackedAnswers]) -> list[torch.Tensor]:
         """Per set of packed stored answers (`PackedAnswers`, or a ref to one, as the replay
@@ -89,12 +90,15 @@ class LearnerGroup:
         return ray.get(self.workers[0].address.remote())
 
     def join_weight_group(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef]:
-        """Rank 0 joins as group rank 0; returns refs to wait on with the generators' joins."""
-        return [self.workers[0].join_weight_group.remote(host, port, world_size)]
+        """The ranks that send join the weight transport: rank 0 (a broadcast), or the first
+        `world_size - 1` (colocated handles: one per engine worker, the one beside it);
+        returns refs to wait on with the generators' joins."""
+        senders = world_size - 1 if weight_transport(self.cfg) == "handles" else 1
+        return [w.join_weight_group.remote(host, port, world_size) for w in self.workers[:senders]]
 
     def leave_weight_group(self) -> list[ray.ObjectRef]:
-        """Rank 0 leaves the weight group (to rebuild it); returns refs to wait on with the generators'."""
-        return [self.workers[0].leave_weight_group.remote()]
+        """Every rank leaves the weight transport (to rebuild it); returns refs to wait on with the generators'."""
+        return [w.leave_weight_group.remote() for w in self.workers]
 
     def broadcast_weights(self, manifest: WeightManifest, onload: bool = False) -> list[ray.ObjectRef]:
         """Every rank gathers, rank 0 broadcasts; returns refs (wait on them with the receivers').

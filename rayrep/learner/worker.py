@@ -25,11 +25,12 @@ from rayrep.config import Config
 from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.library_output import route_library_output
 from rayrep.metrics import MetricSums
-from rayrep.sync.collective import WeightGroup, WeightManifest
+from rayrep.sync.collective import WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 
 if TYPE_CHECKING:
     from rayrep.buffer.shard import PackedAnswers
+    from rayrep.sync.transport import WeightChannel
 
 Entropy = Literal["none", "detached", "grad"]
 """Whether a forward pass also returns per-token entropies, and whether they keep a graph."""
@@ -86,7 +87,7 @@ class LearnerWorker:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         on_gpu = cfg.placement.device == "gpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.weight_group: WeightGroup | None = None
+        self.weight_channel: WeightChannel | None = None
 
     def pid(self) -> int:
         """The process holding this rank (whether it still answers: `LearnerGroup.dead`)."""
@@ -323,38 +324,39 @@ class LearnerWorker:
         return self.tied_embedding
 
     def join_weight_group(self, host: str, port: int, world_size: int) -> None:
-        from rayrep.sync.collective import open_group
+        """This rank's end of the weight transport (`rayrep.placement.weight_transport`): rank
+        0 broadcasts to every engine worker, or, colocated, each rank hands the engine worker
+        beside it its tensors."""
+        from rayrep.placement import weight_transport
+        from rayrep.sync.transport import join_as_learner
 
-        if self.rank == 0:
-            self.weight_group = open_group(host, port, world_size, 0, self.cfg.placement.collective_backend, self.device)
+        self.weight_channel = join_as_learner(weight_transport(self.cfg), host, port, world_size, self.rank,
+                                              self.cfg.placement.collective_backend, self.device)
 
     def leave_weight_group(self) -> None:
-        """Rank 0 leaves the weight group (it is rebuilt when a generator is replaced)."""
-        if self.weight_group is not None:
-            self.weight_group.close()
-            self.weight_group = None
+        """Leave the weight transport (it is rebuilt when a generator is replaced)."""
+        if self.weight_channel is not None:
+            self.weight_channel.close()
+            self.weight_channel = None
 
     def broadcast_weights(self, manifest: WeightManifest, onload: bool = False) -> float:
-        """Gather full tensors (all ranks) and broadcast them from rank 0; returns seconds spent.
-        `onload`: the state is off the GPU (a sync while colocated generators hold it, for a
-        replaced generator): the weights come back for the gathers and leave again."""
-        from rayrep.sync.collective import send_buckets
-
+        """Gather full tensors (all ranks) and send them through this rank's end of the weight
+        transport, if it has one; returns seconds spent. `onload`: the state is off the GPU (a
+        sync while colocated generators hold it, for a replaced generator): the weights come
+        back for the gathers and leave again."""
         start = time.perf_counter()
         moved = onload and self.onload(optimizer=False)
         with torch.no_grad():
             # Every rank iterates together: under FSDP2 each tensor is an all-gather.
             tensors = (tensor for _, tensor in self.sharding.full_tensors())
-            if self.rank == 0:
-                try:
-                    send_buckets(self.weight_group, manifest, tensors, self.device)
-                except Exception:  # a generator died mid-sync (`WeightSync.push` replaces it)
-                    for _ in tensors:  # the other ranks' all-gathers still need this one
-                        pass
-                    self.leave_weight_group()  # aborted: the live generators' receives fail now, not at the timeout
-                    raise
-            else:
-                for _ in tensors:  # take part in the all-gathers
+            try:
+                if self.weight_channel is not None:
+                    self.weight_channel.send(manifest, tensors)
+            except Exception:  # a generator died mid-sync (`WeightSync.push` replaces it)
+                self.leave_weight_group()  # the live generators' receives fail now, not at the timeout
+                raise
+            finally:
+                for _ in tensors:  # the other ranks' all-gathers still need this one's
                     pass
         if moved:
             self.offload(optimizer=False)

@@ -8,12 +8,14 @@ follow.
 
 Tensors travel in flat buckets (one dtype each, at most `bucket_bytes`, a bigger tensor
 alone), not one call per tensor: the per-call latency of a collective dominates small
-tensors. Both sides derive the bucket layout from the same `WeightManifest`.
+tensors. Both sides derive the bucket layout from the same `WeightManifest`; the
+colocated transport (`rayrep.sync.transport`) packs the same buckets.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Iterator
@@ -93,12 +95,23 @@ class WeightManifest:
     def total_bytes(self) -> int:
         return sum(s.numel * s.dtype.itemsize for s in self.tensors)
 
+    def bucket_bytes(self, bucket: tuple[int, ...]) -> int:
+        return sum(self.tensors[i].numel * self.tensors[i].dtype.itemsize for i in bucket)
+
+    def views(self, bucket: tuple[int, ...], flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each of the bucket's tensors: views into its flat buffer."""
+        offset = 0
+        for index in bucket:
+            spec = self.tensors[index]
+            yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)
+            offset += spec.numel
+
 
 class WeightGroup:
     """A process group of its own, with a broadcast that takes group-local ranks."""
 
-    def __init__(self, store: dist.Store, group: dist.ProcessGroup, rank: int, world_size: int):
-        self.store, self.group, self.rank, self.world_size = store, group, rank, world_size
+    def __init__(self, store: dist.Store, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device):
+        self.store, self.group, self.rank, self.world_size, self.device = store, group, rank, world_size, device
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         self.start_broadcast(tensor, root).wait()
@@ -110,6 +123,39 @@ class WeightGroup:
         options.rootRank = root
         return self.group.broadcast([tensor], options)
 
+    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor]) -> None:
+        """Broadcast `tensors` (in manifest order, full shapes) from group rank 0, pipelined:
+        the next bucket is gathered and packed while this one is on the wire, and bucket b
+        is packed only once bucket b - 2 has left (`IN_FLIGHT`), so two buckets at most are
+        in memory."""
+        pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        for bucket in manifest.buckets:
+            if len(pending) == IN_FLIGHT:
+                _settle(*pending.popleft(), self.device)
+            buffer = torch.empty(manifest.bucket_bytes(bucket), dtype=torch.uint8, device=self.device)
+            flat = pack_bucket(manifest, bucket, tensors, buffer)
+            pending.append((self.start_broadcast(flat, root=0), flat))
+        while pending:
+            _settle(*pending.popleft(), self.device)
+
+    def receive(self, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receive every bucket and yield (name, tensor) views into it, in manifest order; the
+        next bucket is already being received while the caller loads this one's tensors."""
+
+        def start(bucket: tuple[int, ...]) -> tuple[torch.Tensor, dist.Work]:
+            # A fresh buffer per bucket: the loader may hold views until a whole layer arrived.
+            buffer = torch.empty(manifest.bucket_bytes(bucket), dtype=torch.uint8, device=self.device)
+            flat = unpack_bucket(manifest, bucket, buffer)
+            return flat, self.start_broadcast(flat, root=0)
+
+        upcoming = start(manifest.buckets[0]) if manifest.buckets else None
+        for index, bucket in enumerate(manifest.buckets):
+            flat, work = upcoming
+            work.wait()
+            if index + 1 < len(manifest.buckets):
+                upcoming = start(manifest.buckets[index + 1])
+            yield from manifest.views(bucket, flat)
+
     def close(self) -> None:
         """Leave the group. A member may have died (the group is left to be rebuilt with its
         replacement): abort drops every connection without waiting on the dead peer, and
@@ -118,6 +164,21 @@ class WeightGroup:
             self.group.abort()
         self.group = None
         self.store = None
+
+
+IN_FLIGHT = 2
+"""Broadcast buckets a sender has started and not yet seen leave."""
+
+
+def _settle(work: dist.Work, flat: torch.Tensor, device: torch.device) -> None:
+    """Until `flat` has left. On GPUs `Work.wait()` only makes the current stream wait for
+    NCCL's, and the CPU would run ahead, allocating bucket after bucket: an event recorded
+    after it, waited on by the CPU, bounds the buckets in flight."""
+    work.wait()
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
 
 
 def open_group(host: str, port: int, world_size: int, rank: int, backend: str, device: torch.device) -> WeightGroup:
@@ -131,52 +192,28 @@ def open_group(host: str, port: int, world_size: int, rank: int, backend: str, d
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options())
     else:
         raise ValueError(f"unknown weight-sync backend {backend!r}; expected 'gloo' or 'nccl'")
-    handle = WeightGroup(store, group, rank, world_size)
+    handle = WeightGroup(store, group, rank, world_size, device)
     # A first collective proves every member is connected before any weights move.
     probe = torch.zeros(1, device=device)
     handle.broadcast(probe, root=0)
     return handle
 
 
-def send_buckets(group: WeightGroup, manifest: WeightManifest, tensors: Iterator[torch.Tensor], device: torch.device) -> None:
-    """Broadcast `tensors` (in manifest order, full shapes) from group rank 0, pipelined:
-    the next bucket is gathered and packed while this one is on the wire (two buckets in
-    memory at most)."""
-    in_flight: dist.Work | None = None
-    for bucket in manifest.buckets:
-        specs = [manifest.tensors[i] for i in bucket]
-        flat = torch.empty(sum(s.numel for s in specs), dtype=specs[0].dtype, device=device)
-        offset = 0
-        for spec in specs:
-            tensor = next(tensors)
-            if tuple(tensor.shape) != spec.shape:
-                raise ValueError(f"weight sync: {spec.name} has shape {tuple(tensor.shape)}, manifest says {spec.shape}")
-            flat[offset : offset + spec.numel].copy_(tensor.reshape(-1))
-            offset += spec.numel
-        if in_flight is not None:
-            in_flight.wait()
-        in_flight = group.start_broadcast(flat, root=0)
-    if in_flight is not None:
-        in_flight.wait()
+def pack_bucket(manifest: WeightManifest, bucket: tuple[int, ...], tensors: Iterator[torch.Tensor],
+                buffer: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors, the next ones of `tensors`, into `buffer` (bytes, at least
+    the bucket's size); returns the bucket's flat view of the buffer in its dtype."""
+    flat = unpack_bucket(manifest, bucket, buffer)
+    offset = 0
+    for index in bucket:
+        spec, tensor = manifest.tensors[index], next(tensors)
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"weight sync: {spec.name} has shape {tuple(tensor.shape)}, manifest says {spec.shape}")
+        flat[offset : offset + spec.numel].copy_(tensor.reshape(-1))
+        offset += spec.numel
+    return flat
 
 
-def receive_buckets(group: WeightGroup, manifest: WeightManifest, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive every bucket and yield (name, tensor) views into it, in manifest order; the
-    next bucket is already being received while the caller loads this one's tensors."""
-
-    def start(bucket: list[int]) -> tuple[list[TensorSpec], torch.Tensor, dist.Work]:
-        specs = [manifest.tensors[i] for i in bucket]
-        # A fresh buffer per bucket: the loader may hold views until a whole layer arrived.
-        flat = torch.empty(sum(s.numel for s in specs), dtype=specs[0].dtype, device=device)
-        return specs, flat, group.start_broadcast(flat, root=0)
-
-    upcoming = start(manifest.buckets[0]) if manifest.buckets else None
-    for index in range(len(manifest.buckets)):
-        specs, flat, work = upcoming
-        work.wait()
-        if index + 1 < len(manifest.buckets):
-            upcoming = start(manifest.buckets[index + 1])
-        offset = 0
-        for spec in specs:
-            yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)
-            offset += spec.numel
+def unpack_bucket(manifest: WeightManifest, bucket: tuple[int, ...], buffer: torch.Tensor) -> torch.Tensor:
+    """The bucket's flat view of `buffer` (bytes) in the bucket's dtype."""
+    return buffer[: manifest.bucket_bytes(bucket)].view(manifest.tensors[bucket[0]].dtype)

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from rayrep.sync.collective import WeightManifest, open_group, receive_buckets
+from rayrep.sync.collective import WeightManifest
 
 
 class _RotaryReloadNotice(logging.Filter):
@@ -34,20 +34,25 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter
 class WeightSyncExtension:
     """Methods that run inside each vLLM worker (one per tensor-parallel rank)."""
 
-    def rayrep_join_weight_group(self, host: str, port: int, world_size: int, first_rank: int, backend: str) -> None:
-        # Our own group, beside the one vLLM created for itself (a world of size 1 on CPU):
-        # the learner's rank 0 broadcasts to every generator worker through it. This
-        # worker's rank within its engine (its tensor-parallel rank) follows the engine's first.
+    def rayrep_join_weight_group(self, host: str, port: int, world_size: int, first_rank: int, backend: str,
+                                 transport: str) -> None:
+        # Our own transport, beside the group vLLM created for itself (a world of size 1 on
+        # CPU): a broadcast from the learner's rank 0, or colocated, handles from the learner
+        # rank beside this worker. This worker's rank within its engine (its tensor-parallel
+        # rank) follows the engine's first.
+        from rayrep.sync.transport import join_as_engine_worker
+
         rank = first_rank + getattr(self, "rank", 0)
-        self._rayrep_group = open_group(host, port, world_size, rank, backend, self._rayrep_device())
+        self._rayrep_channel = join_as_engine_worker(transport, host, port, world_size, rank, backend,
+                                                     self._rayrep_device())
 
     def rayrep_leave_weight_group(self) -> None:
-        """Leave the group (to join a rebuilt one, after a generator was replaced); a worker
+        """Leave the transport (to join a rebuilt one, after a generator was replaced); a worker
         that never joined one has nothing to leave."""
-        group = getattr(self, "_rayrep_group", None)
-        if group is not None:
-            group.close()
-            self._rayrep_group = None
+        channel = getattr(self, "_rayrep_channel", None)
+        if channel is not None:
+            channel.close()
+            self._rayrep_channel = None
 
     def rayrep_receive_weights(self, manifest: WeightManifest) -> int:
         """Receive every bucket and load them in one `reload_weights` call; returns tensors loaded."""
@@ -57,7 +62,7 @@ class WeightSyncExtension:
             nonlocal loaded
             # One reload over all buckets: reloading per bucket can split a layer's fused
             # q/k/v projection across calls and leave part of it stale.
-            for name, tensor in receive_buckets(self._rayrep_group, manifest, self._rayrep_device()):
+            for name, tensor in self._rayrep_channel.receive(manifest):
                 loaded += 1
                 yield name, tensor
                 if name == manifest.tied_embedding:

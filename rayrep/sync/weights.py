@@ -1,15 +1,17 @@
 """WeightSync: after each update, the learner's weights go to every generator.
 
-Learner rank 0 is rank 0 of a dedicated group (gloo on CPU, NCCL on GPU) whose other
-members are the generator workers. A sync gathers full tensors from the FSDP shards
-bucket by bucket and broadcasts each bucket; generators load everything in one
-`reload_weights` and move to the new policy version.
+A sync gathers full tensors from the FSDP shards bucket by bucket and sends each bucket
+through the run's weight transport (`rayrep.placement.weight_transport`): a broadcast from
+learner rank 0 over a group of its own (gloo on CPU, NCCL on GPU) whose other members are
+the generator workers, or, colocated, handles from each learner rank to the engine worker
+beside it (`rayrep.sync.transport`). Generators load everything in one `reload_weights`
+and move to the new policy version.
 
-A group admits no new member: when a generator is replaced (`GeneratorPool.complete`),
-every member leaves and a new group is made with the replacement in it (`rebuild`), which
+A transport admits no new member: when a generator is replaced (`GeneratorPool.complete`),
+every member leaves and a new one is made with the replacement in it (`rebuild`), which
 then receives the current weights at the current version. A generator that dies during a
-sync fails the broadcast: learner rank 0 aborts the group (so the live generators stop
-waiting), and `push` replaces the dead one, which rebuilds the group and sends again.
+sync fails it: the learner rank sending to it leaves (so the live generators stop
+waiting), and `push` replaces the dead one, which rebuilds the transport and sends again.
 """
 
 from __future__ import annotations

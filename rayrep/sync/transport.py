@@ -1,0 +1,211 @@
+"""How a sync's buckets reach the engines: the two transports and the one rule that picks one.
+
+- `broadcast`: learner rank 0 broadcasts every bucket over a group of its own (NCCL on GPUs,
+  gloo on CPU) whose other members are the engines' workers (`collective.WeightGroup`). For
+  disaggregated runs, where no two members share a device.
+- `handles`: colocated, engine worker j shares learner rank j's bundle, and so its GPU. NCCL
+  refuses two ranks of one communicator on one device ("Duplicate GPU detected",
+  `ncclInvalidUsage`), and every learner rank holds the full tensors anyway (`full_tensor()`
+  is an all-gather): rank j packs each bucket into a buffer of its own and hands worker j a
+  handle to it, which the worker opens without a copy. On GPUs the handle is a CUDA IPC
+  handle (torch's `reduce_tensor`, as OpenRLHF, SkyRL and verl hand weights to a colocated
+  engine); on CPU a shared-memory file (`torch.from_file`), the same protocol, so that the
+  CPU tests run the colocated path. Handles and acknowledgements travel through a `TCPStore`
+  hosted by learner rank 0; a sender fills a buffer again only once the worker has copied
+  what it held (two buffers: the next bucket is packed while the worker copies this one).
+
+`rayrep.placement.weight_transport` is the one place the choice is made; the placement plan
+(and so `--dry-run`) names it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import uuid
+import weakref
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+import torch.distributed as dist
+
+from rayrep.sync.collective import GROUP_TIMEOUT, WeightGroup, WeightManifest, open_group, pack_bucket, unpack_bucket
+
+Transport = Literal["broadcast", "handles"]
+
+SLOTS = 2
+"""Buffers a handle sender fills in turn: bucket b waits until the worker has copied bucket b - 2."""
+
+
+# ---------------------------------------------------------------------------- tensor handles
+
+
+def share(buffer: torch.Tensor) -> tuple:
+    """A handle another process on the same device opens with `open_shared`: a CUDA IPC
+    handle for a GPU tensor, the path of the shared-memory file behind a `shared_buffer`."""
+    if buffer.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(buffer)
+        return ("cuda", rebuild, args)
+    return ("file", _shared_files[buffer.data_ptr()], buffer.numel())
+
+
+def open_shared(handle: tuple, device: torch.device) -> torch.Tensor:
+    """The tensor behind `handle` (from `share`), mapped into this process, no copy."""
+    if handle[0] == "cuda":
+        _, rebuild, args = handle
+        args = list(args)
+        # The sender's device index means the sender's visible devices; this process names the
+        # same GPU by its own (Ray gives both the GPU of their bundle), as OpenRLHF does.
+        args[6] = device.index if device.index is not None else torch.cuda.current_device()
+        return rebuild(*args)
+    _, path, size = handle
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+_shared_files: dict[int, str] = {}
+"""Data pointer of each CPU shared buffer of this process -> its file."""
+
+
+def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer another process can map: plain device memory on GPUs (CUDA IPC shares
+    it), a file in shared memory on CPU, removed when the buffer goes."""
+    if device.type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    path = folder / f"rayrep-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    _shared_files[buffer.data_ptr()] = str(path)
+    weakref.finalize(buffer, _remove_shared_file, buffer.data_ptr(), str(path))
+    return buffer
+
+
+def _remove_shared_file(pointer: int, path: str) -> None:
+    _shared_files.pop(pointer, None)
+    Path(path).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------- the handle channel
+
+
+class PeerDied(RuntimeError):
+    """The engine worker a sender hands buckets to is gone."""
+
+
+class HandleChannel:
+    """One learner rank and the engine worker beside it: `send` on the learner's side,
+    `receive` on the worker's. Keys are numbered by sync, so both sides count their syncs."""
+
+    def __init__(self, store: dist.TCPStore, worker: int, device: torch.device, peer_pid: int | None = None):
+        self.store, self.worker, self.device, self.peer_pid = store, worker, device, peer_pid
+        self.syncs = 0
+        self.slots: list[torch.Tensor] = []
+
+    def _key(self, kind: str, bucket: int) -> str:
+        return f"sync{self.syncs}/worker{self.worker}/{kind}{bucket}"
+
+    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor]) -> None:
+        """Pack every bucket of `tensors` (manifest order, full shapes) and hand it over."""
+        self.syncs += 1
+        largest = max((manifest.bucket_bytes(b) for b in manifest.buckets), default=0)
+        if not self.slots or self.slots[0].numel() < largest:
+            self.slots = [shared_buffer(largest, self.device) for _ in range(SLOTS)]
+        handles = [share(slot) for slot in self.slots]
+        for index, bucket in enumerate(manifest.buckets):
+            if index >= SLOTS:
+                self._wait(self._key("copied", index - SLOTS))
+            slot = index % SLOTS
+            pack_bucket(manifest, bucket, tensors, self.slots[slot])
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # packed before the worker reads
+            self.store.set(self._key("bucket", index), pickle.dumps((slot, handles[slot])))
+        for index in range(max(0, len(manifest.buckets) - SLOTS), len(manifest.buckets)):
+            self._wait(self._key("copied", index))
+        for index in range(len(manifest.buckets)):
+            self.store.delete_key(self._key("bucket", index))
+            self.store.delete_key(self._key("copied", index))
+
+    def receive(self, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every bucket's (name, tensor) views, in manifest order. Each bucket is copied out
+        of the sender's buffer at once (the loader may hold views until a whole layer
+        arrived), so the sender can fill that buffer again."""
+        self.syncs += 1
+        opened: dict[int, torch.Tensor] = {}
+        for index, bucket in enumerate(manifest.buckets):
+            slot, handle = pickle.loads(self.store.get(self._key("bucket", index)))
+            if slot not in opened:
+                opened[slot] = open_shared(handle, self.device)
+            flat = unpack_bucket(manifest, bucket, opened[slot]).clone()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # copied before the buffer is refilled
+            self.store.set(self._key("copied", index), b"")
+            yield from manifest.views(bucket, flat)
+
+    def _wait(self, key: str) -> None:
+        """Until the worker has set `key`; fails at once if its process is gone (it shares
+        this node), and after the group's timeout otherwise."""
+        deadline, pause = time.monotonic() + GROUP_TIMEOUT.total_seconds(), 1e-4
+        while not self.store.check([key]):
+            if self.peer_pid is not None and not _alive(self.peer_pid):
+                raise PeerDied(f"weight sync: engine worker {self.worker} (pid {self.peer_pid}) died during the sync")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight sync: engine worker {self.worker} did not take bucket {key} "
+                                   f"within {GROUP_TIMEOUT}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+
+    def close(self) -> None:
+        self.slots = []
+        self.store = None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this node runs (a killed one its parent has not reaped yet
+    is a zombie: not running)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: whether the process exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state not in ("Z", "X")
+
+
+# ---------------------------------------------------------------------------- joining
+
+
+WeightChannel = WeightGroup | HandleChannel
+
+
+def join_as_learner(transport: Transport, host: str, port: int, world_size: int, rank: int, backend: str,
+                    device: torch.device) -> WeightChannel | None:
+    """Learner rank `rank`'s end of the weight transport, or None when it sends nothing
+    (`broadcast`: ranks other than 0). Every member's join must be in flight together."""
+    if transport == "broadcast":
+        return open_group(host, port, world_size, 0, backend, device) if rank == 0 else None
+    store = _store(host, port, hosts=rank == 0)
+    peer_pid = int(store.get(f"pid{rank}"))  # the worker beside this rank has joined
+    return HandleChannel(store, rank, device, peer_pid)
+
+
+def join_as_engine_worker(transport: Transport, host: str, port: int, world_size: int, group_rank: int,
+                          backend: str, device: torch.device) -> WeightChannel:
+    """Engine worker `group_rank - 1`'s end (group rank 0 is learner rank 0's)."""
+    if transport == "broadcast":
+        return open_group(host, port, world_size, group_rank, backend, device)
+    worker = group_rank - 1
+    store = _store(host, port, hosts=False)
+    store.set(f"pid{worker}", str(os.getpid()))
+    return HandleChannel(store, worker, device)
+
+
+def _store(host: str, port: int, hosts: bool) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=hosts, timeout=GROUP_TIMEOUT, wait_for_workers=False)

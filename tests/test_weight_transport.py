@@ -1,0 +1,112 @@
+"""The colocated weight transport on CPU: learner rank j hands the engine worker beside it
+each bucket through a shared-memory handle (the CPU counterpart of a CUDA IPC handle), the
+protocol the GPU path runs with CUDA IPC handles. Two real processes, a real TCPStore."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayrep.config import load_preset
+from rayrep.placement import free_port, make_plan, weight_transport
+from rayrep.sync.collective import TensorSpec, WeightManifest
+from rayrep.sync.transport import SLOTS, PeerDied, join_as_engine_worker, join_as_learner
+
+CPU = torch.device("cpu")
+
+
+def manifest() -> WeightManifest:
+    specs = [TensorSpec(f"layer{i}.weight", (8, 16), torch.float32) for i in range(5)]
+    specs += [TensorSpec("norm.weight", (16,), torch.bfloat16), TensorSpec("head.weight", (4, 16), torch.bfloat16)]
+    # 600 bytes a bucket: one fp32 tensor each, then the two bf16 ones together
+    return WeightManifest.build(specs, bucket_bytes=600)
+
+
+def weights(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(s.shape, generator=generator).to(s.dtype) for s in manifest().tensors]
+
+
+def engine_worker(port: int, syncs: int, results, die_after: int | None) -> None:
+    """An engine worker's end: receive `syncs` syncs, report each one's tensors; `die_after`:
+    exit abruptly (as a killed process does) after copying that many buckets of the first."""
+    import os
+
+    channel = join_as_engine_worker("handles", "127.0.0.1", port, 2, 1, "gloo", CPU)
+    for _ in range(syncs):
+        received = {}
+        for count, (name, tensor) in enumerate(channel.receive(manifest())):
+            received[name] = (str(tensor.dtype), tensor.float().tolist())  # plain values: the queue shares tensors by fd
+            if die_after is not None and count + 1 == die_after:
+                os._exit(1)
+        results.put(received)
+
+
+def start_worker(port: int, syncs: int, die_after: int | None = None):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=engine_worker, args=(port, syncs, results, die_after), daemon=True)
+    process.start()
+    return process, results
+
+
+def our_files(pid: int) -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"rayrep-weights-{pid}-*"))
+
+
+def test_the_engine_worker_receives_every_bucket_of_two_syncs_through_shared_memory_handles():
+    import os
+
+    layout = manifest()
+    assert len(layout.buckets) > SLOTS + 1  # the sender refills its buffers
+    port = free_port()
+    process, results = start_worker(port, syncs=2)
+    channel = join_as_learner("handles", "127.0.0.1", port, 2, 0, "gloo", CPU)
+    try:
+        for seed in (1, 2):  # a second sync reuses the buffers and the store's keys start afresh
+            sent = weights(seed)
+            channel.send(layout, iter(sent))
+            received = results.get(timeout=60)
+            assert list(received) == [s.name for s in layout.tensors]
+            for spec, tensor in zip(layout.tensors, sent):
+                dtype, values = received[spec.name]
+                assert dtype == str(spec.dtype) and torch.equal(torch.tensor(values), tensor.float())
+        assert len(our_files(os.getpid())) == SLOTS  # two buffers, whatever the number of buckets
+    finally:
+        channel.close()
+        process.join(timeout=30)
+    assert not our_files(os.getpid())  # the shared-memory files go with the channel
+    assert process.exitcode == 0
+
+
+def test_a_sender_whose_engine_worker_dies_fails_at_once_naming_it():
+    port = free_port()
+    process, _ = start_worker(port, syncs=1, die_after=1)
+    channel = join_as_learner("handles", "127.0.0.1", port, 2, 0, "gloo", CPU)
+    start = time.monotonic()
+    try:
+        with pytest.raises(PeerDied, match="engine worker 0"):
+            channel.send(manifest(), iter(weights(1)))
+    finally:
+        channel.close()
+        process.join(timeout=30)
+    assert time.monotonic() - start < 30  # not the group's 10-minute timeout
+
+
+def test_the_transport_is_chosen_in_one_place_and_the_plan_names_it():
+    tiny = load_preset("tiny-cpu")
+    assert weight_transport(tiny) == "handles"  # colocated: one engine beside one learner
+    assert "shared-memory handles" in make_plan(tiny).describe()
+    two_engines = tiny.replace(**{"generator.num_workers": 2})  # the second shares no learner's bundle
+    assert weight_transport(two_engines) == "broadcast" and "gloo broadcast" in make_plan(two_engines).describe()
+    split = tiny.replace(**{"placement.mode": "disaggregated", "generator.num_workers": 1})
+    assert weight_transport(split) == "broadcast"
+    for preset in ("qwen2.5-math-7b-rlep", "qwen2.5-math-7b-exgrpo"):
+        cfg = load_preset(preset)
+        assert weight_transport(cfg) == "handles" and "CUDA IPC handles" in make_plan(cfg).describe()
+        gpu_split = cfg.replace(**{"placement.mode": "disaggregated", "generator.num_workers": 8})
+        assert "NCCL broadcast" in make_plan(gpu_split).describe()
