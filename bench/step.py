@@ -30,11 +30,7 @@ from pathlib import Path
 import torch
 
 from rayrep.config import job_parser, parse_cli, parse_job_args
-from rayrep.metrics import read_metrics
-
-PHASES = ("plan", "select", "generate", "verify", "build", "old_logprobs", "update", "sync")
-"""`plan` includes ExGRPO's entropy selection and `update` the learner's old-log-prob pass:
-both are reported on their own lines and left out of their enclosing phase."""
+from rayrep.metrics import PHASES, read_metrics
 
 
 def in_memory_copy_gbps(num_bytes: int, repeats: int = 20) -> float:
@@ -56,8 +52,6 @@ def measured_steps(run_dir: Path) -> list[dict]:
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 2 and "time_step" in r]
     for r in records:
         r["time_update"] -= r.get("time_old_logprobs", 0.0)  # timed by the learner inside its update call
-        r["time_select"] = r.get("time_select", 0.0)  # ExGRPO's entropy selection, inside its plan
-        r["time_plan"] -= r["time_select"]
     return records
 
 
@@ -126,7 +120,7 @@ def main(argv=None):
               f"({tokens / base_tokens:.3f}x)")
         print(f"{'phase':<14}{'median s':>10}{'share':>8}")
         for phase in PHASES:
-            seconds = statistics.median(r[f"time_{phase}"] for r in records)
+            seconds = statistics.median(r.get(f"time_{phase}", 0.0) for r in records)
             print(f"{phase:<14}{seconds:>10.3f}{100 * seconds / step_time:>7.1f}%")
         print(f"replayed answers: {100 * statistics.median(r['replay_share'] for r in records):.1f}% of the batch; "
               f"replayed questions per step: {statistics.median(r['replayed_questions'] for r in records):.0f}")

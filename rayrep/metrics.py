@@ -354,12 +354,11 @@ CURVES = (  # (file name, title, y label, metric patterns (a line per metric tha
     ("replay_share", "replay share", "trained rollouts that are replayed (%)", (r"replay_share",), True, False),
 )
 
-PHASES = ("plan", "select", "generate", "verify", "build", "old_logprobs", "update", "sync")
+PHASES = ("plan", "generate", "verify", "hand_over", "select", "build", "old_logprobs", "update", "sync")
 """The driver's timed phases of a step, in the order they run."""
 
-NESTED_PHASES = {"select": "plan", "old_logprobs": "update"}
-"""Phases timed inside another one: ExGRPO's selection happens while planning, the learners
-take the old log-probs within the update call."""
+NESTED_PHASES = {"old_logprobs": "update"}
+"""Phases timed inside another one: the learners take the old log-probs within the update call."""
 
 
 def load_run_metrics(run_dir: str | Path) -> list[dict]:

@@ -161,6 +161,12 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
             groups, stale = drop_stale(groups, runtime.sync.version, cfg.run.max_policy_lag)
             record.update(stale)
 
+            # The learners take the GPUs (colocated GPUs: the engines sleep meanwhile) before
+            # ExGRPO's entropy pass chooses the replays it planned.
+            with timed(record, "hand_over"):
+                runtime.hand_over_to_learners()
+            groups, chosen = algorithm.join_replays(groups)
+            record.update(chosen)
             with timed(record, "build"):
                 step_batch = algorithm.build(groups, dropped)
 
@@ -171,7 +177,6 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                 ahead.append(start_round(runtime, cfg, algorithm, sampler, prompt_ids, step + 1 + len(ahead)))
 
             with timed(record, "update"):
-                runtime.hand_over_to_learners()  # colocated GPUs: the engines sleep meanwhile
                 record.update(runtime.learners.update(step_batch.batch, step_batch.loss))
 
             with timed(record, "sync"):

@@ -74,6 +74,9 @@ class Group:
     """Per rollout: drawn from the replay buffer rather than sampled this step."""
     rewards: tuple[float, ...] = ()
     """Per rollout, once the algorithm has scored the group (verdict plus shaping); empty before."""
+    pending_replays: int = 0
+    """Stored successes planned for the group and not chosen yet (`StepPlan.choose`): they
+    join it before it trains, and count as correct answers meanwhile."""
 
     @property
     def size(self) -> int:
@@ -81,16 +84,19 @@ class Group:
 
     @property
     def informative(self) -> bool:
-        """Some rollouts right and some wrong: the group carries a learning signal."""
-        return 0 < sum(self.correct) < len(self.correct)
+        """Some rollouts right and some wrong (a pending replay is a right one): the group
+        carries a learning signal."""
+        return 0 < sum(self.correct) + self.pending_replays < len(self.correct) + self.pending_replays
 
     def with_replays(self, replays: Sequence[Rollout]) -> "Group":
-        """This group with stored successes appended (replays are correct by construction)."""
+        """This group with stored successes appended (replays are correct by construction),
+        none pending any more."""
         return dataclasses.replace(
             self,
             rollouts=self.rollouts + tuple(replays),
             correct=self.correct + (True,) * len(replays),
             replayed=self.replayed + (True,) * len(replays),
+            pending_replays=0,
         )
 
 
@@ -111,6 +117,10 @@ class StepPlan:
     replay_if_at_most: int | None = None
     """Adaptive replay: a question's stored answers join its group only when at most this
     many of its fresh rollouts are correct (the group needs them); None: always."""
+    choose: tuple[str, ...] = ()
+    """Questions that get one stored answer chosen later, when the learners hold the GPUs
+    (ExGRPO's lowest-entropy choice: `join_replays`); their groups leave the round with it
+    pending."""
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -122,9 +132,11 @@ class StepPlan:
         the fresh ones have at most that many correct)."""
         if [g.prompt.uid for g in fresh] != [p.uid for p, _ in self.requests]:
             raise ValueError("fresh groups do not match the plan's questions")
-        limit = self.replay_if_at_most
+        limit, choose = self.replay_if_at_most, set(self.choose)
         return [group if limit is not None and sum(group.correct) > limit
-                else group.with_replays(self.replays.get(group.prompt.uid, ())) for group in fresh]
+                else dataclasses.replace(group.with_replays(self.replays.get(group.prompt.uid, ())),
+                                         pending_replays=int(group.prompt.uid in choose))
+                for group in fresh]
 
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

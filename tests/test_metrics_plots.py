@@ -178,17 +178,19 @@ def test_plot_command_refuses_a_run_without_metrics(tmp_path, case):
 
 
 def test_step_time_phases_add_up_to_the_step_and_its_evaluation():
-    """Nested phases come out of their parents (ExGRPO's select is timed within plan, the old
-    log-probs within the update); the untimed rest of the step is `other`; eval is its own part."""
+    """Nested phases come out of their parents (the old log-probs within the update); the
+    untimed rest of the step is `other`; eval is its own part."""
     records = [
         {"step": 0, "time_eval": 9.0},
-        {"step": 1, "time_plan": 0.5, "time_select": 0.2, "time_generate": 2.0, "time_verify": 0.1, "time_build": 0.1,
-         "time_old_logprobs": 1.0, "time_update": 3.0, "time_sync": 0.3, "time_step": 6.5, "time": 1796090924.0},
+        {"step": 1, "time_plan": 0.3, "time_generate": 2.0, "time_verify": 0.1, "time_hand_over": 0.4,
+         "time_select": 0.2, "time_build": 0.1, "time_old_logprobs": 1.0, "time_update": 3.0, "time_sync": 0.3,
+         "time_step": 6.9, "time": 1796090924.0},
     ]
     steps, phases = step_times(records)
     assert steps == [0, 1]
-    expected = {"plan": [0, 0.3], "select": [0, 0.2], "generate": [0, 2.0], "verify": [0, 0.1], "build": [0, 0.1],
-                "old_logprobs": [0, 1.0], "update": [0, 2.0], "sync": [0, 0.3], "other": [0, 0.5], "eval": [9.0, 0]}
+    expected = {"plan": [0, 0.3], "generate": [0, 2.0], "verify": [0, 0.1], "hand_over": [0, 0.4],
+                "select": [0, 0.2], "build": [0, 0.1], "old_logprobs": [0, 1.0], "update": [0, 2.0],
+                "sync": [0, 0.3], "other": [0, 0.5], "eval": [9.0, 0]}
     assert list(phases) == list(expected)  # the order they run, eval last
     for name, values in expected.items():
         assert phases[name] == pytest.approx(values), name

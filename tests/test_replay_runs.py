@@ -13,6 +13,7 @@ from rayrep.learner.group import LearnerGroup
 from rayrep.metrics import read_metrics
 from rayrep.placement import Placement, make_plan
 from rayrep.train import train
+from rayrep.types import Group, Rollout
 
 
 def small(cfg, tmp_path, **changes):
@@ -177,5 +178,16 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     plan = algo.plan(sampler, 8)
     replayed = [p.uid for p, n in plan.requests if n == K - 1]
     assert len(replayed) == 4 and set(replayed) <= {p.uid for p in stored}
-    assert set(plan.replays) == set(replayed) and all(len(r) == 1 for r in plan.replays.values())
     assert len(plan.requests) == 8 and sampler.position == 8 - 4
+    # The stored answer of each is chosen after generation, when the learners hold the GPUs:
+    # meanwhile a group counts it as a success (all-wrong fresh rollouts plus it: informative).
+    assert set(plan.choose) == set(replayed) and not plan.replays
+    fresh = [Group(p, (Rollout(algo.prompt_ids[p.uid], [7] * 3, [-1.0] * 3, "", "stop"),) * n, (False,) * n, (False,) * n)
+             for p, n in plan.requests]
+    groups = plan.complete(fresh)
+    assert [g.pending_replays for g in groups] == [int(p.uid in replayed) for p, _ in plan.requests]
+    assert [g.informative for g in groups] == [p.uid in replayed for p, _ in plan.requests]
+    joined, metrics = algo.join_replays(groups)
+    assert [sum(g.replayed) for g in joined] == [int(p.uid in replayed) for p, _ in plan.requests]
+    assert all(g.size == K and not g.pending_replays for g in joined)
+    assert metrics["exgrpo_replays_gone"] == 0 and metrics["exgrpo_selected_entropy"] > 0

@@ -10,7 +10,8 @@
   the bucket, without replacement) and the rest from the prompt sampler. Such a question
   gets K - 1 fresh rollouts plus the stored answer of lowest mean token entropy under the
   current policy: one batched forward pass on the learners over the sampled questions'
-  stored answers only, each answer's entropy averaged over its own response tokens.
+  stored answers only, each answer's entropy averaged over its own response tokens, once
+  the rollouts are in and the learners hold the GPUs (`join_replays`).
 - From the step after collection starts (one-way), replayed tokens train with f(w) * A,
   f(w) = w / (w + beta), w = pi_theta / pi_recorded, and fresh tokens are unclipped (the
   public code) or clipped (the paper's eq. 4), as configured. Advantages: group mean
@@ -68,17 +69,29 @@ class ExGRPO(GRPO):
         K, B = algo.group_size, questions
         count = math.floor(algo.exgrpo.replay_ratio * B) if self.collecting else 0
         uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma, exclude=exclude) if count else []
-        metrics: dict[str, float] = {}
-        replays = {}
-        if uids:
-            start = time.perf_counter()
-            chosen, entropy = self.lowest_entropy_answers(uids)
-            metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy}
-            replays = {uid: (chosen[uid].rollout(self.prompt_ids[uid]),) for uid in uids}
         taken = exclude | set(uids)
         fresh = [p for p in sampler.next(B - len(uids)) if p.uid not in taken]
         requests = [(self.prompts[uid], K - 1) for uid in uids] + [(p, K) for p in fresh]
-        return StepPlan(tuple(requests), replays, metrics)
+        # Which stored answer joins each drawn question is chosen after generation
+        # (`join_replays`): its entropy pass needs the learners' weights on the GPU, which
+        # colocated GPUs give the engines until then. The policy is the same either way.
+        return StepPlan(tuple(requests), choose=tuple(uids))
+
+    def join_replays(self, groups: Sequence[Group]) -> tuple[list[Group], dict[str, float]]:
+        """Each group with a pending replay gets its question's stored answer of lowest mean
+        token entropy under the current policy (one batched pass on the learners). A question
+        the buffer no longer holds (retired while an asynchronous round sampled it) trains
+        on its fresh rollouts alone."""
+        uids = [g.prompt.uid for g in groups if g.pending_replays]
+        if not uids:
+            return list(groups), {}
+        start = time.perf_counter()
+        chosen, entropy = self.lowest_entropy_answers(uids)
+        metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy,
+                   "exgrpo_replays_gone": float(len(uids) - len(chosen))}
+        joined = [g.with_replays((chosen[g.prompt.uid].rollout(self.prompt_ids[g.prompt.uid]),)
+                                 if g.prompt.uid in chosen else ()) if g.pending_replays else g for g in groups]
+        return joined, metrics
 
     def lowest_entropy_answers(self, uids: list[str]) -> tuple[dict[str, Answer], float]:
         """Per question, its stored answer of lowest mean token entropy under the current

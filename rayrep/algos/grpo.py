@@ -4,11 +4,13 @@ The RLEP paper's baseline "DAPO-nodyn-bs64": group-normalised advantages, token-
 loss, clip-higher (0.2 / 0.28) with dual clip, overlong reward shaping, no KL, no entropy
 bonus; dynamic sampling is an option (off).
 
-An algorithm is a pair of step functions over values, plus what it remembers:
+An algorithm is a few step functions over values, plus what it remembers:
 - `plan(sampler, questions, exclude) -> StepPlan`: which questions to roll out (drawn
   from the sampler; replay methods may take some from the buffer instead), how many fresh
   rollouts each gets, and which stored answers join which group (read from the buffer
-  now, before anything is generated);
+  now, before anything is generated, or, for ExGRPO's entropy choice, left to choose);
+- `join_replays(groups)`: once the learners hold the GPUs, the answers left to choose join
+  their groups;
 - `build(groups, dropped) -> StepBatch`: the verified groups (fresh + planned replays)
   scored, their advantages, the learner's batch and the loss to train it with;
 - `after_update(step, batch)`: what enters and leaves the replay buffer.
@@ -71,6 +73,12 @@ class GRPO:
         in `exclude` (questions already in this step)."""
         group_size = self.cfg.algorithm.group_size
         return StepPlan(tuple((p, group_size) for p in sampler.next(questions) if p.uid not in exclude))
+
+    def join_replays(self, groups: Sequence[Group]) -> tuple[list[Group], dict[str, float]]:
+        """The groups with the stored answers the plan left to choose (`StepPlan.choose`),
+        chosen now that the learners hold the GPUs; and what choosing measured. GRPO and
+        RLEP plan theirs whole: nothing to choose."""
+        return list(groups), {}
 
     def build(self, groups: Sequence[Group], dropped: Sequence[Group] = ()) -> StepBatch:
         """Score the groups, take advantages over each whole group (fresh and replayed
