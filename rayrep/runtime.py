@@ -92,7 +92,14 @@ class Runtime:
         verifiers = VerifierPool.create(cfg, placement)
         learners = sync = buffer = None
         if train:
+            # Colocated GPUs: the new engines sleep while the learners set up (sharding moves
+            # each module's fp32 weights to the GPU), and wake once the learners' state left it.
+            takes_turns = cfg.placement.takes_turns
+            if takes_turns:
+                generators.sleep()
             learners = LearnerGroup(cfg, model_path, placement)
+            if takes_turns:
+                generators.wake_up()
             sync = WeightSync(cfg, learners, generators, policy_version)
             if cfg.algorithm.uses_replay:
                 replay = cfg.replay

@@ -3,7 +3,8 @@
 Both give the worker the same things, so the training loop is written once: `model`
 (call it, `.train()`/`.eval()` it), `module` (the Hugging Face model inside, for names
 and global shapes), `backward(loss, last_micro_batch)`,
-`step() -> (grad_norm, stepped)` and `full_tensors()` (every rank iterates together).
+`step() -> (grad_norm, stepped)`, `full_tensors()` (every rank iterates together) and
+`full_state(dtype, rank)` (the checkpoint's weights, gathered in CPU memory).
 Gradients are averaged over ranks by both; the worker's loss is already a global mean,
 so it scales by the world size before `backward`.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from rayrep.config import Config
 
@@ -44,6 +46,10 @@ class Sharding(Protocol):
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full fp32 master tensor) of every parameter; every rank must iterate together."""
+
+    def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
+        """Every parameter's full tensor in `dtype`, in CPU memory at rank 0 (None elsewhere);
+        every rank must call it. For checkpoints: it takes no GPU memory."""
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config):
@@ -92,6 +98,10 @@ class FSDP2Sharding:
         fully_shard(model, mesh=mesh, mp_policy=precision)
         model.to(device)  # only this rank's shards move
         self.model = self.module = model
+        self.world_size = world_size
+        # Checkpoints gather the shards where they lie, in CPU memory while offloaded, which
+        # NCCL cannot reach: a CPU group of the same ranks (on CPU runs, the default group).
+        self.cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
         self.optimizer, self.scheduler = make_optimizer(model, cfg)
         self.grad_clip = cfg.learner.grad_clip
         self.skip_above = cfg.learner.skip_grad_norm_above
@@ -117,6 +127,30 @@ class FSDP2Sharding:
         for name, param in self.model.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             yield name, full.detach()
+
+    def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
+        """Each parameter's dim-0 shards, cast to `dtype` where they lie (CPU memory while the
+        engines hold the GPU), gathered to rank 0 over the CPU group and joined in rank order
+        (FSDP2 shards dim 0 as torch.chunk does): a checkpoint never brings the learner's
+        state back to the GPU."""
+        W = self.world_size
+        state: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                local = _local(param).detach().to("cpu", dtype, copy=True)
+                if W == 1:
+                    state[name] = local
+                    continue
+                rows = [torch.zeros(1, dtype=torch.long) for _ in range(W)]
+                dist.all_gather(rows, torch.tensor([local.shape[0]]), group=self.cpu_group)
+                longest = max(int(r) for r in rows)
+                padded = torch.zeros((longest, *local.shape[1:]), dtype=dtype)
+                padded[: local.shape[0]] = local
+                parts = [torch.empty_like(padded) for _ in range(W)] if rank == 0 else None
+                dist.gather(padded, parts, dst=0, group=self.cpu_group)
+                if rank == 0:
+                    state[name] = torch.cat([part[: int(n)] for part, n in zip(parts, rows)]).view(param.shape)
+        return state if rank == 0 else None
 
 
     # A learner checkpoint is one safetensors file per rank (this rank's shard of every fp32
@@ -232,6 +266,11 @@ class DeepSpeedSharding:
         for name, param in self.module.named_parameters():
             # The fp32 master (gathered from the optimizer's partitions), not the bf16 copy.
             yield name, (safe_get_full_fp32_param(param) if self.bf16 else param).detach()
+
+    def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
+        # ZeRO-2 keeps its state on the GPU all along (nothing is offloaded): gather there.
+        state = {name: tensor.to("cpu", dtype, copy=True) for name, tensor in self.full_tensors()}
+        return state if rank == 0 else None
 
 
 def make_sharding(strategy: str, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device) -> Sharding:

@@ -364,31 +364,26 @@ class LearnerWorker:
 
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor] | None:
         """The full weights on CPU at rank 0 (None elsewhere), the fp32 masters unless `dtype`
-        says otherwise; every rank must call it."""
-        state = {name: tensor.to("cpu", dtype, copy=True) for name, tensor in self.sharding.full_tensors()}
-        return state if self.rank == 0 else None
+        says otherwise; every rank must call it. Gathered in CPU memory: nothing comes back
+        to the GPU (`Sharding.full_state`)."""
+        return self.sharding.full_state(dtype, self.rank)
 
     def save(self, path: str, base_model_path: str) -> str | None:
         """Save a Hugging Face checkpoint directory in `model.dtype` (rank 0 writes; every rank must call)."""
         from rayrep.models.checkpoint import save_checkpoint
 
-        moved = self.onload(optimizer=False)  # the gathers need the shards on the device
         state = self.full_state_dict(getattr(torch, self.cfg.model.dtype))
-        if moved:
-            self.offload(optimizer=False)
         if self.rank == 0:
             return save_checkpoint(state, base_model_path, path, self.config_overrides)
         return None
 
     def save_state(self, folder: str) -> dict | None:
         """Write this rank's part of the learner checkpoint (fp32 masters, AdamW moments) to
-        `folder`; rank 0 returns the state all ranks share (see `FSDP2Sharding.save_state`)."""
+        `folder`, from where the shards lie (CPU memory while the engines hold the GPU); rank
+        0 returns the state all ranks share (see `FSDP2Sharding.save_state`)."""
         from pathlib import Path
 
-        moved = self.onload()
         shared = self.sharding.save_state(Path(folder), self.rank, self.world_size)
-        if moved:
-            self.offload()
         return shared if self.rank == 0 else None
 
     def load_state(self, folder: str, shared: dict) -> None:
