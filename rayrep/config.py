@@ -177,7 +177,8 @@ class PlacementConfig:
     pin_cores: bool = option(False, "CPU runs: bind each generator's and learner's threads to cores of their own (generators first, then learners, by index, `threads` each), so that roles working at once (asynchronous rollouts, disaggregated) do not share cores; off: vLLM binds its threads to every core")
     cpu_node_resource: str = option("", "a custom resource that CPU nodes advertise: verifiers and replay shards go there (cluster.yaml: rayrep_cpu_node)")
     wait_timeout_s: float = option(600.0, "how long to wait for an autoscaling cluster to grow to the plan before giving up", min=1.0)
-    cluster_can_grow: Literal["auto", "yes", "no"] = option("auto", "whether the cluster can add nodes; auto: when its autoscaler publishes its node types")
+    cluster_can_grow: Literal["auto", "yes", "no"] = option("auto", "whether the cluster can add nodes; auto: when an autoscaler runs (v2 publishes its node types; v1's are read from placement.autoscaling_config)")
+    autoscaling_config: str = option("~/ray_bootstrap_config.yaml", "the autoscaler's config on the head node, where Ray's cluster launcher writes it: the node types of an autoscaler v1, which publishes none, for the plan's check")
     gpus_per_node: int = option(8, "GPUs per node of the cluster (for the plan's node count)", min=1)
     gpu_memory_gib: float = option(80.0, "memory of one GPU in GiB, for the memory plan checked before a GPU run starts", min=1.0)
 

@@ -221,17 +221,18 @@ class Placement:
     """The placement groups of a plan, created and ready; hands out actor options per slot."""
 
     def __init__(self, plan: Plan, timeout_s: float = 600, can_grow: str = "auto", log=print,
-                 actor_env: dict[str, str] | None = None):
+                 actor_env: dict[str, str] | None = None, autoscaling_config: str | None = None):
         """Checks the plan against the cluster first (`check_fits`), then creates the groups
         and waits for them, logging what is pending every 30 s, up to `timeout_s`.
         `actor_env`: environment variables every actor placed here starts with (the run's
-        library log, its NCCL settings: `rayrep.runtime.actor_environment`)."""
+        library log, its NCCL settings: `rayrep.runtime.actor_environment`).
+        `autoscaling_config`: where an autoscaler v1's config may be read (`cluster_capacity`)."""
         import ray
         from ray.util.placement_group import placement_group
 
         self.plan = plan
         self.actor_env = dict(actor_env or {})
-        check_fits(plan, can_grow)
+        check_fits(plan, can_grow, autoscaling_config)
         self.groups = {
             name: placement_group(bundles, strategy=plan.strategies[name], name=f"rayrep-{name}")
             for name, bundles in plan.groups.items()
@@ -296,31 +297,71 @@ def _rounded(resources: dict) -> dict:
             if not k.startswith("node:") and k not in ("memory", "object_store_memory") and "_group_" not in k}
 
 
-def cluster_capacity(can_grow: str) -> tuple[dict[str, float], list[dict[str, float]], bool]:
+def cluster_capacity(can_grow: str, autoscaling_config: str | None = None
+                     ) -> tuple[dict[str, float], list[dict[str, float]], bool]:
     """(the most of each resource the cluster can have, the node shapes it has or can add,
-    whether it can grow). A cluster can grow when its autoscaler publishes its node types
-    (`can_grow` "auto"), or when told so ("yes"); else it holds what it has now."""
+    whether it can grow). "auto": the cluster can grow when an autoscaler runs. Autoscaler
+    v2 publishes its node types (Ray Train checks its worker groups against the same
+    config); v1 publishes only its status, and its node types are read from the config it
+    was started with (`autoscaling_config`, where the cluster launcher writes it): without
+    that file the cluster is taken as it is (`placement.cluster_can_grow = "yes"` tells
+    otherwise). "yes" / "no": as told."""
     import ray
     from ray._private.state import state
 
     nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
     current = _sum(nodes)
-    grows = can_grow == "yes"
     if can_grow == "auto":
-        # Ray Train checks its worker groups against the same autoscaler config.
         config = state.get_cluster_config()
-        grows = config is not None and len(config.node_group_configs) > 0
-        if grows:
+        if config is not None and len(config.node_group_configs) > 0:
             maximum = state.get_max_resources_from_cluster_config() or {}
             shapes = [dict(group.resources) for group in config.node_group_configs]
             return {k: max(v, current.get(k, 0)) for k, v in {**current, **maximum}.items()}, nodes + shapes, True
+        types = _node_types(autoscaling_config)
+        if types and _autoscaler_v1_runs():  # (every head runs a v1 monitor, a read-only one without a config)
+            head = max(nodes, key=lambda n: "node:__internal_head__" in n, default={})
+            maximum = _sum([{k: v * count for k, v in shape.items()} for shape, count in types] + [head])
+            return ({k: max(v, current.get(k, 0)) for k, v in {**current, **maximum}.items()},
+                    nodes + [shape for shape, _ in types], True)
+        return current, nodes, False
+    grows = can_grow == "yes"
     return (current if not grows else {}), nodes, grows
 
 
-def check_fits(plan: Plan, can_grow: str = "auto") -> None:
+def _autoscaler_v1_runs() -> bool:
+    """Whether an autoscaler v1 monitor reports its status (it writes it every update)."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
+
+    return _internal_kv_initialized() and _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) is not None
+
+
+def _node_types(path: str | None) -> list[tuple[dict[str, float], int]] | None:
+    """(resources, max_workers) of each worker node type of the autoscaler config at `path`
+    (YAML or JSON), or None when there is none to read."""
+    import os
+
+    import yaml
+
+    if not path or not os.path.exists(os.path.expanduser(path)):
+        return None
+    with open(os.path.expanduser(path)) as file:
+        config = yaml.safe_load(file) or {}
+    head_type = config.get("head_node_type")
+    limit = config.get("max_workers")
+    types = []
+    for name, spec in (config.get("available_node_types") or {}).items():
+        if name == head_type or "max_workers" not in spec:
+            continue
+        count = spec["max_workers"] if limit is None else min(spec["max_workers"], limit)
+        types.append(({k: float(v) for k, v in (spec.get("resources") or {}).items()}, int(count)))
+    return types
+
+
+def check_fits(plan: Plan, can_grow: str = "auto", autoscaling_config: str | None = None) -> None:
     """Refuse at once a plan the cluster cannot hold: more of a resource than it has (or,
     autoscaling, could have), or a one-node group larger than any node (or node type)."""
-    capacity, shapes, grows = cluster_capacity(can_grow)
+    capacity, shapes, grows = cluster_capacity(can_grow, autoscaling_config)
     if grows and not capacity:
         return  # told it can grow, with no limits known: the placement groups will tell
     missing = []

@@ -87,7 +87,8 @@ class Runtime:
         plan = make_plan(cfg, learners=train)
         started_ray = connect_ray(plan)
         placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
-                              actor_env=actor_environment(cfg, log_dir))
+                              actor_env=actor_environment(cfg, log_dir),
+                              autoscaling_config=cfg.placement.autoscaling_config)
         generators = GeneratorPool.create(cfg, generator_path or model_path, placement, policy_version)
         verifiers = VerifierPool.create(cfg, placement)
         learners = sync = buffer = None

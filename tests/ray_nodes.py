@@ -23,3 +23,18 @@ def stop_ray_node(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def kill_session(leader: int) -> None:
+    """SIGKILL what is left of the processes in the session `leader` started (the nodes an
+    autoscaler launched from it, say), after its own node was stopped."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == leader and int(stat.parent.name) != os.getpid():  # field 6: the session id
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
