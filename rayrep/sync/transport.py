@@ -20,8 +20,8 @@
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import tempfile
 import time
 import uuid
@@ -43,28 +43,40 @@ SLOTS = 2
 # ---------------------------------------------------------------------------- tensor handles
 
 
-def share(buffer: torch.Tensor) -> tuple:
-    """A handle another process on the same device opens with `open_shared`: a CUDA IPC
-    handle for a GPU tensor, the path of the shared-memory file behind a `shared_buffer`."""
-    if buffer.is_cuda:
-        from torch.multiprocessing.reductions import reduce_tensor
+def share(buffer: torch.Tensor) -> dict:
+    """A handle another process on the same device opens with `open_shared`, as plain JSON
+    values (nothing is unpickled on the way): the fields of torch's CUDA IPC handle for a
+    GPU tensor (`reduce_tensor`), the path of the shared-memory file behind a CPU
+    `shared_buffer`."""
+    if not buffer.is_cuda:
+        return {"kind": "file", "path": _shared_files[buffer.data_ptr()], "size": buffer.numel()}
+    from torch.multiprocessing.reductions import reduce_tensor
 
-        rebuild, args = reduce_tensor(buffer)
-        return ("cuda", rebuild, args)
-    return ("file", _shared_files[buffer.data_ptr()], buffer.numel())
+    _, args = reduce_tensor(buffer)
+    (_, size, stride, offset, _, dtype, _, storage_handle, storage_bytes, storage_offset, _,
+     counter_handle, counter_offset, event_handle, event_sync) = args
+    return {"kind": "cuda", "size": list(size), "stride": list(stride), "offset": offset,
+            "dtype": str(dtype).removeprefix("torch."), "storage_handle": storage_handle.hex(),
+            "storage_bytes": storage_bytes, "storage_offset": storage_offset, "counter_handle": counter_handle.hex(),
+            "counter_offset": counter_offset, "event_handle": event_handle.hex() if event_handle else None,
+            "event_sync": event_sync}
 
 
-def open_shared(handle: tuple, device: torch.device) -> torch.Tensor:
+def open_shared(handle: dict, device: torch.device) -> torch.Tensor:
     """The tensor behind `handle` (from `share`), mapped into this process, no copy."""
-    if handle[0] == "cuda":
-        _, rebuild, args = handle
-        args = list(args)
-        # The sender's device index means the sender's visible devices; this process names the
-        # same GPU by its own (Ray gives both the GPU of their bundle), as OpenRLHF does.
-        args[6] = device.index if device.index is not None else torch.cuda.current_device()
-        return rebuild(*args)
-    _, path, size = handle
-    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    if handle["kind"] == "file":
+        return torch.from_file(handle["path"], shared=True, size=handle["size"], dtype=torch.uint8)
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    # The sender's device index means the sender's visible devices; this process names the
+    # same GPU by its own (Ray gives both the GPU of their bundle), as OpenRLHF does.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    event = bytes.fromhex(handle["event_handle"]) if handle["event_handle"] else None
+    return rebuild_cuda_tensor(
+        torch.Tensor, tuple(handle["size"]), tuple(handle["stride"]), handle["offset"], torch.storage.TypedStorage,
+        getattr(torch, handle["dtype"]), index, bytes.fromhex(handle["storage_handle"]), handle["storage_bytes"],
+        handle["storage_offset"], False, bytes.fromhex(handle["counter_handle"]), handle["counter_offset"], event,
+        handle["event_sync"])
 
 
 _shared_files: dict[int, str] = {}
@@ -122,7 +134,7 @@ class HandleChannel:
             pack_bucket(manifest, bucket, tensors, self.slots[slot])
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # packed before the worker reads
-            self.store.set(self._key("bucket", index), pickle.dumps((slot, handles[slot])))
+            self.store.set(self._key("bucket", index), json.dumps([slot, handles[slot]]))
         for index in range(max(0, len(manifest.buckets) - SLOTS), len(manifest.buckets)):
             self._wait(self._key("copied", index))
         for index in range(len(manifest.buckets)):
@@ -136,7 +148,7 @@ class HandleChannel:
         self.syncs += 1
         opened: dict[int, torch.Tensor] = {}
         for index, bucket in enumerate(manifest.buckets):
-            slot, handle = pickle.loads(self.store.get(self._key("bucket", index)))
+            slot, handle = json.loads(self.store.get(self._key("bucket", index)))
             if slot not in opened:
                 opened[slot] = open_shared(handle, self.device)
             flat = unpack_bucket(manifest, bucket, opened[slot]).clone()
