@@ -16,15 +16,14 @@ at most that many padded tokens, one row at least):
   moment and gradient partitions, the same activations.
 - generator (vLLM): `generator.gpu_memory_utilization` of the GPU, of which the weights
   (compute dtype, split over the tensor-parallel group) and the rest KV cache.
-
 - sync: the learner's state still on the GPU (master shard, AdamW moments; the gradients
   are freed by the step), the largest tensor gathered whole in fp32, the buckets in flight
   (two packed by the sender, two copied by the receiver) and, colocated, the engine's
   weights, woken to receive the new ones.
 
 Colocated GPUs take turns: the learners' phase must fit beside a sleeping engine, the
-generators' phase beside offloaded learners, and the sync phase holds a bit of both. Disaggregated, each role has its own GPUs.
-These are estimates (allocator fragmentation, CUDA context and NCCL buffers come on top:
+generators' phase beside offloaded learners, and the sync phase holds a bit of both.
+Disaggregated, each role has its own GPUs. These are estimates (allocator fragmentation, CUDA context and NCCL buffers come on top:
 `RESERVED_BYTES` per GPU), meant to catch a plan that cannot work before it starts.
 """
 

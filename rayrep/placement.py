@@ -311,21 +311,20 @@ def cluster_capacity(can_grow: str, autoscaling_config: str | None = None
 
     nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
     current = _sum(nodes)
-    if can_grow == "auto":
-        config = state.get_cluster_config()
-        if config is not None and len(config.node_group_configs) > 0:
-            maximum = state.get_max_resources_from_cluster_config() or {}
-            shapes = [dict(group.resources) for group in config.node_group_configs]
-            return {k: max(v, current.get(k, 0)) for k, v in {**current, **maximum}.items()}, nodes + shapes, True
-        types = _node_types(autoscaling_config)
-        if types and _autoscaler_v1_runs():  # (every head runs a v1 monitor, a read-only one without a config)
-            head = max(nodes, key=lambda n: "node:__internal_head__" in n, default={})
-            maximum = _sum([{k: v * count for k, v in shape.items()} for shape, count in types] + [head])
-            return ({k: max(v, current.get(k, 0)) for k, v in {**current, **maximum}.items()},
-                    nodes + [shape for shape, _ in types], True)
+    if can_grow != "auto":
+        grows = can_grow == "yes"
+        return (current if not grows else {}), nodes, grows
+    config = state.get_cluster_config()
+    if config is not None and len(config.node_group_configs) > 0:
+        maximum = state.get_max_resources_from_cluster_config() or {}
+        shapes = [dict(group.resources) for group in config.node_group_configs]
+    elif (types := _node_types(autoscaling_config)) and _autoscaler_v1_runs():  # (every head runs a v1 monitor, a read-only one without a config)
+        head = max(nodes, key=lambda n: "node:__internal_head__" in n, default={})
+        maximum = _sum([{k: v * count for k, v in shape.items()} for shape, count in types] + [head])
+        shapes = [shape for shape, _ in types]
+    else:
         return current, nodes, False
-    grows = can_grow == "yes"
-    return (current if not grows else {}), nodes, grows
+    return {k: max(v, current.get(k, 0)) for k, v in {**current, **maximum}.items()}, nodes + shapes, True
 
 
 def _autoscaler_v1_runs() -> bool:

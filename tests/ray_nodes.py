@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -14,6 +15,14 @@ def start_ray_node(*args: str, env: dict | None = None) -> subprocess.Popen:
     """`ray start --block ...` in a session of its own, its output discarded."""
     return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_for_head(address: str, head: subprocess.Popen, env: dict, deadline: float) -> None:
+    """Until `ray status` answers at `address` (by `deadline`, a `time.monotonic()` value)."""
+    while subprocess.run([RAY, "status", "--address", address], capture_output=True, env=env).returncode:
+        if time.monotonic() > deadline or head.poll() is not None:
+            raise RuntimeError("the Ray head did not come up")
+        time.sleep(1)
 
 
 def stop_ray_node(process: subprocess.Popen) -> None:

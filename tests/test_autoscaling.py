@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_nodes import RAY, kill_session, start_ray_node, stop_ray_node
+from ray_nodes import kill_session, start_ray_node, stop_ray_node, wait_for_head
 from rayrep.placement import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +69,7 @@ def autoscaling_cluster():
                           f"--autoscaling-config={config}",
                           env=dict(env, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1"))
     try:
-        deadline = time.monotonic() + 120
-        while subprocess.run([RAY, "status", "--address", address], capture_output=True, env=env).returncode:
-            if time.monotonic() > deadline or head.poll() is not None:
-                raise RuntimeError("the Ray head did not come up")
-            time.sleep(1)
+        wait_for_head(address, head, env, deadline=time.monotonic() + 120)
         yield address, str(config), dict(env, RAY_ADDRESS=address)
     finally:
         stop_ray_node(head)

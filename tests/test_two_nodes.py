@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_nodes import RAY, start_ray_node, stop_ray_node
+from ray_nodes import RAY, start_ray_node, stop_ray_node, wait_for_head
 
 from rayrep.placement import free_port
 
@@ -32,10 +32,7 @@ def two_nodes(tiny_policy):
     second = None
     try:
         deadline = time.monotonic() + 120
-        while subprocess.run([RAY, "status", "--address", address], capture_output=True, env=NO_AUTH).returncode:
-            if time.monotonic() > deadline or head.poll() is not None:
-                raise RuntimeError("the Ray head did not come up")
-            time.sleep(1)
+        wait_for_head(address, head, NO_AUTH, deadline)
         second = start_ray_node("--address", address, "--num-cpus", "3", "--resources", '{"node_b": 1}',
                                 "--object-store-memory", str(500 * 2**20), env=NO_AUTH)
         while "node_b" not in subprocess.run([RAY, "status", "--address", address], capture_output=True, text=True,

@@ -101,7 +101,8 @@ class LearnerGroup:
         return [w.leave_weight_group.remote() for w in self.workers]
 
     def broadcast_weights(self, manifest: WeightManifest, onload: bool = False) -> list[ray.ObjectRef]:
-        """Every rank gathers, rank 0 broadcasts; returns refs (wait on them with the receivers').
+        """Every rank gathers; the ranks that joined the weight transport send (rank 0's
+        broadcast, or each rank's handles); returns refs (wait on them with the receivers').
         `onload`: the learners' state is off the GPU now (the generators hold it)."""
         return [w.broadcast_weights.remote(manifest, onload) for w in self.workers]
 

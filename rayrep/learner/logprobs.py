@@ -76,8 +76,7 @@ def _working_dtype(logits: torch.Tensor) -> torch.dtype:
 
 def _scaled(piece: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's logits / T in the working dtype (a new tensor), and their logsumexp."""
-    scaled = piece.to(_working_dtype(piece))
-    scaled = scaled.div_(temperature) if scaled.data_ptr() != piece.data_ptr() else scaled / temperature
+    scaled = piece.to(_working_dtype(piece), copy=True).div_(temperature)
     return scaled, torch.logsumexp(scaled, dim=-1)
 
 
