@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psutil
 
-from rayrep.config import job_parser, parse_job_args
-from rayrep.metrics import read_metrics
+from rayrep.cli import job_parser, parse_job_args
+from rayrep.run.log import read_metrics
 
 CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
 RECOVERY = ("generator_", "sync_generator_", "verifier_replaced", "verifier_retried")

@@ -50,8 +50,8 @@ except ImportError:
     stand_in.remote = lambda cls: cls
     sys.modules["ray"] = stand_in
 
-from rayrep.config import load_preset  # noqa: E402
-from rayrep.placement import free_port  # noqa: E402
+from rayrep.config import load_preset# noqa: E402
+from rayrep.cluster.placement import free_port# noqa: E402
 from rayrep.sync.collective import TensorSpec, WeightManifest, open_group  # noqa: E402
 from rayrep.sync.transport import join_as_engine_worker, join_as_learner  # noqa: E402
 
@@ -193,8 +193,8 @@ def handoff_check(device: torch.device, total_bytes: int, bucket_bytes: int, rep
 def learner_check(model_dir: str, config, device: torch.device, dtype: str, sequences: int, length: int,
                   steps: int) -> dict:
     from rayrep.learner.worker import LearnerWorker
-    from rayrep.memory import ModelShape, estimate
-    from rayrep.metrics import MetricSums
+    from rayrep.runtime.memory import ModelShape, estimate
+    from rayrep.learner.sums import MetricSums
     from rayrep.types import LossSpec, TrainBatch
 
     gpu = device.type == "cuda"

@@ -46,9 +46,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rayrep.config import Config, parse_cli  # noqa: E402
-from rayrep.metrics import load_run_metrics, plot_study, study_table, summarize_study  # noqa: E402
-from rayrep.pipeline import check_finished_run, finished_run, run_stage  # noqa: E402
+from rayrep.config import Config, parse_cli# noqa: E402
+from rayrep.plots import load_run_metrics, plot_study
+from rayrep.eval.study import study_table, summarize_study# noqa: E402
+from rayrep.pipelines.compare import check_finished_run, run_stage  # noqa: E402
+from rayrep.run.layout import RunFolder  # noqa: E402
 
 ARMS: dict[str, dict] = {
     "baseline": {"algorithm.name": "grpo"},
@@ -69,7 +71,7 @@ def seed_config(cfg: Config, out: Path, seed: int) -> Config:
 def collect_seed_pool(seeded: Config, seed_dir: Path, baseline_checkpoint: str, log) -> None:
     """The seed's experience pool, `seed_dir/pool.parquet`, from its baseline's final checkpoint;
     `pool.json` is written after it, so that both are complete when it exists."""
-    from rayrep.algos.rlep import collect_pool
+    from rayrep.pipelines.collect import collect_pool
 
     stats = collect_pool(seeded, baseline_checkpoint, seed_dir / "pool.parquet", log=log)
     (seed_dir / "pool.json").write_text(json.dumps(stats, indent=2))
@@ -94,7 +96,7 @@ def finished_curves(out: Path, arms: list[str], seeds: list[int]) -> tuple[dict[
     for arm in arms:
         for seed in seeds:
             run_dir = out / f"seed-{seed}" / arm
-            if finished_run(run_dir):
+            if RunFolder(run_dir).finished():
                 curves.setdefault(arm, []).append(json.loads((run_dir / "evals.json").read_text()))
                 found.setdefault(arm, []).append(seed)
     return curves, found
@@ -151,7 +153,7 @@ def main(argv=None) -> dict | None:
     for seed in args.seeds:
         for arm in args.arms:
             run_dir = out / f"seed-{seed}" / arm
-            if finished_run(run_dir):
+            if RunFolder(run_dir).finished():
                 check_finished_run(arm_config(seed_config(cfg, out, seed), arm, out / f"seed-{seed}"), run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study-args.json").write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:]}, indent=2))

@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-from rayrep.config import job_parser, parse_cli, parse_job_args
-from rayrep.metrics import PHASES, read_metrics
+from rayrep.cli import job_parser, parse_job_args
+from rayrep.config import parse_cli
+from rayrep.plots import PHASES
+from rayrep.run.log import read_metrics
 
 
 def in_memory_copy_gbps(num_bytes: int, repeats: int = 20) -> float:
@@ -76,7 +78,7 @@ def main(argv=None):
     stamp = int(time.time())
     cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": f"runs/bench-step-{stamp}"})
 
-    from rayrep.algos.rlep import collect_pool
+    from rayrep.pipelines.collect import collect_pool
     from rayrep.models import resolve_policy
     from rayrep.train import train
 

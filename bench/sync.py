@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rayrep.config import job_parser, parse_job_args
+from rayrep.cli import job_parser, parse_job_args
 from step import in_memory_copy_gbps
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads: about this many MB in float32
@@ -110,9 +110,9 @@ def main(argv=None):
     from rayrep.generator.pool import GeneratorPool
     from rayrep.learner.group import LearnerGroup
     from rayrep.models import resolve_policy
-    from rayrep.placement import Placement, make_plan
+    from rayrep.cluster.placement import Placement, make_plan
     from rayrep.runtime import connect_ray
-    from rayrep.sync.weights import WeightSync
+    from rayrep.runtime.weights import WeightSync
 
     cfg = cfg.replace(**{"learner.num_workers": 1, "generator.num_workers": 1, "verifier.num_workers": 0,
                          "placement.mode": "disaggregated", "placement.threads": 1, "placement.cpus_per_bundle": 1})

@@ -23,8 +23,8 @@ import statistics
 import sys
 import time
 
-from rayrep.config import job_parser, parse_job_args
-from rayrep.metrics import read_metrics
+from rayrep.cli import job_parser, parse_job_args
+from rayrep.run.log import read_metrics
 
 
 def trl_step_seconds(cfg, model_path: str, steps: int, out_dir: str) -> list[float]:

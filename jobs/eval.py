@@ -22,10 +22,10 @@ verifier pool started for it.
 import time
 from pathlib import Path
 
-from rayrep.config import job_parser, parse_job_args, run_job
+from rayrep.cli import job_parser, parse_job_args, run_job
 from rayrep.data import load_split
-from rayrep.eval import (check_report_path, default_report_path, eval_report, evaluate_checkpoint, format_table,
-                         write_report)
+from rayrep.eval.report import check_report_path, default_report_path, eval_report, format_table, write_report
+from rayrep.eval.runner import evaluate_checkpoint
 from rayrep.models import resolve_policy
 from rayrep.progress import Progress, format_duration
 

@@ -12,8 +12,8 @@ schedule), so that the comparison isolates replay.
 import time
 from pathlib import Path
 
-from rayrep.config import job_parser, parse_job_args, run_job
-from rayrep.pipeline import compare_with_baseline
+from rayrep.cli import job_parser, parse_job_args, run_job
+from rayrep.pipelines.compare import compare_with_baseline
 
 
 def main(argv: list[str]) -> dict:

@@ -5,7 +5,7 @@
     python jobs/grpo.py --dry-run --preset qwen2.5-math-7b-rlep   # the placement and memory plans only
 """
 
-from rayrep.config import job_parser, parse_job_args, run_job
+from rayrep.cli import job_parser, parse_job_args, run_job
 
 
 def main(argv: list[str]):

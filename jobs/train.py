@@ -9,7 +9,7 @@
 method against the baseline.
 """
 
-from rayrep.config import job_parser, parse_job_args, run_job
+from rayrep.cli import job_parser, parse_job_args, run_job
 
 
 def main(argv: list[str]):

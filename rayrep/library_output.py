@@ -3,7 +3,7 @@ and what libraries repeat in every actor (vLLM's CPU-backend notices, torch's an
 warnings, weight-loading progress bars, C++ notices) goes to a log file of the run.
 
 The driver names the file in each actor's environment (`LIBRARY_LOG_ENV`, set through the
-actor's Ray `runtime_env` by `rayrep.placement.Placement.options`); the actor calls
+actor's Ray `runtime_env` by `rayrep.cluster.placement.Placement.options`); the actor calls
 `route_library_output` first thing. Standard library only, so that any role can import it.
 """
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from rayrep.algos.exgrpo import ExGRPO
-from rayrep.algos.grpo import GRPO, keep_informative
-from rayrep.algos.rlep import RLEP
+from rayrep.algos.grpo import GRPO
+from rayrep.rollouts import keep_informative
+from rayrep.algos.rlep import RLEP, load_pool
+from rayrep.algos import check_inputs
 from rayrep.buffer.files import BufferFileError, write_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import ConfigError, load_preset
@@ -145,9 +147,8 @@ def pool_file(tmp_path):
 def rlep(pool_file, **changes):
     cfg = base_cfg(**{"algorithm.name": "rlep", "algorithm.rlep.pool": str(pool_file),
                       "algorithm.rlep.replays_per_group": 2, **changes})
-    algo = RLEP(cfg, {f"q{i}": PROMPT_IDS for i in range(3)})
-    algo.attach(ReplayBuffer(0, 64, seed=0), learners=None)
-    return algo
+    prompt_ids = {f"q{i}": PROMPT_IDS for i in range(3)}
+    return RLEP(cfg, prompt_ids, load_pool(cfg, prompt_ids), ReplayBuffer(0, 64, seed=0))
 
 
 def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
@@ -201,16 +202,17 @@ def test_rlep_optimizer_steps_do_not_depend_on_replays(pool_file, replays):
 
 def test_rlep_rejects_pools_that_do_not_match(pool_file, tmp_path):
     with pytest.raises(ConfigError, match="algorithm.rlep.pool"):
-        RLEP(base_cfg(**{"algorithm.name": "rlep"}), {})
+        load_pool(base_cfg(**{"algorithm.name": "rlep"}), {})
     with pytest.raises(BufferFileError, match="other prompt tokens"):
-        RLEP(base_cfg(**{"algorithm.rlep.pool": str(pool_file)}), {"q1": [1, 2, 3]})
+        load_pool(base_cfg(**{"algorithm.rlep.pool": str(pool_file)}), {"q1": [1, 2, 3]})
     with pytest.raises(BufferFileError, match="none of its 2 questions"):
-        RLEP(base_cfg(**{"algorithm.rlep.pool": str(pool_file)}), {"other": PROMPT_IDS})
+        load_pool(base_cfg(**{"algorithm.rlep.pool": str(pool_file)}), {"other": PROMPT_IDS})
     nan_pool = write_pool([{"uid": "q1", "prompt": prompt("q1").messages, "ground_truth": "7", "data_source": "t",
                             "prompt_ids": PROMPT_IDS, "response_ids": [5], "logprobs": [math.nan], "text": "",
                             "reward": 1.0}], tmp_path / "nan.parquet", "imported")
     with pytest.raises(ConfigError, match="use 'recompute'"):
-        RLEP(base_cfg(**{"algorithm.rlep.pool": str(nan_pool), "algorithm.rlep.old_logprobs": "recorded"}), {"q1": PROMPT_IDS})
+        load_pool(base_cfg(**{"algorithm.rlep.pool": str(nan_pool), "algorithm.rlep.old_logprobs": "recorded"}),
+                  {"q1": PROMPT_IDS})
 
 
 def test_adaptive_replay_adds_stored_successes_only_to_groups_that_need_them(pool_file):
@@ -267,11 +269,9 @@ def exgrpo(**changes):
     cfg = base_cfg(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.prompts_per_step": 8,
                       "learner.mini_batch_prompts": 8, **changes})
     prompts = [prompt(f"q{i}") for i in range(40)]
-    algo = ExGRPO(cfg, prompts, {p.uid: PROMPT_IDS for p in prompts})
     # No learners: these tests keep replay_ratio at 0 where a plan would need the entropy
     # pass; tests/test_replay_runs.py runs ExGRPO with a real learner group.
-    algo.attach(ReplayBuffer(0, 64, seed=0), learners=None)
-    return algo
+    return ExGRPO(cfg, prompts, {p.uid: PROMPT_IDS for p in prompts}, ReplayBuffer(0, 64, seed=0), learners=None)
 
 
 def step(algo, step_number, marks_by_uid, start=0):
@@ -283,7 +283,7 @@ def step(algo, step_number, marks_by_uid, start=0):
 
 def test_exgrpo_needs_the_mean_only_advantage():
     with pytest.raises(ConfigError, match="std_normalize must be false"):
-        ExGRPO(base_cfg(**{"algorithm.name": "exgrpo"}), [], {})
+        check_inputs(base_cfg(**{"algorithm.name": "exgrpo"}), [], {})
 
 
 def test_exgrpo_collects_nothing_before_the_pass_rate_switch():

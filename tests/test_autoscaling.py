@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ray_nodes import kill_session, start_ray_node, stop_ray_node, wait_for_head
-from rayrep.placement import free_port
+from rayrep.cluster.placement import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_NODES = 2  # the CPU node type's max_workers

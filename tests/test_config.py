@@ -1,18 +1,7 @@
 import pytest
 
-from rayrep.config import (
-    Config,
-    ConfigError,
-    LearnerConfig,
-    _field_specs,
-    from_dict,
-    help_text,
-    load_preset,
-    parse_cli,
-    parse_job_args,
-    job_parser,
-    preset_names,
-)
+from rayrep.config import (Config, ConfigError, LearnerConfig, config_fields, from_dict, help_text, load_preset, parse_cli, preset_names)
+from rayrep.cli import parse_job_args, job_parser
 
 
 def test_every_preset_loads_and_validates():
@@ -174,9 +163,9 @@ def test_round_trip_and_replace():
 
 def test_every_field_has_a_doc_shown_in_help():
     text = help_text()
-    names = [name for name, _, _ in _field_specs()]
+    names = [name for name, _, _ in config_fields()]
     assert "learner.lr" in names and "algorithm.rlep.replays_per_group" in names
-    for name, _, f in _field_specs():
+    for name, _, f in config_fields():
         assert f.metadata.get("doc"), f"{name} has no doc"
         assert f"--{name} (" in text
 

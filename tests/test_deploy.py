@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from rayrep.config import load_preset
-from rayrep.placement import make_plan
+from rayrep.cluster.placement import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

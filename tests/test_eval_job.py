@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-import rayrep.eval as evaluation
-from rayrep.eval import (default_report_path, eval_report, eval_slices, format_table, score_answers,
-                         summarize_by_source, write_report)
+import rayrep.eval.report as evaluation
+import rayrep.eval.runner
+from rayrep.eval.report import default_report_path, eval_report, format_table, write_report
+from rayrep.eval.runner import eval_slices, score_answers
+from rayrep.eval import summarize_by_source
 from rayrep.progress import Progress
 from rayrep.types import Prompt
 
@@ -136,7 +138,7 @@ def test_a_known_start_evaluation_is_taken_only_from_the_same_start(tmp_path, ti
     run had the same model, data, generator, verifier and seed settings; otherwise the
     first differing field is named (before anything starts)."""
     from rayrep.config import ConfigError
-    from rayrep.eval import known_start_evaluation
+    from rayrep.run.evaluation import known_start_evaluation
 
     baseline = tmp_path / "baseline"
     baseline.mkdir()
@@ -289,7 +291,7 @@ def test_fixed_answers_score_as_counted_by_hand(verifiers, tiny_cfg, tmp_path):
 def test_slices_give_the_same_numbers_and_report_progress(verifiers, monkeypatch):
     """Slicing changes only how the work is cut. MIN_SLICE_ANSWERS is shrunk (monkeypatch) so
     that 14 answers make several slices: at least 2 answers (1 per verifier) each."""
-    monkeypatch.setattr(evaluation, "MIN_SLICE_ANSWERS", 1)
+    monkeypatch.setattr(rayrep.eval.runner, "MIN_SLICE_ANSWERS", 1)
     assert eval_slices([len(a) for a in ANSWERS], 2) == [range(i, i + 1) for i in range(5)]
     lines: list[str] = []
     sliced = score_answers(verifiers, PROMPTS, ANSWERS, progress=Progress(5, "eval", unit="question", log=lines.append))

@@ -23,8 +23,8 @@ from conftest import kill_and_wait
 from rayrep.data import encode_prompts, load_split
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
-from rayrep.placement import Placement, make_plan, weight_transport
-from rayrep.sync.weights import WeightSync
+from rayrep.cluster.placement import Placement, make_plan, weight_transport
+from rayrep.runtime.weights import WeightSync
 from rayrep.types import LossSpec
 
 

@@ -44,7 +44,7 @@ from rayrep.buffer.files import (
     read_snapshot,
 )
 from rayrep.buffer.shard import SOURCES
-from rayrep.config import Config, ConfigError, _field_specs, from_dict, parse_cli
+from rayrep.config import Config, ConfigError, config_fields, from_dict, parse_cli
 from rayrep.data.loaders import ROLES, PromptFileError, load_prompts
 from rayrep.verifier import math as vm
 from rayrep.verifier.answers import MAX_ANSWER_CHARS, TAIL_CHARS, Verdict, completion_item, last_boxed_content
@@ -516,7 +516,7 @@ def test_a_boxed_right_answer_scores_one_after_any_junk(warm_sandbox, n, junk):
 
 # ----------------------------------------------------------------------------- config
 
-FIELDS = {name: kind for name, kind, _ in _field_specs()}
+FIELDS = {name: kind for name, kind, _ in config_fields()}
 FLOAT_FIELDS = [name for name, kind in FIELDS.items() if kind is float]
 
 

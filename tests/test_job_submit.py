@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from ray_nodes import RAY, start_ray_node, stop_ray_node
 
-from rayrep.placement import free_port
+from rayrep.cluster.placement import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

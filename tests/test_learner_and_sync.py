@@ -9,8 +9,8 @@ import torch
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
 from rayrep.learner.worker import token_budget_batches
-from rayrep.placement import Placement, make_plan
-from rayrep.sync.weights import WeightSync
+from rayrep.cluster.placement import Placement, make_plan
+from rayrep.runtime.weights import WeightSync
 from rayrep.types import LossSpec, TrainBatch
 
 

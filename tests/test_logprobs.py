@@ -36,7 +36,9 @@ def test_values_and_gradients_equal_the_full_computation(chunk_tokens):
     # A loss of both, as the policy loss with an entropy coefficient takes them.
     (grad,) = torch.autograd.grad((logp * weights).sum() - 0.3 * (entropy * weights).sum(), logits)
     (ref_grad,) = torch.autograd.grad((ref_logp * weights).sum() - 0.3 * (ref_entropy * weights).sum(), logits)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    # fp32 round-off of the entropy term's sums depends on the CPU's kernels: one element in
+    # 459 differed by 1.2e-6 on an AMD EPYC (a wrong gradient is off by orders more).
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=5e-6)
 
 
 @pytest.mark.parametrize("entropy", ["grad", "detached", "none"])

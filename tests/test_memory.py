@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rayrep.config import InputError, load_preset
-from rayrep.memory import GIB, KNOWN_SHAPES, ModelShape, check_memory, memory_plan, model_shape
+from rayrep.runtime.memory import GIB, KNOWN_SHAPES, ModelShape, check_memory, memory_plan, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
 """metrics.jsonl mirrored to an offline wandb run, and a run's learning curves as PNGs (the
-`python -m rayrep.metrics plot` command, run as a subprocess)."""
+`python -m rayrep.plots plot` command, run as a subprocess)."""
 
 import json
 import os
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rayrep.metrics import load_run_metrics, plot_curves, read_metrics, step_times
+from rayrep.plots import load_run_metrics, plot_curves, step_times
+from rayrep.run.log import read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def write_run(folder: Path, records: list[dict]) -> Path:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rayrep.metrics", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rayrep.plots", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -91,7 +92,7 @@ NETWORK_WATCH = textwrap.dedent("""
             print("NETWORK", event, args[1:] if event == "socket.connect" else args, file=sys.stderr, flush=True)
 
     sys.addaudithook(watch)
-    from rayrep.metrics import MetricsLog
+    from rayrep.run.log import MetricsLog
 
     log = MetricsLog(Path(sys.argv[1]), {"seed": 7}, use_wandb=True, project="rayrep-test", wandb_mode="offline")
     for record in json.loads(sys.argv[2]):
@@ -207,7 +208,7 @@ def test_metrics_of_the_latest_run_in_a_reused_folder(tmp_path):
 
 
 def test_failed_plots_leave_a_warning_not_a_failed_run(tmp_path):
-    from rayrep.train import write_plots
+    from rayrep.plots import write_plots
 
     lines = []
     write_plots(tmp_path / "missing", log=lines.append)
@@ -228,7 +229,7 @@ def curve(values, se=0.01, every=10):
 
 
 def test_mean_and_standard_error_by_hand():
-    from rayrep.metrics import mean_and_se
+    from rayrep.eval.formulas import mean_and_se
 
     mean, se = mean_and_se([1.0, 2.0, 3.0, 4.0])
     # deviations -1.5, -0.5, 0.5, 1.5: squares sum to 5; sample variance 5/3; SE sqrt(5/3/4)
@@ -240,7 +241,8 @@ def test_mean_and_standard_error_by_hand():
 
 
 def test_study_summary_of_made_up_curves():
-    from rayrep.metrics import first_step_reaching, mean_and_se, mean_curve, study_table, summarize_study
+    from rayrep.eval.study import first_step_reaching, mean_curve, study_table, summarize_study
+    from rayrep.eval.formulas import mean_and_se
 
     assert first_step_reaching([(0, 0.1), (10, 0.3), (20, 0.5)], 0.3) == 10
     assert first_step_reaching([(0, 0.1)], 0.3) is None
@@ -280,7 +282,7 @@ def test_study_summary_of_made_up_curves():
 
 
 def test_study_plot_is_a_png(tmp_path):
-    from rayrep.metrics import plot_study
+    from rayrep.plots import plot_study
 
     path = plot_study({"baseline": [curve([0.2, 0.3]), curve([0.25, 0.35])], "rlep": [curve([0.2, 0.4])]},
                       tmp_path / "study.png", title="made up")

@@ -39,7 +39,7 @@ def test_a_finished_run_is_reused_only_under_the_settings_it_ran_with(tmp_path, 
     import pytest
 
     from rayrep.config import ConfigError
-    from rayrep.pipeline import run_stage
+    from rayrep.pipelines.compare import run_stage
 
     cfg = tiny_cfg.replace(**{"algorithm.name": "grpo", "logging.out_dir": str(tmp_path), "logging.run_name": "baseline"})
     run = tmp_path / "baseline"

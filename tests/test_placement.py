@@ -8,8 +8,8 @@ import pytest
 import ray
 
 from rayrep.config import ConfigError, load_preset
-from rayrep.placement import Placement, PlacementError, check_fits, make_plan
-from rayrep.sync.weights import engine_ranks
+from rayrep.cluster.placement import Placement, PlacementError, check_fits, make_plan
+from rayrep.runtime.weights import engine_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rayrep.metrics import step_fields
+from rayrep.run.log import step_fields
 from rayrep.progress import Progress, format_duration
 
 

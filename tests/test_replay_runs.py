@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from rayrep.algos.exgrpo import ExGRPO
-from rayrep.algos.rlep import collect_pool
+from rayrep.pipelines.collect import collect_pool
 from rayrep.buffer.files import read_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.buffer.shard import Answer
 from rayrep.learner.group import LearnerGroup
-from rayrep.metrics import read_metrics
-from rayrep.placement import Placement, make_plan
+from rayrep.run.log import read_metrics
+from rayrep.cluster.placement import Placement, make_plan
 from rayrep.train import train
 from rayrep.types import Group, Rollout
 
@@ -127,8 +127,8 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_policy)
     encoded = encode_prompts(tokenizer, prompts, 80)
-    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)})
-    algo.attach(ReplayBuffer(2, 64), learners)  # two shard actors: the answers travel by ref
+    # two shard actors: the answers travel by ref
+    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)}, ReplayBuffer(2, 64), learners)
     rng = np.random.default_rng(0)
     expected, lowest = {}, []
     for prompt, ids in zip(prompts, encoded):
@@ -168,8 +168,7 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     K = cfg.algorithm.group_size
     prompts = load_split(cfg.data, "train")[:40]
     encoded = encode_prompts(AutoTokenizer.from_pretrained(tiny_policy), prompts, 80)
-    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)})
-    algo.attach(ReplayBuffer(0, 0), learners)
+    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)}, ReplayBuffer(0, 0), learners)
     stored = prompts[:10]
     algo.buffer.apply([(p.uid, np.array(ids, np.int32), [Answer(np.array([5, 6, 1], np.int32), np.zeros(3, np.float32), 1.0)])
                        for p, ids in zip(stored, encoded)], buckets={p.uid: 3 for p in stored})

@@ -16,8 +16,8 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from rayrep.checkpoint import read_run_state, step_checkpoints
-from rayrep.metrics import read_metrics
+from rayrep.run.checkpoints import read_run_state, step_checkpoints
+from rayrep.run.log import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 # ExGRPO, so that the buffer, its random draws and the algorithm's switch are all in play.

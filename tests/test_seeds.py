@@ -4,7 +4,7 @@ tests/test_resume.py); explicit seeds still win."""
 import hashlib
 
 from rayrep.config import derive_seed, load_preset
-from rayrep.metrics import read_metrics
+from rayrep.run.log import read_metrics
 from rayrep.train import train
 
 COMPARED = ("accuracy", "reward_mean", "generated_tokens", "grad_norm", "fresh_entropy")

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from rayrep.placement import free_port
+from rayrep.cluster.placement import free_port
 from rayrep.serve import openai_api as oai
 
 QUESTION = "2+5=? Answer in \\boxed{}."

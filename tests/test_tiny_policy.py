@@ -243,7 +243,7 @@ def test_vllm_logprobs_match_transformers(tiny_policy, tiny_cfg):
 
 def test_tiny_policy_lands_in_the_target_band(tiny_policy, tiny_cfg):
     """pass@1 at T=1.0 between 15% and 60%: useful, with room for RL to improve."""
-    from rayrep.eval import evaluate_checkpoint
+    from rayrep.eval.runner import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(tiny_cfg, tiny_policy)  # on a local Ray cluster of its own
     assert metrics["questions"] == tiny_cfg.data.arithmetic_test_size

@@ -12,7 +12,7 @@ import pytest
 
 from ray_nodes import RAY, start_ray_node, stop_ray_node, wait_for_head
 
-from rayrep.placement import free_port
+from rayrep.cluster.placement import free_port
 
 # Token authentication is off for these two nodes: what this test is about is placement and
 # the weight sync across nodes (the job-submit test runs with authentication on).

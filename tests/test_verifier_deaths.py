@@ -17,7 +17,7 @@ import ray
 
 from conftest import kill_and_wait
 from rayrep.generator.pool import PendingRollouts
-from rayrep.placement import Placement, make_plan
+from rayrep.cluster.placement import Placement, make_plan
 from rayrep.types import Rollout
 from rayrep.verifier.pool import MAX_RETRIES, VerifierPool
 

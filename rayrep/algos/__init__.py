@@ -1,25 +1,50 @@
-"""The algorithms: step functions over values (see `rayrep.algos.grpo` for the interface),
-and what enters and leaves the replay buffer."""
+"""The algorithms (`interface.Algorithm`; GRPO, RLEP, ExGRPO), built in two moves: what can
+be wrong with their inputs is read and checked before any actor starts (`check_inputs`),
+then each is built whole, with the run's replay buffer and learners (`make_algorithm`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from rayrep.algos.exgrpo import ExGRPO, check_exgrpo_settings
 from rayrep.algos.grpo import GRPO
+from rayrep.algos.interface import Algorithm
+from rayrep.algos.rlep import RLEP, ExperiencePool, load_pool
+from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
+from rayrep.learner.group import LearnerGroup
 from rayrep.types import Prompt
 
 
-def make_algorithm(cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]]) -> GRPO:
-    """The algorithm named by `algorithm.name`. Its inputs (an experience pool, for RLEP)
-    are read and checked here, before any actor starts."""
+@dataclass(frozen=True)
+class AlgorithmInputs:
+    """An algorithm's inputs, read and checked: the training questions, their prompt tokens,
+    and RLEP's experience pool."""
+
+    prompts: list[Prompt]
+    prompt_ids: dict[str, list[int]]
+    pool: ExperiencePool | None = None
+
+
+def check_inputs(cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]]) -> AlgorithmInputs:
+    """Read and check what the algorithm named by `algorithm.name` is built from (RLEP's pool
+    against this run's prompt tokens, ExGRPO's settings): an InputError before anything starts."""
+    name = cfg.algorithm.name
+    if name == "rlep":
+        return AlgorithmInputs(prompts, prompt_ids, load_pool(cfg, prompt_ids))
+    if name == "exgrpo":
+        check_exgrpo_settings(cfg)
+    return AlgorithmInputs(prompts, prompt_ids)
+
+
+def make_algorithm(cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None,
+                   learners: LearnerGroup | None) -> Algorithm:
+    """The algorithm, whole: RLEP's pool goes into the buffer's shards now."""
     name = cfg.algorithm.name
     if name == "grpo":
         return GRPO(cfg)
     if name == "rlep":
-        from rayrep.algos.rlep import RLEP
-
-        return RLEP(cfg, prompt_ids)
+        return RLEP(cfg, inputs.prompt_ids, inputs.pool, buffer)
     if name == "exgrpo":
-        from rayrep.algos.exgrpo import ExGRPO
-
-        return ExGRPO(cfg, prompts, prompt_ids)
+        return ExGRPO(cfg, inputs.prompts, inputs.prompt_ids, buffer, learners)
     raise ValueError(f"unknown algorithm {name!r}")

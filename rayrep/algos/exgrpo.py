@@ -24,19 +24,22 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
+from rayrep.buffer.replay import ReplayBuffer
 from rayrep.buffer.shard import Answer
 from rayrep.config import Config, ConfigError
+from rayrep.data import PromptSampler
+from rayrep.learner.group import LearnerGroup
 from rayrep.types import Group, LossSpec, Prompt, StepBatch, StepPlan
 
-if TYPE_CHECKING:
-    from rayrep.buffer.replay import ReplayBuffer
-    from rayrep.data import PromptSampler
-    from rayrep.learner.group import LearnerGroup
+
+def check_exgrpo_settings(cfg: Config) -> None:
+    if cfg.algorithm.std_normalize:
+        raise ConfigError("algorithm.std_normalize must be false for exgrpo: its advantage is r - mean(r) "
+                          "(jobs/exgrpo.py sets it)")
 
 
 class ExGRPO(GRPO):
@@ -44,20 +47,17 @@ class ExGRPO(GRPO):
     # Replayed answers keep their recorded behaviour log-probs: w = pi_theta / pi_recorded.
     replay_old_logprobs = "recorded"
 
-    def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]]):
+    def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]], buffer: ReplayBuffer,
+                 learners: LearnerGroup | None):
+        """`learners`: where the entropy pass that chooses replayed answers runs (None only
+        where no step replays: tests of the buffer's bookkeeping)."""
+        check_exgrpo_settings(cfg)
         super().__init__(cfg)
-        if cfg.algorithm.std_normalize:
-            raise ConfigError("algorithm.std_normalize must be false for exgrpo: its advantage is r - mean(r) "
-                              "(jobs/exgrpo.py sets it)")
+        self.buffer, self.learners = buffer, learners
         self.prompts = {p.uid: p for p in prompts}
         self.prompt_ids = prompt_ids
         self.collecting = False
         """The one-way switch; with the buffer, the only state that lives across steps."""
-        self.buffer: ReplayBuffer | None = None
-        self.learners: LearnerGroup | None = None
-
-    def attach(self, buffer: ReplayBuffer | None, learners: LearnerGroup | None) -> None:
-        self.buffer, self.learners = buffer, learners
 
     # ------------------------------------------------------------------ the step
 

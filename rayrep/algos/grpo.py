@@ -4,36 +4,22 @@ The RLEP paper's baseline "DAPO-nodyn-bs64": group-normalised advantages, token-
 loss, clip-higher (0.2 / 0.28) with dual clip, overlong reward shaping, no KL, no entropy
 bonus; dynamic sampling is an option (off).
 
-An algorithm is a few step functions over values, plus what it remembers:
-- `plan(sampler, questions, exclude) -> StepPlan`: which questions to roll out (drawn
-  from the sampler; replay methods may take some from the buffer instead), how many fresh
-  rollouts each gets, and which stored answers join which group (read from the buffer
-  now, before anything is generated, or, for ExGRPO's entropy choice, left to choose);
-- `join_replays(groups)`: once the learners hold the GPUs, the answers left to choose join
-  their groups;
-- `build(groups, dropped) -> StepBatch`: the verified groups (fresh + planned replays)
-  scored, their advantages, the learner's batch and the loss to train it with;
-- `after_update(step, batch)`: what enters and leaves the replay buffer.
-Nothing one of them needs from another travels in an attribute: it is in the plan or the
-batch. GRPO trains on fresh groups only; RLEP and ExGRPO (rlep.py, exgrpo.py) override
-what they change.
+GRPO implements `rayrep.algos.interface.Algorithm` and trains on fresh groups only; RLEP
+and ExGRPO (rlep.py, exgrpo.py) override what they change. DAPO's dynamic sampling is a
+matter of rounds: `rayrep.rollouts.keep_informative`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Sequence
+from typing import Literal
 
 from rayrep.algos.advantages import group_advantages
 from rayrep.config import Config
+from rayrep.data import PromptSampler
 from rayrep.types import TOKEN_SUM_AGGREGATIONS, Group, LossSpec, StepBatch, StepPlan, TrainBatch
 from rayrep.verifier.reward import rewards
-
-if TYPE_CHECKING:
-    from rayrep.buffer.replay import ReplayBuffer
-    from rayrep.data import PromptSampler
-    from rayrep.learner.group import LearnerGroup
 
 
 class GRPO:
@@ -55,9 +41,6 @@ class GRPO:
             entropy_coef=learner.entropy_coef,
             behaviour_cap=learner.behaviour_cap or None,
         )
-
-    def attach(self, buffer: ReplayBuffer | None, learners: LearnerGroup | None) -> None:
-        """Called once the actors are up, with the run's replay buffer (None for GRPO) and learners."""
 
     def state(self) -> dict:
         """What a resumed run needs of the algorithm besides the buffer (JSON values)."""
@@ -145,25 +128,3 @@ class GRPO:
             "group_size_max": max((g.size for g in trained), default=0),
         }
 
-
-def keep_informative(
-    groups: list[Group], wanted: int, more: Callable[[frozenset[str]], list[Group]], max_rounds: int = 4
-) -> tuple[list[Group], list[Group], dict[str, float]]:
-    """DAPO's dynamic sampling, over complete groups (fresh rollouts and planned replays):
-    keep the groups whose rollouts are neither all right nor all wrong, and ask `more` for
-    another round (given the questions already in this step, to leave out) until `wanted`
-    groups are kept or `max_rounds` extra rounds ran; then train on what there is.
-
-    Returns (the kept groups, at most `wanted`; every other verified group; metrics).
-    """
-    kept = [g for g in groups if g.informative]
-    dropped = [g for g in groups if not g.informative]
-    metrics = {"dynamic_sampling_kept": len(kept) / max(1, len(groups))}
-    rounds = 0
-    while len(kept) < wanted and rounds < max_rounds:
-        rounds += 1
-        new = more(frozenset(g.prompt.uid for g in kept + dropped))
-        kept += [g for g in new if g.informative]
-        dropped += [g for g in new if not g.informative]
-    metrics["dynamic_sampling_rounds"] = rounds
-    return kept[:wanted], dropped + kept[wanted:], metrics

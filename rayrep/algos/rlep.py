@@ -27,44 +27,32 @@ Beyond the paper, each a config option (off by default):
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
-from rayrep.buffer.files import BufferFileError, read_pool, write_pool
+from rayrep.buffer.files import BufferFileError, read_pool
+from rayrep.buffer.replay import ReplayBuffer
 from rayrep.buffer.shard import Answer
 from rayrep.config import Config, ConfigError
-from rayrep.types import Group, Prompt, StepBatch, StepPlan
+from rayrep.data import PromptSampler
+from rayrep.types import Group, StepBatch, StepPlan
 
-if TYPE_CHECKING:
-    from rayrep.buffer.replay import ReplayBuffer
-    from rayrep.data import PromptSampler
-    from rayrep.learner.group import LearnerGroup
+ExperiencePool = dict[str, tuple[np.ndarray, list[Answer]]]
+"""{question uid: (its prompt tokens, its stored successes)}, as `read_pool` returns it."""
 
 
 class RLEP(GRPO):
     name = "rlep"
 
-    def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]]):
+    def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]], pool: ExperiencePool, buffer: ReplayBuffer):
+        """`pool`: from `load_pool`, checked against `prompt_ids`; it goes into `buffer`'s shards now."""
         super().__init__(cfg)
-        settings = cfg.algorithm.rlep
-        if not settings.pool:
-            raise ConfigError("algorithm.rlep.pool: RLEP needs an experience pool (jobs/collect.py writes one)")
-        self.pool: dict | None = read_pool(settings.pool)
-        check_pool(self.pool, prompt_ids, settings.pool, settings.old_logprobs)
         self.prompt_ids = prompt_ids
-        self.replay_old_logprobs = settings.old_logprobs
-        self.buffer: ReplayBuffer | None = None
-
-    def attach(self, buffer: ReplayBuffer | None, learners: LearnerGroup | None) -> None:
+        self.replay_old_logprobs = cfg.algorithm.rlep.old_logprobs
         self.buffer = buffer
-        self.buffer.add([(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in self.pool.items()])
-        self.pool = None  # the shards hold it now
+        self.buffer.add([(uid, ids, answers) for uid, (ids, answers) in pool.items()])
 
     def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset()) -> StepPlan:
         """G fresh rollouts per question, and up to M of its pooled successes, drawn now."""
@@ -95,6 +83,17 @@ class RLEP(GRPO):
         }
 
 
+def load_pool(cfg: Config, prompt_ids: dict[str, list[int]]) -> ExperiencePool:
+    """The experience pool `algorithm.rlep.pool`, read and checked against this run's prompt
+    tokens (and, for `old_logprobs = 'recorded'`, for behaviour log-probs)."""
+    settings = cfg.algorithm.rlep
+    if not settings.pool:
+        raise ConfigError("algorithm.rlep.pool: RLEP needs an experience pool (jobs/collect.py writes one)")
+    pool = read_pool(settings.pool)
+    check_pool(pool, prompt_ids, settings.pool, settings.old_logprobs)
+    return pool
+
+
 def check_pool(pool: dict, prompt_ids: dict[str, list[int]], path: str, old_logprobs: str) -> None:
     """Every pooled question must render to the same prompt tokens as in this run."""
     known = [uid for uid in pool if uid in prompt_ids]
@@ -112,76 +111,3 @@ def check_pool(pool: dict, prompt_ids: dict[str, list[int]], path: str, old_logp
                 f"algorithm.rlep.old_logprobs='recorded' but {path} has no behaviour log-probs for question "
                 f"{uid!r} (an imported text pool); use 'recompute'"
             )
-
-
-def questions_to_collect(cfg: Config, prompts: list[Prompt]) -> list[Prompt]:
-    """The training questions a pool covers: all, or the first `collect_questions` the
-    run's prompt sampler visits (the same seeded order the replay run will follow)."""
-    from rayrep.data import PromptSampler
-
-    limit = cfg.algorithm.rlep.collect_questions
-    if not limit or limit >= len(prompts):
-        return list(prompts)
-    sampler = PromptSampler(prompts, seed=cfg.seed("data"))
-    seen, ordered = set(), []
-    while len(ordered) < limit:
-        for prompt in sampler.next(cfg.algorithm.prompts_per_step):
-            if prompt.uid not in seen:
-                seen.add(prompt.uid)
-                ordered.append(prompt)
-    return ordered[:limit]
-
-
-def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) -> dict:
-    """RLEP phase 1: sample, verify, keep the successes of questions with enough of them."""
-    from transformers import AutoTokenizer
-
-    from rayrep.data import encode_prompts, load_split
-    from rayrep.progress import Progress
-    from rayrep.runtime import Runtime
-
-    settings = cfg.algorithm.rlep
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    prompts = questions_to_collect(cfg, load_split(cfg.data, "train"))
-    prompt_ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_tokens)
-    start = time.perf_counter()
-    runtime = Runtime.start(cfg, checkpoint, train=False, log_dir=Path(out_path).parent)
-    rows, kept_questions, samples = [], 0, 0
-    recovery: Counter = Counter()
-    progress = Progress(len(prompts), "collect", unit="question", log=log)
-    try:
-        # Slices bound the memory of one generate call; every generator works on each slice.
-        size = max(64, 8 * len(runtime.generators.workers))
-        seeds = cfg.sampling_seeds("collect", len(prompts))
-        for begin in range(0, len(prompts), size):
-            part, ids = prompts[begin : begin + size], prompt_ids[begin : begin + size]
-            pending = runtime.generators.generate(
-                ids, n=settings.collect_samples, temperature=settings.collect_temperature,
-                top_p=settings.collect_top_p, max_tokens=cfg.generator.max_response_tokens,
-                seeds=seeds[begin : begin + size],
-            )
-            # A dead generator: replaced, its prompts asked again.
-            pending, rollouts = runtime.generators.complete(pending, recovery)
-            correct = runtime.verifiers.check(pending, [p.ground_truth for p in part]).correct
-            for prompt, sampled, marks in zip(part, rollouts, correct):
-                samples += len(sampled)
-                successes = [r for r, ok in zip(sampled, marks) if ok]
-                if len(successes) < settings.min_successes:
-                    continue
-                kept_questions += 1
-                rows += [{
-                    "uid": prompt.uid, "prompt": prompt.messages, "ground_truth": prompt.ground_truth,
-                    "data_source": prompt.data_source, "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
-                    "logprobs": r.logprobs, "text": r.text, "reward": 1.0, "version": r.version,
-                } for r in successes]
-            progress.update(begin + len(part), kept=kept_questions, successes=len(rows))
-    finally:
-        runtime.shutdown()
-    if not rows:
-        raise RuntimeError(f"no question had {settings.min_successes} verified successes: the pool would be empty")
-    write_pool(rows, Path(out_path), source_checkpoint=str(checkpoint))
-    return {
-        "pool": str(out_path), "questions": len(prompts), "kept_questions": kept_questions, "successes": len(rows),
-        "samples": samples, "success_rate": len(rows) / max(1, samples), "seconds": time.perf_counter() - start,
-        **{f"generator_{name}": n for name, n in recovery.items() if n},
-    }

@@ -34,10 +34,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayrep.buffer.shard import Answer, PackedAnswers, RemoteReplayShard, ReplayShard
-from rayrep.placement import MAX_RETRIES, death_cause, responds, too_many_deaths
+from rayrep.cluster.placement import MAX_RETRIES, death_cause, responds, too_many_deaths
 
 if TYPE_CHECKING:
-    from rayrep.placement import Placement
+    from rayrep.cluster.placement import Placement
 
 logger = logging.getLogger(__name__)
 

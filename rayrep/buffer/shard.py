@@ -560,7 +560,7 @@ class ReplayShard:
         return stats
 
     def pid(self) -> int:
-        """The process holding this shard (whether it still answers: `rayrep.placement.responds`)."""
+        """The process holding this shard (whether it still answers: `rayrep.cluster.placement.responds`)."""
         return os.getpid()
 
     # ------------------------------------------------------------------ snapshot

@@ -19,11 +19,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayrep.config import Config
-from rayrep.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
+from rayrep.cluster.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
 from rayrep.types import Rollout
 
 if TYPE_CHECKING:
-    from rayrep.sync.weights import WeightSync
+    from rayrep.runtime.weights import WeightSync
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ class GeneratorWorker:
         import torch
 
         from rayrep.generator.engine import make_engine
-        from rayrep.placement import pinned_cores
+        from rayrep.cluster.placement import pinned_cores
 
         cores = pinned_cores(cfg, "generator", worker_index, threads)
         if cores is not None:  # before any thread starts; vLLM binds its OpenMP threads (by default: to every core)
@@ -57,7 +57,7 @@ class GeneratorWorker:
 
     def join_weight_group(self, host: str, port: int, world_size: int, first_rank: int) -> None:
         """Every worker of the engine joins: tensor-parallel rank t as group rank first_rank + t."""
-        from rayrep.placement import weight_transport
+        from rayrep.cluster.placement import weight_transport
 
         backend = self.cfg.placement.collective_backend
         self.llm.collective_rpc("rayrep_join_weight_group",

@@ -10,8 +10,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayrep.config import Config
 from rayrep.learner.worker import RemoteLearnerWorker
-from rayrep.metrics import MetricSums
-from rayrep.placement import Placement, death_cause, weight_transport
+from rayrep.learner.sums import MetricSums
+from rayrep.cluster.placement import Placement, death_cause, weight_transport
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 

@@ -25,7 +25,7 @@ from rayrep.config import Config
 from rayrep.learner.logprobs import token_logprobs
 from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.library_output import route_library_output
-from rayrep.metrics import MetricSums
+from rayrep.learner.sums import MetricSums
 from rayrep.sync.collective import WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 
@@ -76,7 +76,7 @@ def token_budget_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int)
 
 class LearnerWorker:
     def __init__(self, cfg: Config, rank: int, world_size: int, threads: int):
-        from rayrep.placement import pinned_cores
+        from rayrep.cluster.placement import pinned_cores
 
         route_library_output()
 
@@ -96,7 +96,7 @@ class LearnerWorker:
 
     def address(self) -> tuple[str, int]:
         """This worker's node address and a port free on it (rank 0 hosts the rendezvous)."""
-        from rayrep.placement import free_port
+        from rayrep.cluster.placement import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
@@ -319,10 +319,10 @@ class LearnerWorker:
         return self.tied_embedding
 
     def join_weight_group(self, host: str, port: int, world_size: int) -> None:
-        """This rank's end of the weight transport (`rayrep.placement.weight_transport`): rank
+        """This rank's end of the weight transport (`rayrep.cluster.placement.weight_transport`): rank
         0 broadcasts to every engine worker, or, colocated, each rank hands the engine worker
         beside it its tensors."""
-        from rayrep.placement import weight_transport
+        from rayrep.cluster.placement import weight_transport
         from rayrep.sync.transport import join_as_learner
 
         self.weight_channel = join_as_learner(weight_transport(self.cfg), host, port, world_size, self.rank,

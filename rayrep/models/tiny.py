@@ -38,7 +38,9 @@ from pathlib import Path
 
 import torch
 
+from rayrep.config import Config, ConfigError, parse_cli
 from rayrep.data.arithmetic import DEFAULT_LEVELS, TEST_RESERVE, make_splits
+from rayrep.errors import InputError
 from rayrep.models.tokenizer import build_char_tokenizer
 
 # Bump when the build recipe changes in a way the spec does not capture.
@@ -309,6 +311,77 @@ def shipped_records(root: Path = SHIPPED) -> dict[str, dict]:
     return {entry.name: read_record(entry) for entry in sorted(root.iterdir()) if (entry / BUILD_RECORD).is_file()}
 
 
+def tiny_spec(cfg: Config):
+    """The tiny policy's build recipe: its size and warm start from `model.tiny_*`, its task
+    (levels, seed) from `data`. The run's train and test sizes do not enter: train splits
+    are prefixes of one sequence and test problems are never in one (see make_splits)."""
+    hidden = cfg.model.tiny_hidden_size
+    if hidden % 32:
+        raise ConfigError(f"model.tiny_hidden_size: {hidden} must be a multiple of 32 (the head size)")
+    return TinyPolicySpec(
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_layers=cfg.model.tiny_layers,
+        num_heads=hidden // 32,
+        num_kv_heads=max(1, hidden // 64),
+        levels=cfg.data.arithmetic_levels,
+        num_train=cfg.model.tiny_warm_start_problems,
+        task_seed=cfg.data.arithmetic_seed,
+        test_reserve=cfg.data.arithmetic_test_reserve,
+        warm_start_steps=cfg.model.tiny_warm_start_steps,
+        warm_start_slips=cfg.model.tiny_warm_start_slips,
+        warm_start_slip_steps=cfg.model.tiny_warm_start_slip_steps,
+    )
+
+
+# The config field behind each field of the recipe that a config sets; the sizes derived from
+# the hidden size follow it, and the other fields are fixed.
+RECIPE_FIELDS = {
+    "hidden_size": "model.tiny_hidden_size", "num_layers": "model.tiny_layers", "levels": "data.arithmetic_levels",
+    "num_train": "model.tiny_warm_start_problems", "task_seed": "data.arithmetic_seed",
+    "test_reserve": "data.arithmetic_test_reserve", "warm_start_steps": "model.tiny_warm_start_steps",
+    "warm_start_slips": "model.tiny_warm_start_slips", "warm_start_slip_steps": "model.tiny_warm_start_slip_steps",
+}
+DERIVED = ("intermediate_size", "num_heads", "num_kv_heads")
+
+
+def shipped_policy(spec, root: Path | None = None) -> Path:
+    """The folder of the shipped policy built with `spec`'s recipe; an InputError when its
+    files do not hash to its record, or when no shipped policy has that recipe (saying how
+    to build one)."""
+    root = Path(root or SHIPPED)
+    records = shipped_records(root)
+    for name, record in records.items():
+        if record["cache_key"] == spec.cache_key():
+            path = root / name
+            found = weights_sha256(path)
+            if found != record["weights_sha256"]:
+                raise InputError(
+                    f"{path}: its weights hash to {found[:16]}, not to the {record['weights_sha256'][:16]} of its "
+                    f"build record: the files were changed; reinstall rayrep, or rebuild them with "
+                    f"`python -m rayrep.models.tiny build --preset {name} --out {path}`")
+            return path
+    wanted = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(spec).items()}
+
+    def differences(record: dict) -> list[str]:
+        found = [f"{RECIPE_FIELDS.get(key, 'the fixed ' + key)} = {record['spec'].get(key)!r} there, {value!r} here"
+                 for key, value in wanted.items() if record["spec"].get(key) != value and key not in DERIVED]
+        if record.get("recipe_version") != RECIPE_VERSION:
+            found.append(f"build recipe version {record.get('recipe_version')} there, {RECIPE_VERSION} here")
+        return found
+
+    if not records:
+        raise InputError(f"model.path = 'tiny': no tiny policy is shipped in {root}; reinstall rayrep")
+    closest = min(records, key=lambda name: len(differences(records[name])))
+    raise InputError(
+        f"model.path = 'tiny': no shipped tiny policy has the recipe this config describes; the closest, "
+        f"{closest}, differs: {'; '.join(differences(records[closest]))}. Build one with the same config "
+        f"arguments (`python -m rayrep.models.tiny build --preset {closest} ... --out DIR`, a few minutes) and "
+        f"pass --model.path DIR; to rebuild the shipped one after changing its recipe, "
+        f"--out {root / closest}")
+
+
+
 def main(argv: list[str]) -> None:
     """`python -m rayrep.models.tiny build --preset NAME --out DIR [--section.field VALUE ...]`:
     build the tiny policy the preset (with any overrides) describes. To change a shipped
@@ -327,9 +400,6 @@ def main(argv: list[str]) -> None:
     build.add_argument("--out", required=True, help="folder of the built policy (replaced when complete)")
     build.add_argument("--preset", default="tiny-cpu", help="the preset whose model and data fields give the recipe")
     args, rest = parser.parse_known_args(argv)
-    from rayrep.config import ConfigError, parse_cli
-    from rayrep.models import tiny_spec
-
     try:
         spec = tiny_spec(parse_cli(["--preset", args.preset, *rest]))
     except ConfigError as err:

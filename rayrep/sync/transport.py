@@ -14,7 +14,7 @@
   hosted by learner rank 0; a sender fills a buffer again only once the worker has copied
   what it held (two buffers: the next bucket is packed while the worker copies this one).
 
-`rayrep.placement.weight_transport` is the one place the choice is made; the placement plan
+`rayrep.cluster.placement.weight_transport` is the one place the choice is made; the placement plan
 (and so `--dry-run`) names it.
 """
 

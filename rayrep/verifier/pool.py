@@ -28,7 +28,7 @@ from rayrep.config import Config
 from rayrep.eval import maj_at_k
 from rayrep.generator.pool import PendingRollouts
 from rayrep.library_output import route_library_output
-from rayrep.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
+from rayrep.cluster.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
 

@@ -20,11 +20,11 @@ from rayrep.generator.engine import check_vllm_version
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
 from rayrep.library_output import library_log_env
-from rayrep.memory import check_memory
+from rayrep.runtime.memory import check_memory
 from rayrep.models import check_context
-from rayrep.placement import Placement, Plan, make_plan
+from rayrep.cluster.placement import Placement, Plan, make_plan
 from rayrep.sync.collective import nccl_environment
-from rayrep.sync.weights import WeightSync
+from rayrep.runtime.weights import WeightSync
 from rayrep.verifier.pool import VerifierPool
 
 
@@ -106,6 +106,15 @@ class Runtime:
                 replay = cfg.replay
                 buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed, placement)
         return Runtime(cfg, placement, generators, verifiers, learners, sync, buffer, started_ray)
+
+    @property
+    def version(self) -> int:
+        """The policy version the generators sample (the learners' is one ahead during an update)."""
+        return self.sync.version if self.sync is not None else self.generators.version
+
+    def sync_weights(self) -> dict[str, float]:
+        """The learners' weights to every generator, as the next policy version."""
+        return self.sync.push()
 
     def hand_over_to_learners(self) -> None:
         """Where colocated roles take turns on GPUs: the engines sleep, the learners bring

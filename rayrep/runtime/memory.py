@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rayrep.config import Config, InputError
-from rayrep.placement import weight_transport
+from rayrep.cluster.placement import weight_transport
 
 GIB = 2**30
 RESERVED_BYTES = 3 * GIB
@@ -110,7 +110,7 @@ class MemoryPlan:
     sync: dict[str, int] = field(default_factory=dict)
     """What one learner GPU holds while the weights go to the engines, by part."""
     transport: str = ""
-    """How the weights travel (`rayrep.placement.weight_transport`), named in the plan."""
+    """How the weights travel (`rayrep.cluster.placement.weight_transport`), named in the plan."""
     trains: bool = True
     """A training run (learners and generators), not a sampling job (generators only)."""
 

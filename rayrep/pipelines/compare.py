@@ -16,9 +16,17 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from rayrep.config import Config, InputError
-from rayrep.eval import evaluate_checkpoint
-from rayrep.metrics import compare_runs, comparison_table, plot_curves
+from rayrep.buffer.files import check_pool_file
+from rayrep.config import Config, ConfigError, InputError, differing_fields
+from rayrep.eval.runner import evaluate_checkpoint
+from rayrep.eval.study import compare_runs, comparison_table
+from rayrep.pipelines.collect import collect_pool
+from rayrep.plots import plot_curves
+from rayrep.run import RunResult
+from rayrep.run.checkpoints import latest_checkpoint
+from rayrep.run.layout import RunFolder
+from rayrep.run.log import keep_metrics_until
+from rayrep.train import train_resuming
 
 Method = Literal["rlep", "exgrpo"]
 LABELS = {"rlep": "RLEP", "exgrpo": "ExGRPO"}
@@ -27,7 +35,7 @@ LABELS = {"rlep": "RLEP", "exgrpo": "ExGRPO"}
 def checkpoint_evals(checkpoint: str, cfg: Config) -> list[dict]:
     """The test-set eval curve of the run that wrote `checkpoint` (its `evals.json`), or, for
     a checkpoint from elsewhere, one evaluation of it (a curve of one point)."""
-    evals_file = Path(checkpoint).resolve().parents[1] / "evals.json"
+    evals_file = RunFolder.of_checkpoint(checkpoint).evals
     if evals_file.is_file():
         return json.loads(evals_file.read_text())
     metrics = evaluate_checkpoint(cfg, checkpoint)
@@ -54,9 +62,6 @@ def compare_with_baseline(
     reused, a stopped one resumes from its latest checkpoint, a written pool is kept.
     `restarts`: how many times a training stage whose learner died continues on its own
     (`rayrep.train.train_resuming`)."""
-    from rayrep.algos.rlep import collect_pool
-    from rayrep.buffer.files import check_pool_file
-
     # What is given on the command line is checked before any stage starts.
     if baseline_checkpoint and not (Path(baseline_checkpoint) / "config.json").is_file():
         raise InputError(f"baseline checkpoint {baseline_checkpoint}: not a checkpoint folder (no config.json in it)")
@@ -110,24 +115,16 @@ def run_stage(cfg: Config, resume: bool, log=print, restarts: int = 0):
     with these settings: `check_finished_run`) and a stopped one continues from its latest
     checkpoint under these settings, as `--resume` does (one stopped before its first
     checkpoint starts over)."""
-    from rayrep.checkpoint import latest_checkpoint
-    from rayrep.train import RunResult, keep_metrics_until, run_dir_for, train_resuming
-
-    run_dir = run_dir_for(cfg)
+    folder = RunFolder.of(cfg)
     if resume:
-        if finished_run(run_dir):
-            check_finished_run(cfg, run_dir)
-            log(f"{run_dir}: finished before, reused")
-            evals = json.loads((run_dir / "evals.json").read_text())
-            return RunResult(run_dir, str(run_dir / "checkpoints" / "final"), evals)
-        if latest_checkpoint(run_dir) is not None:
+        if folder.finished():
+            check_finished_run(cfg, folder.path)
+            log(f"{folder.path}: finished before, reused")
+            return RunResult(folder.path, str(folder.final), json.loads(folder.evals.read_text()))
+        if latest_checkpoint(folder.path) is not None:
             return train_resuming(cfg, log=log, resume=True, restarts=restarts)
-        keep_metrics_until(run_dir / "metrics.jsonl", -1)  # a start that saved nothing: start over
+        keep_metrics_until(folder.metrics, -1)  # a start that saved nothing: start over
     return train_resuming(cfg, log=log, restarts=restarts)
-
-
-def finished_run(run_dir: Path) -> bool:
-    return (run_dir / "checkpoints" / "final").exists() and (run_dir / "evals.json").is_file()
 
 
 def check_finished_run(cfg: Config, run_dir: Path) -> None:
@@ -136,10 +133,8 @@ def check_finished_run(cfg: Config, run_dir: Path) -> None:
     changed what it did may differ: its logging settings, `run.start_eval` (which only spares
     the step-0 evaluation), and the sections of other algorithms (`algorithm.exgrpo.*` for
     an RLEP run)."""
-    from rayrep.config import ConfigError, differing_fields
-
     try:
-        saved = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+        saved = json.loads(RunFolder(run_dir).config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"{run_dir}: a finished run without a readable config.json ({err})") from None
 

@@ -1,7 +1,7 @@
 """WeightSync: after each update, the learner's weights go to every generator.
 
 A sync gathers full tensors from the FSDP shards bucket by bucket and sends each bucket
-through the run's weight transport (`rayrep.placement.weight_transport`): a broadcast from
+through the run's weight transport (`rayrep.cluster.placement.weight_transport`): a broadcast from
 learner rank 0 over a group of its own (gloo on CPU, NCCL on GPU) whose other members are
 the generator workers, or, colocated, handles from each learner rank to the engine worker
 beside it (`rayrep.sync.transport`). Generators load everything in one `reload_weights`
@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rayrep.config import Config
-from rayrep.placement import responds
+from rayrep.cluster.placement import responds
 
 if TYPE_CHECKING:
     from rayrep.generator.pool import GeneratorPool

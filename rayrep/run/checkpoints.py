@@ -26,7 +26,14 @@ import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rayrep.config import InputError
+from rayrep.algos.interface import Algorithm
+from rayrep.buffer.replay import ReplayBuffer
+from rayrep.config import Config
+from rayrep.data import PromptSampler
+from rayrep.errors import InputError
+from rayrep.run.layout import RunFolder
+from rayrep.run.record import StepRecord
+from rayrep.runtime import Runtime
 
 FORMAT = 1
 STATE_FILE = "run_state.json"
@@ -63,7 +70,7 @@ def set_rng_state(rng: random.Random, state: list) -> None:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunFolder(Path(run_dir)).checkpoints
 
 
 def step_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -142,7 +149,7 @@ def link_files(source: Path, target: Path) -> None:
 
 def mark_final(run_dir: Path, checkpoint: Path) -> Path:
     """Point `<run>/checkpoints/final` at `checkpoint` (atomically: a new link renamed over the old)."""
-    final = checkpoints_dir(run_dir) / "final"
+    final = RunFolder(Path(run_dir)).final
     link = final.with_name(".final.link")
     if link.is_symlink() or link.exists():
         link.unlink()
@@ -154,7 +161,7 @@ def mark_final(run_dir: Path, checkpoint: Path) -> Path:
 
 
 def final_target(run_dir: Path) -> Path | None:
-    final = checkpoints_dir(run_dir) / "final"
+    final = RunFolder(Path(run_dir)).final
     return final.resolve() if final.is_symlink() else None
 
 
@@ -178,3 +185,80 @@ def _sync(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------- a run's save and restore
+
+
+def resumable(cfg: Config) -> bool:
+    """Whether the learners' strategy keeps a checkpoint of its optimizer state (FSDP2 does;
+    with DeepSpeed a run's checkpoints hold the policy weights and the driver's state only)."""
+    return cfg.learner.strategy == "fsdp2"
+
+
+def resume_point(cfg: Config, folder: RunFolder) -> tuple[Path, RunState]:
+    """The latest complete checkpoint of the run and its state, or an InputError that says
+    why the run cannot be resumed (checked before anything starts)."""
+    checkpoint = latest_checkpoint(folder.path)
+    if checkpoint is None:
+        raise InputError(f"{folder.path}: no complete checkpoint to resume from (checkpoints/step-<N>)")
+    state = read_run_state(checkpoint)
+    if state.learner is None or not resumable(cfg):
+        raise InputError(f"{checkpoint}: resuming needs the learners' optimizer state, which only "
+                         "learner.strategy='fsdp2' keeps (this run's or the checkpoint's is 'deepspeed')")
+    if state.step > cfg.run.steps:
+        raise InputError(f"{checkpoint} is at step {state.step}, beyond run.steps={cfg.run.steps}")
+    saved_algorithm = state.config.get("algorithm", {}).get("name")
+    if saved_algorithm != cfg.algorithm.name:
+        raise InputError(f"{checkpoint} is a {saved_algorithm!r} run; this config's algorithm.name is {cfg.algorithm.name!r}")
+    return checkpoint, state
+
+
+class BufferSnapshots:
+    """The replay buffer's latest snapshot in `<run>/replay`: what a shard that dies comes back
+    with, taken every `replay.snapshot_every` steps and with every checkpoint (not written
+    again when nothing changed). Nothing to do for a run without a buffer."""
+
+    def __init__(self, buffer: ReplayBuffer | None, folder: RunFolder, every: int):
+        self.buffer, self.folder, self.every = buffer, folder, every
+
+    def take(self) -> None:
+        if self.buffer is not None and (self.buffer.changed or self.buffer.restore_point != self.folder.replay):
+            self.buffer.snapshot(self.folder.replay)
+
+    def after_step(self, step: int, record: StepRecord) -> None:
+        """The scheduled snapshot, and the count of shards that died this step (`replay_shard_*`)."""
+        if self.buffer is None:
+            return
+        if self.every and step % self.every == 0:
+            with record.timed("snapshot"):
+                self.take()
+        record.count(self.buffer.take_recovery())
+
+
+def save_run(cfg: Config, folder: RunFolder, step: int, runtime: Runtime, algorithm: Algorithm,
+             sampler: PromptSampler, snapshots: BufferSnapshots, evals: list[dict]) -> Path:
+    """The checkpoint of `step`: the policy (a Hugging Face checkpoint), the learners' state
+    (where the strategy keeps one), the buffer (its latest snapshot, linked) and the driver's
+    state. Complete or absent (see the module's docstring)."""
+    partial = begin_save(folder.path, step)
+    runtime.learners.save(str(partial))
+    learner = runtime.learners.save_state(str(partial / "learner")) if resumable(cfg) else None
+    if runtime.buffer is not None:
+        snapshots.take()
+        link_files(folder.replay, partial / "buffer")
+    return finish_save(partial, RunState(
+        step=step, policy_version=runtime.version, sampler=sampler.state(),
+        buffer_rng=rng_state(runtime.buffer.rng) if runtime.buffer is not None else None,
+        algorithm=algorithm.state(), evals=evals, learner=learner, config=cfg.to_dict(),
+    ), cfg.run.keep_checkpoints)
+
+
+def restore_run(checkpoint: Path, state: RunState, runtime: Runtime, algorithm: Algorithm) -> None:
+    """The learners', buffer's and algorithm's state of `checkpoint` (the sampler's and the
+    evaluations' are restored before anything starts; the generators start from its weights)."""
+    runtime.learners.load_state(str(checkpoint / "learner"), state.learner)
+    if runtime.buffer is not None:
+        runtime.buffer.restore(checkpoint / "buffer")
+        set_rng_state(runtime.buffer.rng, state.buffer_rng)
+    algorithm.load_state(state.algorithm)

@@ -1,0 +1,11 @@
+"""Evaluation: the formulas (`formulas`: avg@k, unbiased pass@k, the standard error;
+maj@k votes with the verifier, `rayrep.verifier.voting`), the runner that evaluates a
+policy on a runtime (`runner`), and the report (`report`). The formulas' names are
+stable: `rayrep.eval.pass_at_k`, `rayrep.eval.maj_at_k`."""
+
+from rayrep.eval.formulas import (avg_at_k, mean_and_se, pass_at_k, pass_ks, standard_error, summarize,
+                                  summarize_by_source)
+from rayrep.verifier.voting import maj_at_k
+
+__all__ = ["avg_at_k", "maj_at_k", "mean_and_se", "pass_at_k", "pass_ks", "standard_error", "summarize",
+           "summarize_by_source"]

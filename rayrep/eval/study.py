@@ -1,0 +1,150 @@
+"""Statistics over runs: a run's eval curve (`series`), two runs compared (`compare_runs`),
+and a seeded study's arms summarized with standard errors, as tables. Pure."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rayrep.eval.formulas import mean_and_se
+
+
+def series(records: Sequence[dict], metric: str) -> list[tuple[int, float]]:
+    """(step, value) of every record that logged `metric` as a number (NaN is logged as null)."""
+    return [(r["step"], r[metric]) for r in records if isinstance(r.get(metric), (int, float))]
+
+
+def compare_runs(baseline: list[dict], other: list[dict], metric: str = "test_pass@1") -> dict:
+    """Peak and final of both eval curves, and the first step where `other` reaches the baseline's peak."""
+    base, mine = series(baseline, metric), series(other, metric)
+    base_peak_step, base_peak = max(base, key=lambda p: (p[1], -p[0]))
+    mine_peak_step, mine_peak = max(mine, key=lambda p: (p[1], -p[0]))
+    reached = next((step for step, value in mine if value >= base_peak), None)
+    return {
+        "metric": metric,
+        "baseline": {"peak": base_peak, "peak_step": base_peak_step, "final": base[-1][1], "final_step": base[-1][0]},
+        "other": {"peak": mine_peak, "peak_step": mine_peak_step, "final": mine[-1][1], "final_step": mine[-1][0]},
+        "other_reaches_baseline_peak_at": reached,
+    }
+
+
+def mean_curve(runs: Sequence[Sequence[dict]], metric: str = "test_pass@1") -> list[tuple[int, float, float]]:
+    """`(step, mean, standard error)` over `runs` of `metric`, at the steps every run evaluated."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        for step, value in series(run, metric):
+            by_step.setdefault(step, []).append(value)
+    return [(step, *mean_and_se(by_step[step])) for step in sorted(by_step) if len(by_step[step]) == len(runs)]
+
+
+def first_step_reaching(points: Sequence[tuple[int, float]], level: float) -> int | None:
+    """The first step whose value is at least `level`; None if none is."""
+    return next((step for step, value in points if value >= level), None)
+
+
+def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseline", metric: str = "test_pass@1",
+                    seeds: dict[str, list[int]] | None = None) -> dict:
+    """Per arm, over its seeds' eval curves (`curves[arm][i]`: the records of seed
+    `seeds[arm][i]`; without `seeds`, of seed i):
+
+    - `peak`, `final`: mean and standard error over seeds of each seed's peak and final value;
+    - `reaches`: the first step at which each seed reaches the baseline's mean peak (None:
+      never), and the mean and standard error over the seeds that do;
+    - `eval_se`: the mean standard error of one evaluation (`<metric>_se`, where logged);
+    - `curve`: the mean curve over seeds, `(step, mean, standard error)` (`mean_curve`);
+    - other arms than the baseline, paired with the baseline by seed (same data order, same
+      evaluation draws: the seed-to-seed spread they share cancels): `final_gain`, the mean
+      and standard error of (final - the baseline's final), and `curve_gain`, of (the mean
+      over evaluations after the first - the baseline's, at the steps both evaluated), over
+      `paired_seeds` seeds.
+    The baseline arm's mean peak is the level every arm is measured against."""
+    if baseline not in curves or not curves[baseline]:
+        raise ValueError(f"the study has no finished {baseline!r} run to compare with")
+    points = {arm: [series(run, metric) for run in runs] for arm, runs in curves.items()}
+    for arm, runs in points.items():
+        if any(not run for run in runs):
+            raise ValueError(f"arm {arm!r}: a run without any {metric} evaluation")
+    seeds = {arm: (seeds or {}).get(arm, list(range(len(runs)))) for arm, runs in points.items()}
+    by_seed = {arm: dict(zip(seeds[arm], runs)) for arm, runs in points.items()}
+    level = mean_and_se([max(v for _, v in run) for run in points[baseline]])[0]
+    summary = {"metric": metric, "baseline": baseline, "baseline_mean_peak": level, "arms": {}}
+    for arm, runs in points.items():
+        reaches = [first_step_reaching(run, level) for run in runs]
+        reached = [step for step in reaches if step is not None]
+        errors = [r[f"{metric}_se"] for run in curves[arm] for r in run if isinstance(r.get(f"{metric}_se"), (int, float))]
+        summary["arms"][arm] = row = {
+            "seeds": len(runs),
+            "peak": mean_and_se([max(v for _, v in run) for run in runs]),
+            "final": mean_and_se([run[-1][1] for run in runs]),
+            "reaches": reaches,
+            "reach_step": mean_and_se(reached) if reached else (None, None),
+            "eval_se": sum(errors) / len(errors) if errors else None,
+            "curve": mean_curve(curves[arm], metric),
+        }
+        paired = [(by_seed[arm][s], by_seed[baseline][s]) for s in seeds[arm] if s in by_seed[baseline]]
+        if arm != baseline and paired:
+            row["paired_seeds"] = len(paired)
+            row["final_gain"] = mean_and_se([run[-1][1] - base[-1][1] for run, base in paired])
+            row["curve_gain"] = mean_and_se([_curve_mean(run, base) - _curve_mean(base, run) for run, base in paired])
+    return summary
+
+
+def _curve_mean(run: list[tuple[int, float]], other: list[tuple[int, float]]) -> float:
+    """The mean of `run`'s values after its first evaluation, at the steps `other` also has."""
+    shared = {step for step, _ in other}
+    values = [value for step, value in run[1:] if step in shared]
+    return sum(values) / len(values) if values else math.nan
+
+
+def study_table(summary: dict) -> str:
+    """The study summary as a text table (percentages; mean +/- standard error over seeds)."""
+
+    def pm(pair, scale=100.0, digits=1) -> str:
+        mean, se = pair
+        if mean is None:
+            return "-"
+        return f"{scale * mean:.{digits}f}" + ("" if math.isnan(se) else f" +/- {scale * se:.{digits}f}")
+
+    def gain(row, name) -> str:
+        if name not in row:
+            return "-"
+        mean, se = row[name]
+        return f"{100 * mean:+.1f}" + ("" if math.isnan(se) else f" +/- {100 * se:.1f}")
+
+    lines = [f"{'arm':<18}{'seeds':>6}{'peak %':>16}{'final %':>16}{'reaches baseline peak at step':>32}"
+             f"{'one eval SE':>13}{'replayed %':>12}{'final - base':>16}{'curve - base':>16}"]
+    for arm, row in summary["arms"].items():
+        reached = sum(step is not None for step in row["reaches"])
+        steps = f"{pm(row['reach_step'], 1.0, 0)} ({reached}/{row['seeds']})"
+        error = "-" if row["eval_se"] is None else f"{100 * row['eval_se']:.2f}"
+        replayed = f"{100 * row['replay_share']:.1f}" if "replay_share" in row else "-"
+        lines.append(f"{arm:<18}{row['seeds']:>6}{pm(row['peak']):>16}{pm(row['final']):>16}{steps:>32}{error:>13}"
+                     f"{replayed:>12}{gain(row, 'final_gain'):>16}{gain(row, 'curve_gain'):>16}")
+    lines.append(f"baseline mean peak: {100 * summary['baseline_mean_peak']:.1f}% ({summary['metric']}); "
+                 "replayed: the share of trained answers that were replayed, mean over steps and seeds; "
+                 "final/curve - base: points above the same seed's baseline, mean +/- SE over seeds "
+                 "(curve: the mean of the evaluations after step 0)")
+    steps = sorted({step for row in summary["arms"].values() for step, _, _ in row["curve"]})
+    lines += ["", f"mean {summary['metric']} (%) by step, +/- SE over seeds",
+              f"{'arm':<18}" + "".join(f"{step:>14}" for step in steps)]
+    for arm, row in summary["arms"].items():
+        at = {step: (mean, se) for step, mean, se in row["curve"]}
+        lines.append(f"{arm:<18}" + "".join(f"{pm(at[step]) if step in at else '-':>14}" for step in steps))
+    return "\n".join(lines)
+
+
+def comparison_table(names: tuple[str, str], comparison: dict) -> str:
+    base, other = names
+    b, o = comparison["baseline"], comparison["other"]
+    reached = comparison["other_reaches_baseline_peak_at"]
+    lines = [
+        f"{'run':<12}{'peak ' + comparison['metric']:>22}{'at step':>9}{'final':>9}",
+        f"{base:<12}{100 * b['peak']:>21.1f}%{b['peak_step']:>9}{100 * b['final']:>8.1f}%",
+        f"{other:<12}{100 * o['peak']:>21.1f}%{o['peak_step']:>9}{100 * o['final']:>8.1f}%",
+    ]
+    if reached is None:
+        lines.append(f"{other} did not reach the {base} peak ({100 * b['peak']:.1f}%) within {o['final_step']} steps")
+    else:
+        lines.append(f"{other} first reached the {base} peak ({100 * b['peak']:.1f}%, step {b['peak_step']}) "
+                     f"at step {reached}")
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""A run's folder, defined once: every module that reads or writes a run's files asks here.
+
+    <out_dir>/<run_name>/
+        config.json         the run's config (what --resume starts from)
+        metrics.jsonl       one record per step (`rayrep.run.log`)
+        evals.json          every evaluation, written when the run finishes
+        checkpoints/        step-<N>/ and final -> step-<last> (`rayrep.run.checkpoints`)
+        replay/             the replay buffer's latest snapshot (the replay methods)
+        plots/              learning curves (`rayrep.plots`)
+        libraries.log       what the actors' libraries printed
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayrep.config import Config
+from rayrep.library_output import LIBRARY_LOG
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    path: Path
+
+    @staticmethod
+    def of(cfg: Config) -> "RunFolder":
+        """The folder of the run `cfg` describes: `logging.run_name` under `logging.out_dir`, or
+        the algorithm and the start time when it has no name."""
+        name = cfg.logging.run_name or f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return RunFolder(Path(cfg.logging.out_dir) / name)
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def evals(self) -> Path:
+        return self.path / "evals.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def final(self) -> Path:
+        return self.checkpoints / "final"
+
+    @property
+    def replay(self) -> Path:
+        return self.path / "replay"
+
+    @property
+    def plots(self) -> Path:
+        return self.path / "plots"
+
+    @property
+    def libraries_log(self) -> Path:
+        return self.path / LIBRARY_LOG
+
+    def finished(self) -> bool:
+        """The run ended: its final checkpoint and its evaluations are written."""
+        return self.final.exists() and self.evals.is_file()
+
+    @staticmethod
+    def of_checkpoint(checkpoint: str | Path) -> "RunFolder":
+        """The run that wrote `checkpoint` (`<run>/checkpoints/<name>`)."""
+        return RunFolder(Path(checkpoint).resolve().parents[1])
