@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make run    the main job (creates .venv on first use)
-#   make test   the whole test suite (creates .venv on first use)
+#   make test   the layer contract (lint-imports) and the whole test suite (creates .venv on first use)
 # EXTRAS=gpu selects the GPU install (vllm, deepspeed) instead of the CPU one.
 
 PYTHON ?= python3
@@ -15,6 +15,7 @@ run: $(STAMP)
 	$(PY) jobs/rlep.py
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest --durations=25 tests
 
 venv: $(STAMP)

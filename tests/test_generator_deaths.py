@@ -22,9 +22,8 @@ import ray
 from conftest import kill_and_wait
 from rayrep.data import encode_prompts, load_split
 from rayrep.generator.pool import GeneratorPool
-from rayrep.learner.group import LearnerGroup
 from rayrep.cluster.placement import Placement, make_plan, weight_transport
-from rayrep.runtime.weights import WeightSync
+from rayrep.runtime import Runtime
 from rayrep.types import LossSpec
 
 
@@ -121,16 +120,14 @@ def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_poli
     cfg = two_generators(tiny_cfg).replace(**{"learner.num_workers": learner_ranks, "learner.lr": 1e-3,
                                               "learner.warmup_steps": 0})
     assert weight_transport(cfg) == transport
-    placement = Placement(make_plan(cfg))
-    learners = LearnerGroup(cfg, tiny_policy, placement)
-    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    runtime = Runtime.start(cfg, tiny_policy)  # it brings a replacement to the current policy
+    learners, generators = runtime.learners, runtime.generators
     try:
-        sync = WeightSync(cfg, learners, generators)
         prompt_ids = questions(cfg, tiny_policy, 16)
         seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
         base = sample(generators, prompt_ids, seeds)
         learners.update(synthetic_batch(), LossSpec())
-        assert sync.push()["policy_version"] == 1
+        assert runtime.sync_weights()["policy_version"] == 1
         trained = sample(generators, prompt_ids, seeds)
         assert trained[8:] != base[8:]  # generator 1's share: the weights moved enough to change its answers
 
@@ -141,29 +138,26 @@ def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_poli
         assert recovered == trained  # version 1's answers, not the checkpoint's
         assert {r.version for rollouts in recovered for r in rollouts} == {1}
         assert ray.get([w.policy_version.remote() for w in generators.workers]) == [1, 1]
-        assert sync.version == 1  # the rebuild sent the same weights again: no new version
+        assert runtime.version == 1  # the rebuild sent the same weights again: no new version
 
         learners.update(synthetic_batch(seed=1), LossSpec())
-        assert sync.push()["policy_version"] == 2  # through the rebuilt group, to both generators
+        assert runtime.sync_weights()["policy_version"] == 2  # through the rebuilt group, to both generators
         assert ray.get([w.policy_version.remote() for w in generators.workers]) == [2, 2]
         again = sample(generators, prompt_ids, seeds)
         assert again[:8] != trained[:8] and again[8:] != trained[8:]  # both engines took version 2's weights
 
         # A generator that dies where the sync finds it (its broadcast fails): replaced by the
-        # sync, which sends the new version to the replacement and the survivor alike.
+        # runtime, which sends the new version to the replacement and the survivor alike.
         learners.update(synthetic_batch(seed=2), LossSpec())
         os.kill(ray.get(generators.workers[0].pid.remote()), signal.SIGKILL)
-        pushed = sync.push()
+        pushed = runtime.sync_weights()
         assert (pushed["policy_version"], pushed["sync_generator_replaced"]) == (3, 1)
         assert ray.get([w.policy_version.remote() for w in generators.workers]) == [3, 3]
         third = sample(generators, prompt_ids, seeds)
         assert third[:8] != again[:8] and third[8:] != again[8:]
         assert {r.version for rollouts in third for r in rollouts} == {3}
     finally:
-        for worker in generators.workers:
-            ray.kill(worker)
-        learners.shutdown()
-        placement.remove()
+        runtime.shutdown()
 
 
 @pytest.mark.timeout(300)  # a hang fails here instead of at the suite's limit
@@ -172,9 +166,9 @@ def test_a_replacement_that_cannot_start_ends_in_a_clear_error(ray_cluster, tiny
     generators die with it, and their replacements wait for bundles that never come back. The
     wait is bounded (shrunk here with monkeypatch from its 900 s to 5 s), then an error names the
     generator and why."""
-    import rayrep.generator.pool
+    import rayrep.cluster.supervisor
 
-    monkeypatch.setattr(rayrep.generator.pool, "REPLACEMENT_READY_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(rayrep.cluster.supervisor, "READY_TIMEOUT_S", 5.0)
     cfg = two_generators(tiny_cfg)
     placement = Placement(make_plan(cfg, learners=False))
     generators = GeneratorPool.create(cfg, tiny_policy, placement)

@@ -19,7 +19,8 @@ from conftest import kill_and_wait
 from rayrep.generator.pool import PendingRollouts
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.types import Rollout
-from rayrep.verifier.pool import MAX_RETRIES, VerifierPool
+from rayrep.cluster.supervisor import MAX_RETRIES
+from rayrep.verifier.pool import VerifierPool
 
 
 def share(texts_per_prompt, start=0):

@@ -22,28 +22,20 @@ loses nothing.
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import random
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from rayrep.buffer.shard import Answer, PackedAnswers, RemoteReplayShard, ReplayShard
-from rayrep.cluster.placement import MAX_RETRIES, death_cause, responds, too_many_deaths
+from rayrep.cluster.placement import Placement
+from rayrep.cluster.supervisor import Supervisor
 
-if TYPE_CHECKING:
-    from rayrep.cluster.placement import Placement
-
-logger = logging.getLogger(__name__)
-
-REPLACEMENT_READY_TIMEOUT_S = 300.0
-"""A new shard starts in seconds and then loads its share of the snapshot; one that is not
-restored after this long will not be (its bundle is not coming back), and the call fails."""
 
 SNAPSHOT_SCHEMA_VERSION = 1
 
@@ -75,10 +67,13 @@ class ReplayBuffer:
         self.rng = random.Random(seed)
         self.cap, self.seed, self.placement = max_answers_per_question, seed, placement
         self._routes: dict[str, int] = {}
-        if num_shards == 0:
-            self.shards: list = [ReplayShard(max_answers_per_question, seed)]
-        else:
-            self.shards = [self._start_shard(i) for i in range(num_shards)]
+        shards = [ReplayShard(max_answers_per_question, seed)] if num_shards == 0 else \
+            [self._start_shard(i) for i in range(num_shards)]
+        # A shard that dies comes back in its bundle holding its questions as of the restore
+        # point; what the dead one was given since is counted as lost.
+        self.supervisor = Supervisor("replay shard", shards, self._start_shard, ready=self._restore_shard,
+                                     on_replaced=self._count_lost)
+        self.shards = self.supervisor.workers
         self.restore_point: Path | None = None
         """The last snapshot (`snapshot`): what a shard that dies is restored from; None: empty."""
         self._restore_point_evicted: list[int] = [0] * len(self.shards)
@@ -97,37 +92,18 @@ class ReplayBuffer:
     def in_process(self) -> bool:
         return self.num_shards == 0
 
-    def _call(self, method: str, args: dict[int, tuple], num_returns: int = 1) -> dict[int, object]:
-        """Call shard method `method` on each shard of `args` with its arguments, all shards
-        in parallel; their results, by shard. `num_returns=2` (`stored_answers`): the first
-        result, and the ref of the second, left where it is.
-
-        A shard that died is replaced and restored (`_replace`) and asked again, up to
-        `MAX_RETRIES` times; then RuntimeError."""
+    def _call(self, method: Callable[[Any], Any], args: dict[int, tuple], num_returns: int = 1) -> dict[int, object]:
+        """`method(shard)` (the shard's method, e.g. `lambda shard: shard.apply`) called on
+        each shard of `args` with its arguments, all shards in parallel; their results, by
+        shard. `num_returns=2` (`stored_answers`): the first result, and the ref of the second,
+        left where it is. A shard that died is replaced and restored, and asked again (the
+        supervisor, `rayrep.cluster.supervisor`)."""
         if self.in_process:
-            return {s: getattr(self.shards[s], method)(*a) for s, a in args.items()}
-
-        def start(s: int) -> list[ray.ObjectRef]:
-            refs = getattr(self.shards[s], method).options(num_returns=num_returns).remote(*args[s])
-            return refs if num_returns > 1 else [refs]
-
-        started = {s: start(s) for s in args}
-        results: dict[int, object] = {}
-        for s in args:
-            deaths = 0
-            while s not in results:
-                try:
-                    first = ray.get(started[s][0])
-                except RayActorError as error:
-                    if responds(self.shards[s]):
-                        raise  # the shard is fine: not its death
-                    deaths += 1
-                    if deaths > MAX_RETRIES:
-                        raise too_many_deaths("replay shard", s, deaths, f"{method} call", error) from error
-                    self._replace(s, error)
-                    started[s] = start(s)
-                    continue
-                results[s] = first if num_returns == 1 else (first, *started[s][1:])
+            return {s: method(self.shards[s])(*a) for s, a in args.items()}
+        results, _ = self.supervisor.gather(
+            {s: s for s in args},
+            lambda s, shard: method(shard).options(num_returns=num_returns).remote(*args[s]),
+            lambda s: "call")
         return results
 
     def _route(self, uid: str) -> int:
@@ -152,7 +128,7 @@ class ReplayBuffer:
 
     def add(self, items: list[tuple[str, np.ndarray, list[Answer]]], dedup: bool = False) -> int:
         """Store (question id, prompt ids, answers) items; returns how many answers were stored."""
-        stored = self._call("add_packed", {
+        stored = self._call(lambda shard: shard.add_packed, {
             s: (PackedAnswers.pack(group), dedup) for s, group in self._by_shard(items).items()
         })
         for s, count in stored.items():
@@ -171,7 +147,7 @@ class ReplayBuffer:
             work[self._route(uid)]["buckets"][uid] = k
         for uid in retire:
             work[self._route(uid)]["retire"].append(uid)
-        results = self._call("apply", {
+        results = self._call(lambda shard: shard.apply, {
             s: (PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"]) for s, w in work.items()
         })
         for s, w in work.items():
@@ -184,7 +160,7 @@ class ReplayBuffer:
     def sample_answers(self, requests: list[tuple[str, int]]) -> dict[str, list[Answer]]:
         """Up to `count` stored answers of each question, uniformly without replacement (RLEP)."""
         seeds = self.rng.getrandbits(63)
-        results = self._call("sample_packed", {
+        results = self._call(lambda shard: shard.sample_packed, {
             s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s)
             for s, group in self._by_shard(requests).items()
         })
@@ -202,12 +178,12 @@ class ReplayBuffer:
         (ExGRPO's entropy pass on the learners) without passing through this process.
         """
         groups = self._by_shard(uids, key=lambda u: u)
-        parts = self._call("stored_answers", {s: (group,) for s, group in groups.items()}, num_returns=2)
+        parts = self._call(lambda shard: shard.stored_answers, {s: (group,) for s, group in groups.items()}, num_returns=2)
         return [(index, answers) for index, answers in parts.values() if index]
 
     def answers_at(self, picks: dict[str, int]) -> dict[str, Answer]:
         """The stored answer at position `picks[uid]` (oldest first) of each question."""
-        results = self._call("answers_at", {
+        results = self._call(lambda shard: shard.answers_at, {
             s: ([uid for uid, _ in group], [i for _, i in group]) for s, group in self._by_shard(list(picks.items())).items()
         })
         return {uid: answers[0] for part in results.values() for uid, answers in part.unpack().items()}
@@ -218,7 +194,7 @@ class ReplayBuffer:
     def bucket_sizes(self, exclude: frozenset[str] = frozenset()) -> list[dict[int, int]]:
         """Questions per bucket, shard by shard (questions in `exclude` not counted)."""
         excluded = self._excluded(exclude)
-        results = self._call("bucket_sizes", {s: (excluded[s],) for s in self._all})
+        results = self._call(lambda shard: shard.bucket_sizes, {s: (excluded[s],) for s in self._all})
         return [results[s] for s in self._all]
 
     def sample_questions(self, count: int, K: int, scale: str, shard_buckets: list[dict[int, int]] | None = None,
@@ -252,11 +228,11 @@ class ReplayBuffer:
             if left[(s, k)] == 0:
                 del left[(s, k)]
         seeds = self.rng.getrandbits(63)
-        results = self._call("sample_questions", {s: (per_bucket, seeds + s, excluded[s]) for s, per_bucket in plan.items()})
+        results = self._call(lambda shard: shard.sample_questions, {s: (per_bucket, seeds + s, excluded[s]) for s, per_bucket in plan.items()})
         return [uid for s in sorted(results) for uid in results[s]]
 
     def stats(self, now_step: int | None = None) -> dict:
-        results = self._call("stats", {s: (now_step,) for s in self._all})
+        results = self._call(lambda shard: shard.stats, {s: (now_step,) for s in self._all})
         return merge_stats(list(results.values()))
 
     # ------------------------------------------------------------------ snapshot
@@ -266,7 +242,7 @@ class ReplayBuffer:
         replaced); it becomes the restore point of a shard that dies."""
         from rayrep.buffer.files import write_snapshot
 
-        parts = self._call("export", {s: () for s in self._all})
+        parts = self._call(lambda shard: shard.export, {s: () for s in self._all})
         written = write_snapshot([parts[s] for s in self._all], Path(directory))
         self.restore_point = written
         self._restore_point_evicted = [parts[s]["evicted"] for s in self._all]
@@ -281,7 +257,7 @@ class ReplayBuffer:
     def restore(self, directory: str | Path) -> None:
         """Load a snapshot, routing each question to its shard under this buffer's shard count."""
         parts = self._snapshot_parts(Path(directory))
-        self._call("restore", parts)
+        self._call(lambda shard: shard.restore, parts)
         self.restore_point = Path(directory)
         self._restore_point_evicted = [parts[s][2] for s in self._all]
         self._since_snapshot = [Counter() for _ in self._all]
@@ -301,29 +277,19 @@ class ReplayBuffer:
             work[s] = (*work[s][:2], evicted_by_shard[s] if evicted_by_shard else evicted * (s == 0))
         return work
 
-    def _replace(self, s: int, cause: BaseException) -> None:
-        """A new shard `s` in the dead one's bundle, holding its questions as of the restore
-        point; what the dead one was given since is counted as lost."""
-        logger.warning("replay shard %d died (%s); restoring a replacement from %s", s, death_cause(cause),
-                       self.restore_point or "nothing (no snapshot yet)")
-        ray.kill(self.shards[s], no_restart=True)  # frees the bundle, should it only seem dead
-        self.shards[s] = self._start_shard(s)
+    def _restore_shard(self, s: int, shard) -> ray.ObjectRef:
+        """A new shard `s` given its questions as of the restore point (none before the first snapshot)."""
         content = ([], [], 0)
         if self.restore_point is not None:
             content = self._snapshot_parts(self.restore_point, self._restore_point_evicted)[s]
-        try:
-            ray.get(self.shards[s].restore.remote(*content), timeout=REPLACEMENT_READY_TIMEOUT_S)
-        except GetTimeoutError:
-            ray.kill(self.shards[s], no_restart=True)
-            raise RuntimeError(
-                f"replay shard {s} died ({death_cause(cause)}) and its replacement was not restored within "
-                f"{REPLACEMENT_READY_TIMEOUT_S:.0f} s (is its placement-group bundle gone with its node?)"
-            ) from cause
-        except RayActorError:
-            pass  # it died already: the call that asks it next finds out, and counts it
-        lost = self._since_snapshot[s]
-        self.recovery.update(replaced=1, lost_answers=lost["answers"], lost_question_updates=lost["question_updates"])
-        self._since_snapshot[s] = Counter()
+        return shard.restore.remote(*content)
+
+    def _count_lost(self, replaced: list[int]) -> None:
+        for s in replaced:
+            lost = self._since_snapshot[s]
+            self.recovery.update(replaced=1, lost_answers=lost["answers"],
+                                 lost_question_updates=lost["question_updates"])
+            self._since_snapshot[s] = Counter()
 
     def take_recovery(self) -> dict[str, int]:
         """Shard replacements and lost writes since the last call, as step metrics (`replay_shard_*`);

@@ -382,31 +382,8 @@ def check_fits(plan: Plan, can_grow: str = "auto", autoscaling_config: str | Non
 
 
 # ---------------------------------------------------------------------- actors that die
-# The generator and verifier pools and the replay buffer start a dead actor's replacement in
-# its bundle (`Placement.options`), and ask it again what the dead one was asked.
-
-MAX_RETRIES = 3
-"""How many times one call (a share of prompts, a shard's call) is asked again after the
-actor serving it died; one more death and the run stops (`too_many_deaths`)."""
-
-
-def responds(actor) -> bool:
-    """Whether `actor` (a role's actor with a `pid()` method) still answers, after any calls
-    queued on it before this one."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    try:
-        ray.get(actor.pid.remote())
-    except RayActorError:
-        return False
-    return True
-
-
-def too_many_deaths(role: str, slot: int, deaths: int, work: str, error: BaseException) -> RuntimeError:
-    """The error that ends the retries: `role` `slot` died `deaths` times on one `work`."""
-    return RuntimeError(f"{role} {slot} died {deaths} times on one {work} (the first actor and {MAX_RETRIES} "
-                        f"replacements); last cause: {death_cause(error)}")
+# The supervisor (`rayrep.cluster.supervisor`) starts a dead actor's replacement in its bundle
+# (`Placement.options`).
 
 
 def death_cause(error: BaseException, limit: int = 600) -> str:

@@ -1,35 +1,24 @@
 """GeneratorPool: splits a batch of prompts across W generator workers.
 
 A generator that dies (its process killed, its node lost) loses no prompts: `complete`
-starts a new one in the same placement-group bundle, gives it the current policy (through
-the rebuilt weight-sync group in training; the pool's checkpoint elsewhere) and asks it
-the dead one's shares again, with the same per-prompt seeds, up to `MAX_RETRIES` times per
-share; then it fails naming the generator and the cause.
+has the supervisor (`rayrep.cluster.supervisor`) start a new one in the same placement-group
+bundle, brought to the current policy by whoever holds it (`on_replaced`: the runtime,
+through the rebuilt weight sync; without one, the pool's checkpoint is the policy), and
+asks it the dead one's shares again, with the same per-prompt seeds.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 
+from rayrep.cluster.placement import Placement
+from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
-from rayrep.cluster.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
 from rayrep.types import Rollout
-
-if TYPE_CHECKING:
-    from rayrep.runtime.weights import WeightSync
-
-logger = logging.getLogger(__name__)
-
-REPLACEMENT_READY_TIMEOUT_S = 900.0
-"""A new generator loads the policy and starts its engine in minutes at paper scale; one that is
-not up after this long will not be (its bundle is not coming back), and `complete` fails instead."""
 
 
 @dataclass(frozen=True)
@@ -72,21 +61,24 @@ def split_evenly(count: int, parts: int) -> list[range]:
 
 class GeneratorPool:
     def __init__(self, workers: list[ray.actor.ActorHandle], cfg: Config | None = None, model_path: str | None = None,
-                 placement: Placement | None = None, version: int = 0):
+                 placement: Placement | None = None, version: int = 0,
+                 on_replaced: Callable[[list[int]], None] | None = None):
         """`workers`: GeneratorWorker handles, worker i started by `start_worker(cfg, model_path,
-        placement, i, version)`; what a dead one's replacement is started with (without `cfg`,
-        nothing is replaced)."""
-        self.workers = workers
+        placement, i, version)`, as a dead one's replacement is (without `cfg`, nothing is
+        replaced). `on_replaced(slots)`: brings replacements to the current policy."""
         self.cfg, self.model_path, self.placement, self.version = cfg, model_path, placement, version
-        self.sync: WeightSync | None = None
-        """The weight sync that feeds the engines (set by `WeightSync`); None: they keep `model_path`'s weights."""
+        start = (lambda slot: start_worker(cfg, model_path, placement, slot, version)) if cfg is not None else None
+        self.supervisor = Supervisor("generator", workers, start, ready=lambda slot, worker: worker.policy_version.remote(),
+                                     on_replaced=on_replaced, replace_all_dead=True)
+        self.workers = self.supervisor.workers
 
     @staticmethod
-    def create(cfg: Config, model_path: str, placement: Placement, version: int = 0) -> "GeneratorPool":
+    def create(cfg: Config, model_path: str, placement: Placement, version: int = 0,
+               on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorPool":
         workers = [start_worker(cfg, model_path, placement, i, version)
                    for i in range(len(placement.plan.slots["generator"]))]
         ray.get([w.policy_version.remote() for w in workers])  # engines up before anything else
-        return GeneratorPool(workers, cfg, model_path, placement, version)
+        return GeneratorPool(workers, cfg, model_path, placement, version, on_replaced)
 
     def generate(
         self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int,
@@ -120,73 +112,33 @@ class GeneratorPool:
         """`pending` with every share done (waits for the workers): the same shares, in order,
         each ref resolved (for the verifiers), and every prompt's rollouts, in prompt order.
 
-        A share whose generator died is asked again of that generator's replacement (started in
-        its bundle, on the current policy and version; see `replace`); with per-prompt seeds its
-        answers are those the dead one would have given. `counts` (when given) gains `replaced`
-        (generators started anew) and `retried_prompts` (prompts asked again). After
-        `MAX_RETRIES` deaths on one share, RuntimeError; any other error propagates.
+        A share whose generator died is asked again of that generator's replacement (see the
+        module's docstring); with per-prompt seeds its answers are those the dead one would
+        have given. `counts` (when given) gains `replaced` (generators started anew) and
+        `retried_prompts` (prompts asked again).
         """
         counts = Counter() if counts is None else counts
         done = list(pending)
-        results: list[list[list[Rollout]]] = [[] for _ in done]
-        retries = [0] * len(done)
-        waiting = {share.ref: position for position, share in enumerate(done)}
-        while waiting:
-            [ref], _ = ray.wait(list(waiting), num_returns=1)
-            position = waiting.pop(ref)
+        replaced_before = self.supervisor.replaced
+
+        def submit(position: int, worker) -> ray.ObjectRef:
             share = done[position]
-            try:
-                results[position] = ray.get(ref)
-            except RayActorError as error:
-                if share.request is None or self.cfg is None:
-                    raise
-                slot = share.request.generator
-                current = share.worker is self.workers[slot]
-                if current and responds(share.worker):
-                    raise  # the generator is fine: not its death (nothing to replace)
-                retries[position] += 1
-                if retries[position] > MAX_RETRIES:
-                    raise too_many_deaths("generator", slot, retries[position],
-                                          f"share of {len(share.indices)} prompt(s)", error) from error
-                if current:  # not yet replaced (an earlier share, or call, may have found it dead)
-                    counts["replaced"] += self.replace(slot, error)
+            if worker is not share.worker:  # a replacement (now, or by an earlier call): the same request again
                 done[position] = self._send(share.indices, share.request)
-                waiting[done[position].ref] = position
                 counts["retried_prompts"] += len(share.indices)
-        return done, [rollouts for part in results for rollouts in part]
+            return done[position].ref
+
+        results, _ = self.supervisor.gather(
+            {position: share.request.generator if share.request is not None else 0 for position, share in enumerate(done)},
+            submit, lambda position: f"share of {len(done[position].indices)} prompt(s)")
+        if self.supervisor.replaced > replaced_before:
+            counts["replaced"] += self.supervisor.replaced - replaced_before
+        return done, [rollouts for position in range(len(done)) for rollouts in results[position]]
 
     @staticmethod
     def gather(pending: list[PendingRollouts]) -> list[list[Rollout]]:
         """Every prompt's rollouts, in prompt order (waits for the workers)."""
         return [rollouts for part in ray.get([p.ref for p in pending]) for rollouts in part]
-
-    def replace(self, slot: int, cause: BaseException) -> int:
-        """A new generator for the dead one at `slot`, and for any other that no longer answers
-        (asking waits for the live ones' calls in flight), each in its dead one's bundle, on
-        the current weights and policy version: with a weight sync, the group is rebuilt with
-        them and the learners' weights are sent again; without one, the pool's checkpoint is
-        the current policy. Returns how many were started."""
-        dead = {slot: death_cause(cause)}
-        dead.update({i: "it no longer answers" for i, w in enumerate(self.workers) if i != slot and not responds(w)})
-        version = self.sync.version if self.sync is not None else self.version
-        for index, why in sorted(dead.items()):
-            logger.warning("generator %d died (%s); starting a replacement", index, why)
-            ray.kill(self.workers[index], no_restart=True)  # frees the bundle, should it only seem dead
-            self.workers[index] = start_worker(self.cfg, self.model_path, self.placement, index, version)
-        deadline = time.monotonic() + REPLACEMENT_READY_TIMEOUT_S
-        for index, why in sorted(dead.items()):
-            try:
-                ray.get(self.workers[index].policy_version.remote(), timeout=max(0.0, deadline - time.monotonic()))
-            except (GetTimeoutError, RayActorError) as error:
-                for started in dead:  # the others too: none is left waiting for a bundle that may not come back
-                    ray.kill(self.workers[started], no_restart=True)
-                failure = (f"did not start within {REPLACEMENT_READY_TIMEOUT_S:.0f} s (is its placement-group "
-                           "bundle gone with its node?)" if isinstance(error, GetTimeoutError)
-                           else f"failed to start: {death_cause(error)}")
-                raise RuntimeError(f"generator {index} died ({why}) and its replacement {failure}") from cause
-        if self.sync is not None:
-            self.sync.rebuild()
-        return len(dead)
 
     def sleep(self) -> None:
         """Every engine frees its GPU memory for the learners (where the roles take turns)."""

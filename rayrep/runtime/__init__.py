@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
@@ -59,8 +60,13 @@ def actor_environment(cfg: Config, log_dir: str | Path | None = None) -> dict[st
     return env
 
 
-@dataclass
 class Runtime:
+    """Every role's actors, started together (`start`) and stopped together (`shutdown`).
+
+    The runtime holds the policy version the generators sample, and so brings a replacement
+    generator to it: the generator pool's supervisor calls `bring_to_policy` once a new one
+    is ready, and a generator that dies during a weight sync is replaced here."""
+
     cfg: Config
     placement: Placement
     generators: GeneratorPool
@@ -69,7 +75,6 @@ class Runtime:
     sync: WeightSync | None
     buffer: ReplayBuffer | None
     """The replay buffer of a run whose algorithm replays (`algorithm.uses_replay`), else None."""
-    started_ray: bool
 
     @staticmethod
     def start(cfg: Config, model_path: str, train: bool = True, policy_version: int = 0,
@@ -84,28 +89,34 @@ class Runtime:
         check_vllm_version()
         check_context(cfg, model_path)
         check_memory(cfg, trains=train)
+        return Runtime(cfg, model_path, train, policy_version, generator_path, log_dir)
+
+    def __init__(self, cfg: Config, model_path: str, train: bool, policy_version: int, generator_path: str | None,
+                 log_dir: str | Path | None):
+        self.cfg = cfg
         plan = make_plan(cfg, learners=train)
-        started_ray = connect_ray(plan)
-        placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
-                              actor_env=actor_environment(cfg, log_dir),
-                              autoscaling_config=cfg.placement.autoscaling_config)
-        generators = GeneratorPool.create(cfg, generator_path or model_path, placement, policy_version)
-        verifiers = VerifierPool.create(cfg, placement)
-        learners = sync = buffer = None
+        self.started_ray = connect_ray(plan)
+        self.placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
+                                   actor_env=actor_environment(cfg, log_dir),
+                                   autoscaling_config=cfg.placement.autoscaling_config)
+        self.learners = self.sync = self.buffer = None
+        self.generators = GeneratorPool.create(cfg, generator_path or model_path, self.placement, policy_version,
+                                               on_replaced=self.bring_to_policy)
+        self.verifiers = VerifierPool.create(cfg, self.placement)
         if train:
             # Colocated GPUs: the new engines sleep while the learners set up (sharding moves
             # each module's fp32 weights to the GPU), and wake once the learners' state left it.
             takes_turns = cfg.placement.takes_turns
             if takes_turns:
-                generators.sleep()
-            learners = LearnerGroup(cfg, model_path, placement)
+                self.generators.sleep()
+            self.learners = LearnerGroup(cfg, model_path, self.placement)
             if takes_turns:
-                generators.wake_up()
-            sync = WeightSync(cfg, learners, generators, policy_version)
+                self.generators.wake_up()
+            self.sync = WeightSync(cfg, self.learners, self.generators, policy_version)
             if cfg.algorithm.uses_replay:
                 replay = cfg.replay
-                buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed, placement)
-        return Runtime(cfg, placement, generators, verifiers, learners, sync, buffer, started_ray)
+                self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed,
+                                           self.placement)
 
     @property
     def version(self) -> int:
@@ -113,8 +124,20 @@ class Runtime:
         return self.sync.version if self.sync is not None else self.generators.version
 
     def sync_weights(self) -> dict[str, float]:
-        """The learners' weights to every generator, as the next policy version."""
-        return self.sync.push()
+        """The learners' weights to every generator, as the next policy version; a generator
+        that died in it is replaced (`sync_generator_replaced`), and the weights sent again."""
+        try:
+            return self.sync.push()
+        except (RayActorError, RayTaskError) as error:
+            start = time.perf_counter()
+            replaced = self.generators.supervisor.replace_dead(error)  # then `bring_to_policy` sends again
+            return {**self.sync.timing(time.perf_counter() - start), "sync_generator_replaced": replaced}
+
+    def bring_to_policy(self, replaced: list[int]) -> None:
+        """New generators (`replaced`) take the current weights and version: through a rebuilt
+        weight sync in training; elsewhere the pool's checkpoint is the policy already."""
+        if self.sync is not None:
+            self.sync.rebuild()
 
     def hand_over_to_learners(self) -> None:
         """Where colocated roles take turns on GPUs: the engines sleep, the learners bring

@@ -7,27 +7,22 @@ the generator workers, or, colocated, handles from each learner rank to the engi
 beside it (`rayrep.sync.transport`). Generators load everything in one `reload_weights`
 and move to the new policy version.
 
-A transport admits no new member: when a generator is replaced (`GeneratorPool.complete`),
-every member leaves and a new one is made with the replacement in it (`rebuild`), which
-then receives the current weights at the current version. A generator that dies during a
-sync fails it: the learner rank sending to it leaves (so the live generators stop
-waiting), and `push` replaces the dead one, which rebuilds the transport and sends again.
+A transport admits no new member: when a generator is replaced, every member leaves and a
+new one is made with the replacement in it (`rebuild`), which then receives the current
+weights at the current version. A generator that dies during a sync fails it: the learner
+rank sending to it leaves (so the live generators stop waiting), and the runtime replaces
+the dead one (`Runtime.sync_weights`), which rebuilds the transport and sends again.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
 from rayrep.config import Config
-from rayrep.cluster.placement import responds
 
-if TYPE_CHECKING:
-    from rayrep.generator.pool import GeneratorPool
-    from rayrep.learner.group import LearnerGroup
+from rayrep.generator.pool import GeneratorPool
+from rayrep.learner.group import LearnerGroup
 
 
 def engine_ranks(engines: int, tensor_parallel_size: int) -> list[list[int]]:
@@ -44,7 +39,6 @@ class WeightSync:
         self.manifest = learners.weight_manifest(int(cfg.sync.bucket_mb * 2**20))
         self.version = version
         self._join()
-        generators.sync = self  # a replaced generator's weights come from here
 
     def _join(self) -> None:
         """A new rendezvous: learner rank 0 and every worker of every engine of the pool as it is now."""
@@ -58,18 +52,10 @@ class WeightSync:
         )
 
     def push(self) -> dict[str, float]:
-        """Broadcast the current weights to every generator, as the next policy version;
-        returns timing and size (and `sync_generator_replaced` when a generator died in it)."""
+        """Send the current weights to every generator, as the next policy version; returns
+        timing and size."""
         self.version += 1
-        try:
-            return self._send(onload=False)
-        except (RayActorError, RayTaskError) as error:
-            dead = [slot for slot, worker in enumerate(self.generators.workers) if not responds(worker)]
-            if not dead:
-                raise
-            start = time.perf_counter()
-            replaced = self.generators.replace(dead[0], error)  # every dead one; rebuilds, then sends again
-            return {**self._timing(time.perf_counter() - start), "sync_generator_replaced": replaced}
+        return self._send(onload=False)
 
     def rebuild(self) -> dict[str, float]:
         """After a generator was replaced (`GeneratorPool.complete`): a group admits no new
@@ -87,8 +73,8 @@ class WeightSync:
             self.learners.broadcast_weights(self.manifest, onload)
             + [g.receive_weights.remote(self.manifest, self.version) for g in self.generators.workers]
         )
-        return self._timing(time.perf_counter() - start)
+        return self.timing(time.perf_counter() - start)
 
-    def _timing(self, seconds: float) -> dict[str, float]:
+    def timing(self, seconds: float) -> dict[str, float]:
         size = self.manifest.total_bytes
         return {"policy_version": self.version, "sync_seconds": seconds, "sync_bytes": size, "sync_gbps": size / seconds / 1e9}

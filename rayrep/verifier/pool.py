@@ -16,23 +16,22 @@ With `verifier.num_workers = 0` the pool scores in-process through the same sand
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from rayrep.config import Config
 from rayrep.eval import maj_at_k
 from rayrep.generator.pool import PendingRollouts
 from rayrep.library_output import route_library_output
-from rayrep.cluster.placement import MAX_RETRIES, Placement, death_cause, responds, too_many_deaths
+from rayrep.cluster.placement import Placement
+from rayrep.cluster.supervisor import Supervisor
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
 
-logger = logging.getLogger(__name__)
 
 REPLACEMENT_READY_TIMEOUT_S = 300.0
 """A new verifier starts in seconds (an interpreter and its sandbox); one that is not up after
@@ -105,8 +104,9 @@ class VerifierPool:
         where worker i was started (`placement.options("verifier", i)`), so that a dead
         worker's replacement takes its bundle; None: one CPU anywhere."""
         self.timeout_s = timeout_s
-        self.workers = workers or []
         self.placement = placement
+        self.supervisor = Supervisor("verifier", workers or [], lambda slot: _start_worker(timeout_s, placement, slot))
+        self.workers = self.supervisor.workers
 
     @staticmethod
     def create(cfg: Config, placement: Placement | None = None) -> "VerifierPool":
@@ -147,58 +147,19 @@ class VerifierPool:
 
     def _check_on_workers(self, pending: list[PendingRollouts], per_share: list[list[str]], majority: bool,
                           counts: Counter) -> list[Verdicts]:
-        """Share i on worker i mod n; a share whose worker died, again on its replacement."""
-        results: list[Verdicts | None] = [None] * len(pending)
-        retries = [0] * len(pending)
-        calls: dict[ray.ObjectRef, tuple[int, int, ray.actor.ActorHandle]] = {}
-
-        def submit(share: int) -> None:
-            slot = share % len(self.workers)
-            worker = self.workers[slot]
-            ref = worker.check.remote(pending[share].ref, per_share[share], majority)
-            calls[ref] = (share, slot, worker)
-
-        for share in range(len(pending)):
-            submit(share)
-        while calls:
-            [ref], _ = ray.wait(list(calls), num_returns=1)
-            share, slot, worker = calls.pop(ref)
-            try:
-                results[share] = ray.get(ref)
-            except RayActorError as error:
-                # The share's ref may carry an upstream actor's death (a generator's): only
-                # a verifier that no longer answers is replaced.
-                if worker is self.workers[slot] and responds(worker):
-                    raise
-                retries[share] += 1
-                if retries[share] > MAX_RETRIES:
-                    raise too_many_deaths("verifier", slot, retries[share],
-                                          f"share of {len(per_share[share])} prompt(s)", error) from error
-                if worker is self.workers[slot]:  # not yet replaced (a worker may hold several shares)
-                    self._replace(slot, error)
-                    counts["replaced"] += 1
-                submit(share)
-                continue
-            if retries[share]:
-                counts["retried_items"] += retries[share] * sum(len(row) for row in results[share].correct)
-        return results
-
-    def _replace(self, slot: int, cause: BaseException) -> None:
-        """A new worker `slot` in the dead one's bundle, up and answering."""
-        logger.warning("verifier %d died (%s); starting a replacement", slot, death_cause(cause))
-        ray.kill(self.workers[slot], no_restart=True)  # frees the bundle, should it only seem dead
-        worker = _start_worker(self.timeout_s, self.placement, slot)
-        self.workers[slot] = worker
-        try:
-            ray.get(worker.pid.remote(), timeout=REPLACEMENT_READY_TIMEOUT_S)
-        except GetTimeoutError:
-            ray.kill(worker, no_restart=True)
-            raise RuntimeError(
-                f"verifier {slot} died ({death_cause(cause)}) and its replacement did not start within "
-                f"{REPLACEMENT_READY_TIMEOUT_S:.0f} s (is its placement-group bundle gone with its node?)"
-            ) from cause
-        except RayActorError:
-            pass  # it died already: the share's next call finds out, and counts it
+        """Share i on worker i mod n; a share whose worker died, again on its replacement (the
+        share's ref may carry an upstream actor's death, a generator's: only a verifier that
+        no longer answers is replaced)."""
+        replaced_before = self.supervisor.replaced
+        results, retries = self.supervisor.gather(
+            {share: share % len(self.workers) for share in range(len(pending))},
+            lambda share, worker: worker.check.remote(pending[share].ref, per_share[share], majority),
+            lambda share: f"share of {len(per_share[share])} prompt(s)")
+        if self.supervisor.replaced > replaced_before:
+            counts["replaced"] += self.supervisor.replaced - replaced_before
+        for share, n in retries.items():
+            counts["retried_items"] += n * sum(len(row) for row in results[share].correct)
+        return [results[share] for share in range(len(pending))]
 
     def shutdown(self) -> None:
         """Closes every live worker's sandbox; a dead worker has nothing left to close."""
