@@ -41,8 +41,8 @@ import numpy as np
 import psutil
 import ray
 
+from rayrep.buffer.answers import Answer
 from rayrep.buffer.replay import ReplayBuffer
-from rayrep.buffer.shard import Answer
 
 K = 8
 QUESTIONS_PER_ADD = 256

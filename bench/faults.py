@@ -24,6 +24,8 @@ from pathlib import Path
 
 import psutil
 
+from rayrep.run.layout import RunFolder
+
 from rayrep.cli import job_parser, parse_job_args
 from rayrep.run.log import read_metrics
 
@@ -44,7 +46,7 @@ def generator_processes() -> list[psutil.Process]:
 
 
 def logged_steps(run_dir: Path) -> set[int]:
-    path = run_dir / "metrics.jsonl"
+    path = RunFolder(run_dir).metrics
     if not path.exists():
         return set()
     return {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
@@ -91,7 +93,7 @@ def main(argv=None):
     start = time.perf_counter()
     undisturbed = train(cfg.replace(**{"logging.run_name": "undisturbed"}), log=lambda _: None)
     undisturbed_s = time.perf_counter() - start
-    expected = {r["step"]: r for r in read_metrics(undisturbed.run_dir / "metrics.jsonl")}
+    expected = {r["step"]: r for r in read_metrics(RunFolder(undisturbed.run_dir).metrics)}
 
     rng = random.Random(args.seed)
     targets = [step for step in range(1, args.steps + 1) if step % args.every == 0]
@@ -108,7 +110,7 @@ def main(argv=None):
         killer.join()
     disturbed_s = time.perf_counter() - start
 
-    records = [r for r in read_metrics(disturbed_dir / "metrics.jsonl") if r["step"] >= 1]
+    records = [r for r in read_metrics(RunFolder(disturbed_dir).metrics) if r["step"] >= 1]
     questions, group = cfg.algorithm.prompts_per_step, cfg.algorithm.group_size
     # Every verdict is one answer that came back from a generator; a step trains on what it verified.
     verified = [sum(v for k, v in r.items() if k.startswith("verifier_") and not k.startswith(RECOVERY))

@@ -192,9 +192,9 @@ def handoff_check(device: torch.device, total_bytes: int, bucket_bytes: int, rep
 
 def learner_check(model_dir: str, config, device: torch.device, dtype: str, sequences: int, length: int,
                   steps: int) -> dict:
+    from rayrep.learner.sums import MetricSums
     from rayrep.learner.worker import LearnerWorker
     from rayrep.runtime.memory import ModelShape, estimate
-    from rayrep.learner.sums import MetricSums
     from rayrep.types import LossSpec, TrainBatch
 
     gpu = device.type == "cuda"

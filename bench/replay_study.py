@@ -97,7 +97,7 @@ def finished_curves(out: Path, arms: list[str], seeds: list[int]) -> tuple[dict[
         for seed in seeds:
             run_dir = out / f"seed-{seed}" / arm
             if RunFolder(run_dir).finished():
-                curves.setdefault(arm, []).append(json.loads((run_dir / "evals.json").read_text()))
+                curves.setdefault(arm, []).append(json.loads(RunFolder(run_dir).evals.read_text()))
                 found.setdefault(arm, []).append(seed)
     return curves, found
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from rayrep.run.layout import RunFolder
+
 from rayrep.cli import job_parser, parse_job_args
 from rayrep.config import parse_cli
 from rayrep.plots import PHASES
@@ -51,7 +53,7 @@ def trained_tokens(record: dict) -> float:
 
 
 def measured_steps(run_dir: Path) -> list[dict]:
-    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 2 and "time_step" in r]
+    records = [r for r in read_metrics(RunFolder(run_dir).metrics) if r["step"] >= 2 and "time_step" in r]
     for r in records:
         r["time_update"] -= r.get("time_old_logprobs", 0.0)  # timed by the learner inside its update call
     return records
@@ -78,8 +80,8 @@ def main(argv=None):
     stamp = int(time.time())
     cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": f"runs/bench-step-{stamp}"})
 
-    from rayrep.pipelines.collect import collect_pool
     from rayrep.models import resolve_policy
+    from rayrep.pipelines.collect import collect_pool
     from rayrep.train import train
 
     names = args.algorithms.split(",")

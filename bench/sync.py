@@ -107,10 +107,10 @@ def main(argv=None):
 
     import ray
 
+    from rayrep.cluster.placement import Placement, make_plan
     from rayrep.generator.pool import GeneratorPool
     from rayrep.learner.group import LearnerGroup
     from rayrep.models import resolve_policy
-    from rayrep.cluster.placement import Placement, make_plan
     from rayrep.runtime import connect_ray
     from rayrep.runtime.weights import WeightSync
 

@@ -24,6 +24,7 @@ import sys
 import time
 
 from rayrep.cli import job_parser, parse_job_args
+from rayrep.run.layout import RunFolder
 from rayrep.run.log import read_metrics
 
 
@@ -70,7 +71,7 @@ def rayrep_step_seconds(cfg, name: str) -> list[float]:
     from rayrep.train import train
 
     run = train(cfg.replace(**{"logging.run_name": name}), log=lambda _: None)
-    return [r["time_step"] for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] >= 1]
+    return [r["time_step"] for r in read_metrics(RunFolder(run.run_dir).metrics) if r["step"] >= 1]
 
 
 def main(argv=None):

@@ -12,8 +12,8 @@ candidates in `reward_model.candidates`) by tokenizing it with the checkpoint's 
 
 import json
 
-from rayrep.pipelines.collect import collect_pool
 from rayrep.cli import job_parser, parse_job_args, run_job
+from rayrep.pipelines.collect import collect_pool
 
 
 def main(argv: list[str]) -> dict:

@@ -18,8 +18,8 @@ import signal
 import threading
 import time
 
-from rayrep.config import InputError
 from rayrep.cli import job_parser, parse_job_args, run_job
+from rayrep.config import InputError
 
 
 def main(argv: list[str]) -> None:

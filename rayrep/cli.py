@@ -5,18 +5,34 @@ entry point that turns bad input into a one-line message and exit status 2."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rayrep.config import DEFAULT_PRESET, Config, ConfigError, help_text, load_preset, parse_cli, resume_base
+from rayrep.cluster.placement import make_plan
+from rayrep.config import DEFAULT_PRESET, Config, ConfigError, help_text, load_preset, parse_cli
 from rayrep.config.fields import get_dotted
 from rayrep.config.loading import cli_sources
 from rayrep.errors import InputError
 from rayrep.learner import LearnerDied
+from rayrep.run.layout import RunFolder
 from rayrep.runtime.memory import memory_plan
-from rayrep.cluster.placement import make_plan
+
+
+def resume_base(run_dir: str) -> dict:
+    """A stopped run's saved config (`RUN_DIR/config.json`), pointed at that folder."""
+    path = RunFolder(Path(run_dir)).config
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--resume {run_dir}: {path} is not a run's config ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--resume {run_dir}: {path} is not a run's config")
+    folder = Path(run_dir).resolve()
+    data.setdefault("logging", {}).update(out_dir=str(folder.parent), run_name=folder.name)
+    return data
 
 
 def job_parser(description: str, trains: bool = True, dry_run: bool = True,

@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
+from rayrep.algos import check_inputs
 from rayrep.algos.exgrpo import ExGRPO
 from rayrep.algos.grpo import GRPO
-from rayrep.rollouts import keep_informative
 from rayrep.algos.rlep import RLEP, load_pool
-from rayrep.algos import check_inputs
 from rayrep.buffer.files import BufferFileError, write_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import ConfigError, load_preset
 from rayrep.data import PromptSampler
 from rayrep.learner.worker import mini_batches
+from rayrep.rollouts import keep_informative
 from rayrep.types import Group, Prompt, Rollout, StepPlan
 
 PROMPT_IDS = [10, 11, 12]

@@ -5,8 +5,8 @@ and the decoupled-PPO weights correct them."""
 import pytest
 
 from rayrep.config import ConfigError
-from rayrep.run.log import read_metrics
 from rayrep.rollouts import drop_stale, policy_lag_stats, rounds_ahead
+from rayrep.run.log import read_metrics
 from rayrep.train import train
 from rayrep.types import Group, Prompt, Rollout
 
@@ -79,9 +79,9 @@ def test_pinned_cores_keep_generators_and_learners_apart(ray_cluster, tiny_cfg, 
 
     import ray
 
+    from rayrep.cluster.placement import Placement, make_plan, pinned_cores
     from rayrep.generator.pool import GeneratorPool
     from rayrep.learner.group import LearnerGroup
-    from rayrep.cluster.placement import Placement, make_plan, pinned_cores
 
     cfg = tiny_cfg.replace(**{"placement.mode": "disaggregated", "placement.pin_cores": True, "placement.threads": 1,
                               "placement.cpus_per_bundle": 1, "verifier.num_workers": 0})

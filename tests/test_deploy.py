@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayrep.config import load_preset
 from rayrep.cluster.placement import make_plan
+from rayrep.config import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

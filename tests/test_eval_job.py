@@ -16,9 +16,9 @@ import pytest
 
 import rayrep.eval.report as evaluation
 import rayrep.eval.runner
+from rayrep.eval import summarize_by_source
 from rayrep.eval.report import default_report_path, eval_report, format_table, write_report
 from rayrep.eval.runner import eval_slices, score_answers
-from rayrep.eval import summarize_by_source
 from rayrep.progress import Progress
 from rayrep.types import Prompt
 

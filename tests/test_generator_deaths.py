@@ -20,9 +20,9 @@ import pytest
 import ray
 
 from conftest import kill_and_wait
+from rayrep.cluster.placement import Placement, make_plan, weight_transport
 from rayrep.data import encode_prompts, load_split
 from rayrep.generator.pool import GeneratorPool
-from rayrep.cluster.placement import Placement, make_plan, weight_transport
 from rayrep.runtime import Runtime
 from rayrep.types import LossSpec
 

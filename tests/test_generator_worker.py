@@ -4,9 +4,9 @@ import pytest
 import ray
 import torch
 
+from rayrep.cluster.placement import Placement, make_plan
 from rayrep.data import encode_prompts, load_split
 from rayrep.generator.pool import GeneratorPool, split_evenly
-from rayrep.cluster.placement import Placement, make_plan
 
 
 def test_split_evenly_covers_everything_in_order():

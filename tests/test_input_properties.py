@@ -43,7 +43,7 @@ from rayrep.buffer.files import (
     read_pool,
     read_snapshot,
 )
-from rayrep.buffer.shard import SOURCES
+from rayrep.buffer.answers import SOURCES
 from rayrep.config import Config, ConfigError, config_fields, from_dict, parse_cli
 from rayrep.data.loaders import ROLES, PromptFileError, load_prompts
 from rayrep.verifier import math as vm

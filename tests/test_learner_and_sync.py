@@ -6,10 +6,10 @@ import pytest
 import ray
 import torch
 
+from rayrep.cluster.placement import Placement, make_plan
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
 from rayrep.learner.worker import token_budget_batches
-from rayrep.cluster.placement import Placement, make_plan
 from rayrep.runtime.weights import WeightSync
 from rayrep.types import LossSpec, TrainBatch
 

@@ -241,8 +241,8 @@ def test_mean_and_standard_error_by_hand():
 
 
 def test_study_summary_of_made_up_curves():
-    from rayrep.eval.study import first_step_reaching, mean_curve, study_table, summarize_study
     from rayrep.eval.formulas import mean_and_se
+    from rayrep.eval.study import first_step_reaching, mean_curve, study_table, summarize_study
 
     assert first_step_reaching([(0, 0.1), (10, 0.3), (20, 0.5)], 0.3) == 10
     assert first_step_reaching([(0, 0.1)], 0.3) is None

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from rayrep.config import ConfigError, load_preset
 from rayrep.cluster.placement import Placement, PlacementError, check_fits, make_plan
+from rayrep.config import ConfigError, load_preset
 from rayrep.runtime.weights import engine_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

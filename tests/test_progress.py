@@ -2,8 +2,8 @@
 
 import pytest
 
-from rayrep.run.log import step_fields
 from rayrep.progress import Progress, format_duration
+from rayrep.run.log import step_fields
 
 
 class FakeClock:

@@ -25,8 +25,9 @@ from rayrep.buffer.files import (
     read_snapshot,
     write_pool,
 )
+from rayrep.buffer.answers import Answer, PackedAnswers
 from rayrep.buffer.replay import ReplayBuffer, bucket_weights, shard_of
-from rayrep.buffer.shard import Answer, PackedAnswers, ReplayShard
+from rayrep.buffer.shard import ReplayShard
 from rayrep.data.loaders import PromptFileError
 
 K = 8

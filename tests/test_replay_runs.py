@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from rayrep.algos.exgrpo import ExGRPO
-from rayrep.pipelines.collect import collect_pool
+from rayrep.buffer.answers import Answer
 from rayrep.buffer.files import read_pool
 from rayrep.buffer.replay import ReplayBuffer
-from rayrep.buffer.shard import Answer
-from rayrep.learner.group import LearnerGroup
-from rayrep.run.log import read_metrics
 from rayrep.cluster.placement import Placement, make_plan
+from rayrep.learner.group import LearnerGroup
+from rayrep.pipelines.collect import collect_pool
+from rayrep.run.log import read_metrics
 from rayrep.train import train
 from rayrep.types import Group, Rollout
 

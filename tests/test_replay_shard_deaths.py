@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import ray
 
+from rayrep.buffer.answers import Answer
 from rayrep.buffer.replay import ReplayBuffer, shard_of
-from rayrep.buffer.shard import Answer
 
 
 

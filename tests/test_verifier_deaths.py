@@ -16,10 +16,10 @@ import pytest
 import ray
 
 from conftest import kill_and_wait
-from rayrep.generator.pool import PendingRollouts
 from rayrep.cluster.placement import Placement, make_plan
-from rayrep.types import Rollout
 from rayrep.cluster.supervisor import MAX_RETRIES
+from rayrep.generator.pool import PendingRollouts
+from rayrep.types import Rollout
 from rayrep.verifier.pool import VerifierPool
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayrep.config import load_preset
 from rayrep.cluster.placement import free_port, make_plan, weight_transport
+from rayrep.config import load_preset
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.sync.transport import SLOTS, PeerDied, join_as_engine_worker, join_as_learner
 

@@ -12,10 +12,10 @@ import sys
 
 import ray
 
+from rayrep.cluster.placement import Placement, make_plan
 from rayrep.config import load_preset
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
-from rayrep.cluster.placement import Placement, make_plan
 from rayrep.runtime.weights import WeightSync
 from rayrep.types import LossSpec
 from test_learner_and_sync import full_state, logprob_gap, model_with, synthetic_batch

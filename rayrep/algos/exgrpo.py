@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
+from rayrep.buffer.answers import Answer
 from rayrep.buffer.replay import ReplayBuffer
-from rayrep.buffer.shard import Answer
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup

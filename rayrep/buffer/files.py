@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rayrep.buffer.shard import SOURCES, Answer, PackedAnswers, QuestionAnswers
+from rayrep.buffer.answers import SOURCES, Answer, PackedAnswers, QuestionAnswers
 from rayrep.config import InputError
 
 SNAPSHOT_VERSION = 1

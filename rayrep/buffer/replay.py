@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from rayrep.buffer.shard import Answer, PackedAnswers, RemoteReplayShard, ReplayShard
+from rayrep.buffer.answers import Answer, PackedAnswers
+from rayrep.buffer.shard import RemoteReplayShard, ReplayShard
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 

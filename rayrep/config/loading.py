@@ -5,7 +5,6 @@ of any field (`--learner.lr 1e-6`); a stopped run's saved config.json when it re
 from __future__ import annotations
 
 import importlib.resources
-import json
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -129,20 +128,6 @@ def cli_sources(argv: list[str]) -> tuple[str, dict]:
     for key, text in overrides:
         set_dotted(user, key, parse_text(text, kinds[key], key))
     return preset, user
-
-
-def resume_base(run_dir: str) -> dict:
-    """A stopped run's saved config (`RUN_DIR/config.json`), pointed at that folder."""
-    path = Path(run_dir) / "config.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"--resume {run_dir}: {path} is not a run's config ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--resume {run_dir}: {path} is not a run's config")
-    folder = Path(run_dir).resolve()
-    data.setdefault("logging", {}).update(out_dir=str(folder.parent), run_name=folder.name)
-    return data
 
 
 def differing_fields(

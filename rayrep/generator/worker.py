@@ -26,8 +26,8 @@ class GeneratorWorker:
         route_library_output()  # before vLLM starts: its notices go to the run's log file
         import torch
 
-        from rayrep.generator.engine import make_engine
         from rayrep.cluster.placement import pinned_cores
+        from rayrep.generator.engine import make_engine
 
         cores = pinned_cores(cfg, "generator", worker_index, threads)
         if cores is not None:  # before any thread starts; vLLM binds its OpenMP threads (by default: to every core)

@@ -8,15 +8,15 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from rayrep.config import Config
-from rayrep.learner.worker import RemoteLearnerWorker
-from rayrep.learner.sums import MetricSums
 from rayrep.cluster.placement import Placement, death_cause, weight_transport
+from rayrep.config import Config
+from rayrep.learner.sums import MetricSums
+from rayrep.learner.worker import RemoteLearnerWorker
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 
 if TYPE_CHECKING:
-    from rayrep.buffer.shard import PackedAnswers
+    from rayrep.buffer.answers import PackedAnswers
 
 
 def as_ref(value: object) -> ray.ObjectRef:

@@ -24,13 +24,13 @@ import torch.distributed as dist
 from rayrep.config import Config
 from rayrep.learner.logprobs import token_logprobs
 from rayrep.learner.loss import mini_batch_totals, policy_loss
-from rayrep.library_output import route_library_output
 from rayrep.learner.sums import MetricSums
+from rayrep.library_output import route_library_output
 from rayrep.sync.collective import WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 
 if TYPE_CHECKING:
-    from rayrep.buffer.shard import PackedAnswers
+    from rayrep.buffer.answers import PackedAnswers
     from rayrep.sync.transport import WeightChannel
 
 Entropy = Literal["none", "detached", "grad"]

@@ -70,7 +70,7 @@ def compare_with_baseline(
     start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(**{"logging.out_dir": str(out)})
-    (out / "config.json").write_text(cfg.to_json())  # what `--resume <out>` starts from
+    RunFolder(out).config.write_text(cfg.to_json())  # what `--resume <out>` starts from
     label = LABELS[method]
     stages = 4 if method == "rlep" else 3
     method_cfg = cfg.replace(**{"algorithm.name": method, "logging.run_name": method})

@@ -16,16 +16,16 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rayrep.buffer.replay import ReplayBuffer
+from rayrep.cluster.placement import Placement, Plan, make_plan
 from rayrep.config import Config
 from rayrep.generator.engine import check_vllm_version
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
 from rayrep.library_output import library_log_env
-from rayrep.runtime.memory import check_memory
 from rayrep.models import check_context
-from rayrep.cluster.placement import Placement, Plan, make_plan
-from rayrep.sync.collective import nccl_environment
+from rayrep.runtime.memory import check_memory
 from rayrep.runtime.weights import WeightSync
+from rayrep.sync.collective import nccl_environment
 from rayrep.verifier.pool import VerifierPool
 
 

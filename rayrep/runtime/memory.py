@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayrep.config import Config, InputError
 from rayrep.cluster.placement import weight_transport
+from rayrep.config import Config, InputError
 
 GIB = 2**30
 RESERVED_BYTES = 3 * GIB

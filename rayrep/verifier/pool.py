@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError
 
+from rayrep.cluster.placement import Placement
+from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
 from rayrep.eval import maj_at_k
 from rayrep.generator.pool import PendingRollouts
 from rayrep.library_output import route_library_output
-from rayrep.cluster.placement import Placement
-from rayrep.cluster.supervisor import Supervisor
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
 

@@ -1,0 +1,173 @@
+"""A shard's flat columnar store (`AnswerStore`): every answer's token ids and behaviour
+log-probs in two arenas, one row of small columns per answer, and per question only its
+prompt, its bucket and the row numbers of its answers (`StoredQuestion`). Drawing 1,024
+answers of 512 questions is then a few vectorized gathers, not a Python step per answer
+(which, with an array set per question, took most of a sampling call's time). Python
+objects per answer would cost hundreds of bytes each; this way an answer costs its raw
+arrays plus 37 bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rayrep.buffer.answers import PackedAnswers, QuestionAnswers, cumulative_offsets, flat_array, spans
+
+class AnswerStore:
+    """A shard's answers in flat columns: token ids and log-probs in two arenas, and one row
+    per answer (where its tokens start, how many, reward, version, source, step).
+
+    Rows and tokens are only appended; an evicted or retired answer leaves a hole, and the
+    store is compacted (live rows rewritten in question order) once holes outweigh what
+    is live. Every array is the store's own, never a view of a call's arguments (which,
+    in a Ray actor, are views of the call's whole serialized buffer)."""
+
+    ROW_COLUMNS = {"starts": np.int64, "lengths": np.int64, "rewards": np.float32, "versions": np.int32,
+                   "sources": np.int8, "steps": np.int32}
+    GROWTH = 1.5
+    """Capacity grows by this factor when full: each byte is copied about three times while
+    a shard fills, and unused capacity is address space, not resident memory, until written."""
+    COMPACT_ROWS = 65_536
+    """Rows copied at a time by `compact`: memory holds the new store plus one such part."""
+
+    def __init__(self):
+        self.tokens = np.empty(0, np.int32)
+        self.logprobs = np.empty(0, np.float32)
+        self.columns = {name: np.empty(0, dtype) for name, dtype in self.ROW_COLUMNS.items()}
+        self.used_tokens = 0
+        self.used_rows = 0
+        self.dead_tokens = 0
+        self.dead_rows = 0
+
+    @property
+    def live_tokens(self) -> int:
+        return self.used_tokens - self.dead_tokens
+
+    @property
+    def live_rows(self) -> int:
+        return self.used_rows - self.dead_rows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the live answers: 8 per token (id, log-prob), 29 per row."""
+        return 8 * self.live_tokens + sum(np.dtype(t).itemsize for t in self.ROW_COLUMNS.values()) * self.live_rows
+
+    def reserve(self, tokens: int, rows: int) -> None:
+        """Room for `tokens` more tokens and `rows` more answers."""
+        def grown(array: np.ndarray, used: int, need: int) -> np.ndarray:
+            if used + need <= len(array):
+                return array
+            bigger = np.empty(max(used + need, int(len(array) * self.GROWTH)), array.dtype)
+            bigger[:used] = array[:used]
+            return bigger
+
+        self.tokens = grown(self.tokens, self.used_tokens, tokens)
+        self.logprobs = grown(self.logprobs, self.used_tokens, tokens)
+        self.columns = {name: grown(array, self.used_rows, rows) for name, array in self.columns.items()}
+
+    def append(self, batch: PackedAnswers, rows: np.ndarray) -> np.ndarray:
+        """Copy the answers `rows` of a packed batch in; returns their row numbers here."""
+        lengths = batch.offsets[rows + 1] - batch.offsets[rows]
+        offsets = cumulative_offsets(lengths)
+        self.reserve(int(offsets[-1]), len(rows))
+        span = slice(self.used_tokens, self.used_tokens + int(offsets[-1]))
+        if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
+            source = slice(batch.offsets[rows[0]], batch.offsets[rows[-1] + 1])  # consecutive answers: one slice
+            self.tokens[span], self.logprobs[span] = batch.tokens[source], batch.logprobs[source]
+        else:
+            self.tokens[span] = spans(batch.tokens, batch.offsets[rows], lengths)
+            self.logprobs[span] = spans(batch.logprobs, batch.offsets[rows], lengths)
+        new = np.arange(self.used_rows, self.used_rows + len(rows))
+        values = {"starts": self.used_tokens + offsets[:-1], "lengths": lengths, "rewards": batch.rewards[rows],
+                  "versions": batch.versions[rows], "sources": batch.sources[rows], "steps": batch.steps[rows]}
+        for name, array in self.columns.items():
+            array[new] = values[name]
+        self.used_tokens += int(offsets[-1])
+        self.used_rows += len(rows)
+        return new
+
+    def append_question(self, entry: QuestionAnswers) -> np.ndarray:
+        """Copy one question's answers in (a restored snapshot); returns their row numbers."""
+        batch = PackedAnswers(uids=[], counts=np.array([len(entry)], np.int64), offsets=entry.offsets,
+                              tokens=entry.tokens, logprobs=entry.logprobs, rewards=entry.rewards,
+                              versions=entry.versions, sources=entry.sources, steps=entry.steps)
+        return self.append(batch, np.arange(len(entry)))
+
+    def drop(self, rows: np.ndarray) -> None:
+        """Rows no question holds any more (evicted, retired): holes until the next compaction."""
+        self.dead_rows += len(rows)
+        self.dead_tokens += int(self.columns["lengths"][rows].sum())
+
+    def tokens_of(self, row: int) -> np.ndarray:
+        start = self.columns["starts"][row]
+        return self.tokens[start : start + self.columns["lengths"][row]]
+
+    def gather(self, uids: list[str], counts, rows: np.ndarray, prompts: list[np.ndarray] | None = None) -> PackedAnswers:
+        """The answers `rows`, `counts[q]` of them for question `uids[q]` in turn, packed."""
+        starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
+        packed = PackedAnswers(
+            uids=list(uids), counts=np.asarray(counts, np.int64), offsets=cumulative_offsets(lengths),
+            tokens=spans(self.tokens, starts, lengths), logprobs=spans(self.logprobs, starts, lengths),
+            rewards=self.columns["rewards"][rows],
+            versions=self.columns["versions"][rows], sources=self.columns["sources"][rows],
+            steps=self.columns["steps"][rows],
+        )
+        if prompts is not None:
+            packed.prompt_offsets = cumulative_offsets(np.array([len(p) for p in prompts], np.int64))
+            packed.prompts = flat_array(prompts, np.int32)
+        return packed
+
+    def compact(self, questions: list[StoredQuestion]) -> None:
+        """Rewrite the live rows, each question's together in the given order, without holes;
+        each question's row numbers change to their new places."""
+        sizes = np.array([len(q.rows) for q in questions], np.int64)
+        rows = np.concatenate([q.rows for q in questions]) if questions else np.empty(0, np.int64)
+        starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
+        offsets = cumulative_offsets(lengths)
+        tokens, logprobs = np.empty(offsets[-1], np.int32), np.empty(offsets[-1], np.float32)
+        for first in range(0, len(rows), self.COMPACT_ROWS):
+            part = slice(first, first + self.COMPACT_ROWS)
+            into = slice(offsets[first], offsets[min(first + self.COMPACT_ROWS, len(rows))])
+            tokens[into], logprobs[into] = spans(self.tokens, starts[part], lengths[part]), spans(self.logprobs, starts[part], lengths[part])
+        self.tokens, self.logprobs = tokens, logprobs
+        self.columns = {name: array[rows] for name, array in self.columns.items()}
+        self.columns["starts"] = offsets[:-1].copy()
+        self.used_tokens, self.used_rows = int(offsets[-1]), len(rows)
+        self.dead_tokens = self.dead_rows = 0
+        for question, first in zip(questions, cumulative_offsets(sizes)[:-1].tolist()):
+            question.rows = np.arange(first, first + len(question.rows))
+
+    def question_view(self, question: StoredQuestion) -> QuestionAnswers:
+        """A question's answers as views of the store (its rows must be consecutive, as after
+        `compact`): what a snapshot reads."""
+        first, count = (int(question.rows[0]), len(question.rows)) if len(question.rows) else (0, 0)
+        rows = slice(first, first + count)
+        starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
+        entry = QuestionAnswers(question.prompt_ids)
+        if count:
+            entry.tokens = self.tokens[starts[0] : starts[-1] + lengths[-1]]
+            entry.logprobs = self.logprobs[starts[0] : starts[-1] + lengths[-1]]
+            entry.offsets = np.append(starts, starts[-1] + lengths[-1]) - starts[0]
+        entry.rewards, entry.versions = self.columns["rewards"][rows], self.columns["versions"][rows]
+        entry.sources, entry.steps = self.columns["sources"][rows], self.columns["steps"][rows]
+        entry.bucket = question.bucket
+        return entry
+
+
+class StoredQuestion:
+    """One question in a shard: its prompt, its bucket, and its answers' rows in the store."""
+
+    __slots__ = ("prompt_ids", "rows", "bucket")
+
+    def __init__(self, prompt_ids: np.ndarray, bucket: int = -1):
+        # Always a copy: inside a Ray actor the argument is a read-only view of the whole
+        # call's serialized buffer, and keeping the view would pin all of it (every answer
+        # of the add call) in the object store for as long as the question lives.
+        self.prompt_ids = np.array(prompt_ids, dtype=np.int32)
+        self.rows = np.empty(0, np.int64)
+        """Row numbers of its answers in the shard's `AnswerStore`, oldest first."""
+        self.bucket = bucket
+        """Latest count of correct answers out of K (ExGRPO); -1 until set."""
+
+    def __len__(self) -> int:
+        return len(self.rows)
