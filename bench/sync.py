@@ -111,7 +111,7 @@ def main(argv=None):
     from rayrep.generator.pool import GeneratorPool
     from rayrep.learner.group import LearnerGroup
     from rayrep.models import resolve_policy
-    from rayrep.runtime import connect_ray
+    from rayrep.runtime.system import connect_ray
     from rayrep.runtime.weights import WeightSync
 
     cfg = cfg.replace(**{"learner.num_workers": 1, "generator.num_workers": 1, "verifier.num_workers": 0,

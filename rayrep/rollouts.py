@@ -11,6 +11,7 @@ versions old, and a group older than that is dropped, counted.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from rayrep.config import Config
 from rayrep.data import PromptSampler
 from rayrep.generator.pool import PendingRollouts
 from rayrep.run.record import StepRecord
-from rayrep.runtime import Runtime
+from rayrep.runtime.system import Runtime
 from rayrep.types import Group, StepBatch, StepPlan
 
 
@@ -37,7 +38,8 @@ class Round:
 class Rollouts:
     def __init__(self, cfg: Config, runtime: Runtime, algorithm: Algorithm, sampler: PromptSampler,
                  prompt_ids: dict[str, list[int]]):
-        self.cfg, self.runtime, self.algorithm, self.sampler, self.prompt_ids = cfg, runtime, algorithm, sampler, prompt_ids
+        self.cfg, self.runtime, self.algorithm = cfg, runtime, algorithm
+        self.sampler, self.prompt_ids = sampler, prompt_ids
         self.ahead: deque[Round] = deque()
         """Later steps' rounds, sampling already (asynchronous rollouts)."""
 
@@ -48,8 +50,10 @@ class Rollouts:
         groups = self.finish(started, record)
         dropped: list[Group] = []
         if self.cfg.algorithm.dynamic_sampling:
-            groups, dropped, kept = keep_informative(groups, self.cfg.algorithm.prompts_per_step, lambda taken: self.finish(
-                self.start(step, record.counts["sampling_rounds"] + 1, taken), record))
+            def another_round(taken: frozenset[str]) -> list[Group]:
+                return self.finish(self.start(step, record.counts["sampling_rounds"] + 1, taken), record)
+
+            groups, dropped, kept = keep_informative(groups, self.cfg.algorithm.prompts_per_step, another_round)
             record.add(kept)
         groups, stale = drop_stale(groups, self.runtime.version, self.cfg.run.max_policy_lag)
         record.count(stale)
@@ -67,16 +71,16 @@ class Rollouts:
         and, for the replay methods, the buffer; none of `exclude`), and the generators start
         sampling the planned fresh rollouts, each prompt with its own seed (the step and round
         decide it). Returns at once."""
-        record = StepRecord(step)
-        with record.timed("plan"):
-            plan = self.algorithm.plan(self.sampler, self.cfg.algorithm.prompts_per_step, exclude)
+        start = time.perf_counter()
+        plan = self.algorithm.plan(self.sampler, self.cfg.algorithm.prompts_per_step, exclude)
+        plan_seconds = time.perf_counter() - start
         gen = self.cfg.generator
         pending = self.runtime.generators.generate(
             [self.prompt_ids[p.uid] for p in plan.prompts], n=[n for _, n in plan.requests],
             temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
             seeds=self.cfg.sampling_seeds(f"rollout-{step}-{number}", len(plan.prompts)),
         )
-        return Round(plan, pending, record.times["plan"])
+        return Round(plan, pending, plan_seconds)
 
     def finish(self, started: Round, record: StepRecord) -> list[Group]:
         """The round's rollouts (a generator that died is replaced and its prompts asked again,

@@ -14,7 +14,7 @@ from rayrep.algos import make_algorithm
 from rayrep.config import Config
 from rayrep.plots import write_plots
 from rayrep.rollouts import Rollouts
-from rayrep.run import Run, RunResult
+from rayrep.run.lifecycle import Run, RunResult
 from rayrep.run.record import StepRecord
 from rayrep.run.supervision import restarting
 

@@ -112,7 +112,7 @@ def test_prompt_files_replace_the_embedded_task(tmp_path):
 def test_defaults_agree_between_task_config_and_tiny_policy():
     from rayrep.data.arithmetic import DEFAULT_LEVELS
     from rayrep.models import tiny_spec
-    from rayrep.models.tiny import TinyPolicySpec
+    from rayrep.models.recipe import TinyPolicySpec
 
     assert DataConfig().arithmetic_levels == DEFAULT_LEVELS
     # The preset's tiny policy is the default build: one cached checkpoint serves both.

@@ -56,7 +56,7 @@ def test_a_plan_that_cannot_fit_is_refused_with_its_numbers(tiny_policy):
     deepspeed = memory_plan(load_preset("qwen2.5-math-7b-rlep").replace(**{"learner.strategy": "deepspeed"}))
     assert deepspeed.resident and deepspeed.generator_phase > memory_plan(load_preset("qwen2.5-math-7b-rlep")).generator_phase
     # a GPU run refuses before anything starts (the tiny policy on 1 GiB GPUs)
-    from rayrep.runtime import Runtime
+    from rayrep.runtime.system import Runtime
 
     tiny_gpu = load_preset("tiny-cpu").replace(**{"placement.device": "gpu", "placement.gpu_memory_gib": 1.0})
     with pytest.raises(InputError, match="memory plan does not fit"):

@@ -144,7 +144,7 @@ def test_every_actor_of_a_run_starts_with_the_run_environment(ray_cluster, tmp_p
     import os
 
     from rayrep.library_output import LIBRARY_LOG_ENV
-    from rayrep.runtime import actor_environment
+    from rayrep.runtime.system import actor_environment
     from rayrep.sync.collective import nccl_environment
 
     assert nccl_environment({"NCCL_DEBUG": "WARN", "PATH": "/bin"}) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_DEBUG": "WARN"}

@@ -9,7 +9,8 @@ import torch
 
 from rayrep.config import InputError, load_preset, parse_cli
 from rayrep.models import resolve_policy, shipped_policy, tiny_spec
-from rayrep.models.tiny import SHIPPED, TinyPolicySpec, build_policy, read_record, weights_sha256
+from rayrep.models.recipe import SHIPPED, TinyPolicySpec, read_record, weights_sha256
+from rayrep.models.tiny import build_policy
 from rayrep.models.tokenizer import build_char_tokenizer
 
 

@@ -5,7 +5,7 @@ and machine, whatever Python's hash seed). Every operation groups its work by sh
 makes at most one call per shard, all shards in parallel, each shard method called by
 name. With zero shards the buffer keeps one `ReplayShard` in-process (unit tests follow
 the same code). In a run, the shards are placed and started with the other roles
-(`rayrep.runtime.Runtime`) and stopped with them.
+(`rayrep.runtime.system.Runtime`) and stopped with them.
 
 Snapshots are Parquet files (schema version in the file metadata): `answers.parquet`
 holds one row per stored answer, `questions.parquet` one row per question (bucket,

@@ -225,7 +225,7 @@ class Placement:
         """Checks the plan against the cluster first (`check_fits`), then creates the groups
         and waits for them, logging what is pending every 30 s, up to `timeout_s`.
         `actor_env`: environment variables every actor placed here starts with (the run's
-        library log, its NCCL settings: `rayrep.runtime.actor_environment`).
+        library log, its NCCL settings: `rayrep.runtime.system.actor_environment`).
         `autoscaling_config`: where an autoscaler v1's config may be read (`cluster_capacity`)."""
         import ray
         from ray.util.placement_group import placement_group

@@ -12,7 +12,7 @@ from rayrep.config import Config
 from rayrep.eval.formulas import summarize_by_source
 from rayrep.generator.pool import GeneratorPool, PendingRollouts, split_evenly
 from rayrep.progress import Progress
-from rayrep.runtime import Runtime
+from rayrep.runtime.system import Runtime
 from rayrep.types import Prompt, Rollout
 from rayrep.verifier.pool import VerifierPool
 

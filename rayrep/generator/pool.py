@@ -68,7 +68,8 @@ class GeneratorPool:
         replaced). `on_replaced(slots)`: brings replacements to the current policy."""
         self.cfg, self.model_path, self.placement, self.version = cfg, model_path, placement, version
         start = (lambda slot: start_worker(cfg, model_path, placement, slot, version)) if cfg is not None else None
-        self.supervisor = Supervisor("generator", workers, start, ready=lambda slot, worker: worker.policy_version.remote(),
+        self.supervisor = Supervisor("generator", workers, start,
+                                     ready=lambda slot, worker: worker.policy_version.remote(),
                                      on_replaced=on_replaced, replace_all_dead=True)
         self.workers = self.supervisor.workers
 
@@ -129,7 +130,8 @@ class GeneratorPool:
             return done[position].ref
 
         results, _ = self.supervisor.gather(
-            {position: share.request.generator if share.request is not None else 0 for position, share in enumerate(done)},
+            {position: share.request.generator if share.request is not None else 0
+             for position, share in enumerate(done)},
             submit, lambda position: f"share of {len(done[position].indices)} prompt(s)")
         if self.supervisor.replaced > replaced_before:
             counts["replaced"] += self.supervisor.replaced - replaced_before

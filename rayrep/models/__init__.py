@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rayrep.config import Config, InputError
-from rayrep.models.tiny import read_record, shipped_policy, tiny_spec
+from rayrep.models.recipe import read_record, shipped_policy, tiny_spec
 
 
 def resolve_policy(cfg: Config, log=print) -> str:

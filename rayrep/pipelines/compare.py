@@ -22,7 +22,7 @@ from rayrep.eval.runner import evaluate_checkpoint
 from rayrep.eval.study import compare_runs, comparison_table
 from rayrep.pipelines.collect import collect_pool
 from rayrep.plots import plot_curves
-from rayrep.run import RunResult
+from rayrep.run.lifecycle import RunResult
 from rayrep.run.checkpoints import latest_checkpoint
 from rayrep.run.layout import RunFolder
 from rayrep.run.log import keep_metrics_until

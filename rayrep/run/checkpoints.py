@@ -33,7 +33,7 @@ from rayrep.data import PromptSampler
 from rayrep.errors import InputError
 from rayrep.run.layout import RunFolder
 from rayrep.run.record import StepRecord
-from rayrep.runtime import Runtime
+from rayrep.runtime.system import Runtime
 
 FORMAT = 1
 STATE_FILE = "run_state.json"

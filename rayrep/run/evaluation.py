@@ -12,7 +12,7 @@ from pathlib import Path
 from rayrep.config import Config, ConfigError, differing_fields
 from rayrep.eval.runner import evaluate
 from rayrep.run.layout import RunFolder
-from rayrep.runtime import Runtime
+from rayrep.runtime.system import Runtime
 from rayrep.types import Prompt
 
 

@@ -171,7 +171,7 @@ def model_shape(cfg: Config, local_only: bool = True) -> ModelShape | None:
     the config.json fetched from the hub; None when none of them can tell."""
     if cfg.model.path == "tiny":
         from rayrep.models import tiny_spec
-        from rayrep.models.tiny import padded_vocab_size
+        from rayrep.models.recipe import padded_vocab_size
         from rayrep.models.tokenizer import build_char_tokenizer
 
         spec = tiny_spec(cfg)

@@ -1,0 +1,150 @@
+"""A training run's lifecycle, around the loop of `rayrep.train`: its inputs checked and its
+folder laid out before anything starts (`Run.open`), the runtime started and supervised
+(`Run.supervised`: a learner's death reported, every actor stopped), the start (step 0's
+evaluation, or a checkpoint restored), and what follows each step (`Run.end_step`: buffer
+snapshots, the evaluation schedule, the step's record, checkpoints, progress)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from rayrep.algos import AlgorithmInputs, check_inputs
+from rayrep.algos.interface import Algorithm
+from rayrep.config import Config
+from rayrep.data import PromptSampler, encode_prompts, load_split
+from rayrep.library_output import LIBRARY_LOG
+from rayrep.models import resolve_policy
+from rayrep.progress import Progress
+from rayrep.run.checkpoints import (BufferSnapshots, RunState, mark_final, restore_run, resume_point,
+                                    save_run)
+from rayrep.run.evaluation import Evaluations, known_start_evaluation
+from rayrep.run.layout import RunFolder
+from rayrep.run.log import MetricsLog, keep_metrics_until, step_fields
+from rayrep.run.record import StepRecord
+from rayrep.run.supervision import learner_death
+from rayrep.runtime.system import Runtime
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    final_checkpoint: str
+    evals: list[dict] = field(default_factory=list)
+    """One record per evaluation: {"step", "test_pass@1", ...}."""
+
+
+class Run:
+    def __init__(self, cfg: Config, folder: RunFolder, policy: str, inputs: AlgorithmInputs, sampler: PromptSampler,
+                 evaluations: Evaluations, checkpoint: Path | None, state: RunState | None, log=print):
+        self.cfg, self.folder, self.policy, self.inputs = cfg, folder, policy, inputs
+        self.sampler, self.evaluations, self.log = sampler, evaluations, log
+        self.checkpoint, self.state = checkpoint, state
+        """The checkpoint resumed from and its state (None: a new run)."""
+        self.first_step = state.step + 1 if state else 1
+        self.step = self.first_step
+        """The step in progress (what a learner's death reports)."""
+        self.saved = checkpoint
+        """The latest complete checkpoint."""
+
+    @staticmethod
+    def open(cfg: Config, resume: bool = False, log=print) -> "Run":
+        """Everything that can be wrong with the policy, the prompt sets, the algorithm's inputs
+        (RLEP's pool), the checkpoint to resume from or another run's start fails here, before
+        any actor starts and before the run's folder is written; then the folder gets the
+        config, and a resumed run its sampler position, evaluations and log up to its checkpoint."""
+        policy = resolve_policy(cfg, log=log)
+        tokenizer = AutoTokenizer.from_pretrained(policy)
+        train_prompts, test_prompts = load_split(cfg.data, "train"), load_split(cfg.data, "test")
+        prompt_ids = dict(zip((p.uid for p in train_prompts),
+                              encode_prompts(tokenizer, train_prompts, cfg.data.max_prompt_tokens)))
+        test_ids = encode_prompts(tokenizer, test_prompts, cfg.data.max_prompt_tokens)
+        inputs = check_inputs(cfg, train_prompts, prompt_ids)
+        folder = RunFolder.of(cfg)
+        checkpoint, state = resume_point(cfg, folder) if resume else (None, None)
+        known_start = known_start_evaluation(cfg) if cfg.run.start_eval and state is None else None
+
+        folder.path.mkdir(parents=True, exist_ok=True)
+        folder.config.write_text(cfg.to_json())
+        sampler = PromptSampler(train_prompts, seed=cfg.seed("data"))
+        if state is not None:
+            sampler.restore(state.sampler)
+            keep_metrics_until(folder.metrics, state.step)
+        evaluations = Evaluations(cfg, test_prompts, test_ids, state.evals if state else None, known_start)
+        return Run(cfg, folder, policy, inputs, sampler, evaluations, checkpoint, state, log)
+
+    @contextmanager
+    def supervised(self) -> Iterator[Runtime]:
+        """The run's actors, started (a resumed run's generators from its checkpoint's weights,
+        its learners from the base policy, whose every weight the learner checkpoint's fp32
+        masters then replace) and, however the block ends, stopped. A learner that died
+        turns the error into `LearnerDied`: the run cannot go on, but its last checkpoint can."""
+        runtime = Runtime.start(self.cfg, self.policy, policy_version=self.state.policy_version if self.state else 0,
+                                generator_path=str(self.checkpoint) if self.checkpoint else None,
+                                log_dir=self.folder.path)
+        self.log(f"run folder: {self.folder.path} (libraries' output: {LIBRARY_LOG} there)")
+        logging = self.cfg.logging
+        self.metrics = MetricsLog(self.folder.path, self.cfg.to_dict(), logging.wandb, logging.wandb_project,
+                                  logging.wandb_mode)
+        try:
+            yield runtime
+        except Exception as error:
+            death = learner_death(runtime, self.folder, self.step, self.saved)
+            if death is not None:
+                raise death from error
+            raise
+        finally:
+            self.metrics.close()
+            runtime.shutdown()
+
+    def begin(self, runtime: Runtime, algorithm: Algorithm) -> None:
+        """A new run evaluates its start (step 0); a resumed one restores its checkpoint. The
+        buffer's first snapshot (RLEP's pool, a resumed buffer) is what a shard that dies
+        comes back with."""
+        self.runtime, self.algorithm = runtime, algorithm
+        self.snapshots = BufferSnapshots(runtime.buffer, self.folder, self.cfg.replay.snapshot_every)
+        self.progress = Progress(self.cfg.run.steps, "train", unit="step", log=self.log, done=self.first_step - 1)
+        if self.state is None:
+            self.metrics.log(self.evaluations.run(runtime, step=0))
+            self.progress.update(0, **step_fields(self.evaluations.records[-1]))  # step 0 is not a step: no ETA
+        else:
+            restore_run(self.checkpoint, self.state, runtime, algorithm)
+            self.log(f"resumed {self.folder.path} at step {self.state.step} (policy version "
+                     f"{self.state.policy_version}) from {self.checkpoint.name}")
+            self.progress.update(self.state.step)
+        self.snapshots.take()
+
+    def steps(self) -> Iterator[int]:
+        for self.step in range(self.first_step, self.cfg.run.steps + 1):
+            yield self.step
+
+    def end_step(self, record: StepRecord) -> None:
+        """After step `record.step`: the scheduled buffer snapshot, the evaluation when one is
+        due, the record in the log (before the checkpoint: a checkpoint's steps are all in the
+        log), the checkpoint when one is due, the progress line."""
+        step = record.step
+        self.snapshots.after_step(step, record)
+        if self.evaluations.due(step):
+            record.add(self.evaluations.run(self.runtime, step))
+        self.metrics.log(record.as_dict())
+        save_every = self.cfg.run.save_every
+        if step == self.cfg.run.steps or save_every and step % save_every == 0:
+            self.save(step)
+        self.progress.update(step, **record.progress_fields())
+
+    def save(self, step: int) -> None:
+        self.saved = save_run(self.cfg, self.folder, step, self.runtime, self.algorithm, self.sampler,
+                              self.snapshots, self.evaluations.records)
+
+    def finish(self) -> RunResult:
+        """The run's final checkpoint marked (a run with no steps to take saves the policy as
+        it is) and its evaluations written."""
+        if self.saved is None:
+            self.save(self.cfg.run.steps)
+        final = mark_final(self.folder.path, self.saved)
+        self.evaluations.write(self.folder)
+        return RunResult(self.folder.path, str(final), self.evaluations.records)

@@ -1,0 +1,167 @@
+"""The running system: placement groups and the actors of every role, started and stopped together.
+
+Roles: generators (vLLM), verifiers (math-verify), learners (FSDP2 / DeepSpeed), the
+weight sync between them, and, for the replay methods, the replay buffer's shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from rayrep.buffer.replay import ReplayBuffer
+from rayrep.cluster.placement import Placement, Plan, make_plan
+from rayrep.config import Config
+from rayrep.generator.engine import check_vllm_version
+from rayrep.generator.pool import GeneratorPool
+from rayrep.learner.group import LearnerGroup
+from rayrep.library_output import library_log_env
+from rayrep.models import check_context
+from rayrep.runtime.memory import check_memory
+from rayrep.runtime.weights import WeightSync
+from rayrep.sync.collective import nccl_environment
+from rayrep.verifier.pool import VerifierPool
+
+
+def connect_ray(plan: Plan) -> bool:
+    """Join the cluster this process belongs to, or start a local one; True if we started it.
+
+    Under `ray job submit` (RAY_ADDRESS set) the job joins the submitting cluster. Otherwise a
+    local cluster starts with enough logical CPUs for the plan: roles that take turns may
+    share the machine's cores.
+    """
+    if ray.is_initialized():
+        return False
+    # Ray's own notices (a local instance started, token authentication on) only at ERROR:
+    # the terminal is for the run's progress. Actors' output still reaches it (log_to_driver),
+    # where they do not send it to the run's log file.
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True, logging_level=logging.ERROR)
+        return False
+    cpus = max(os.cpu_count() or 1, math.ceil(plan.total.get("CPU", 1)))
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.ERROR)
+    return True
+
+
+def actor_environment(cfg: Config, log_dir: str | Path | None = None) -> dict[str, str]:
+    """The environment every actor of a run starts with (through its Ray `runtime_env`):
+    where its libraries' output goes (`libraries.log` in `log_dir`, default
+    `logging.out_dir`) and, on GPUs, one NCCL environment for all of them
+    (`rayrep.sync.collective.nccl_environment`)."""
+    env = library_log_env(log_dir or cfg.logging.out_dir)
+    if cfg.placement.device == "gpu":
+        env.update(nccl_environment())
+    return env
+
+
+class Runtime:
+    """Every role's actors, started together (`start`) and stopped together (`shutdown`).
+
+    The runtime holds the policy version the generators sample, and so brings a replacement
+    generator to it: the generator pool's supervisor calls `bring_to_policy` once a new one
+    is ready, and a generator that dies during a weight sync is replaced here."""
+
+    cfg: Config
+    placement: Placement
+    generators: GeneratorPool
+    verifiers: VerifierPool
+    learners: LearnerGroup | None
+    sync: WeightSync | None
+    buffer: ReplayBuffer | None
+    """The replay buffer of a run whose algorithm replays (`algorithm.uses_replay`), else None."""
+
+    @staticmethod
+    def start(cfg: Config, model_path: str, train: bool = True, policy_version: int = 0,
+              generator_path: str | None = None, log_dir: str | Path | None = None) -> "Runtime":
+        """Every role's actors; `train=False` starts generators and verifiers only (sampling jobs).
+        `generator_path`: the generators' weights when they are not `model_path`'s (a resumed
+        run's checkpoint), of policy version `policy_version`. The actors' library output
+        goes to `libraries.log` in `log_dir` (a run's folder; default: `logging.out_dir`).
+
+        What cannot work fails first: a vLLM of another release than the pinned one, a
+        context longer than the policy's positions, a GPU plan that does not fit in memory."""
+        check_vllm_version()
+        check_context(cfg, model_path)
+        check_memory(cfg, trains=train)
+        return Runtime(cfg, model_path, train, policy_version, generator_path, log_dir)
+
+    def __init__(self, cfg: Config, model_path: str, train: bool, policy_version: int, generator_path: str | None,
+                 log_dir: str | Path | None):
+        self.cfg = cfg
+        plan = make_plan(cfg, learners=train)
+        self.started_ray = connect_ray(plan)
+        self.placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
+                                   actor_env=actor_environment(cfg, log_dir),
+                                   autoscaling_config=cfg.placement.autoscaling_config)
+        self.learners = self.sync = self.buffer = None
+        self.generators = GeneratorPool.create(cfg, generator_path or model_path, self.placement, policy_version,
+                                               on_replaced=self.bring_to_policy)
+        self.verifiers = VerifierPool.create(cfg, self.placement)
+        if train:
+            # Colocated GPUs: the new engines sleep while the learners set up (sharding moves
+            # each module's fp32 weights to the GPU), and wake once the learners' state left it.
+            takes_turns = cfg.placement.takes_turns
+            if takes_turns:
+                self.generators.sleep()
+            self.learners = LearnerGroup(cfg, model_path, self.placement)
+            if takes_turns:
+                self.generators.wake_up()
+            self.sync = WeightSync(cfg, self.learners, self.generators, policy_version)
+            if cfg.algorithm.uses_replay:
+                replay = cfg.replay
+                self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed,
+                                           self.placement)
+
+    @property
+    def version(self) -> int:
+        """The policy version the generators sample (the learners' is one ahead during an update)."""
+        return self.sync.version if self.sync is not None else self.generators.version
+
+    def sync_weights(self) -> dict[str, float]:
+        """The learners' weights to every generator, as the next policy version; a generator
+        that died in it is replaced (`sync_generator_replaced`), and the weights sent again."""
+        try:
+            return self.sync.push()
+        except (RayActorError, RayTaskError) as error:
+            start = time.perf_counter()
+            replaced = self.generators.supervisor.replace_dead(error)  # then `bring_to_policy` sends again
+            return {**self.sync.timing(time.perf_counter() - start), "sync_generator_replaced": replaced}
+
+    def bring_to_policy(self, replaced: list[int]) -> None:
+        """New generators (`replaced`) take the current weights and version: through a rebuilt
+        weight sync in training; elsewhere the pool's checkpoint is the policy already."""
+        if self.sync is not None:
+            self.sync.rebuild()
+
+    def hand_over_to_learners(self) -> None:
+        """Where colocated roles take turns on GPUs: the engines sleep, the learners bring
+        their state back. Elsewhere (CPU, disaggregated) nothing to do, and no call made:
+        a call would wait behind the generators' work in flight (asynchronous rollouts)."""
+        if self.cfg.placement.takes_turns:
+            self.generators.sleep()
+            self.learners.onload()
+
+    def hand_over_to_generators(self) -> None:
+        """After the weight sync (which wakes the engines' weights): the learners' state
+        leaves the GPU and the engines take their KV cache back."""
+        if self.cfg.placement.takes_turns:
+            self.learners.offload()
+            self.generators.wake_up()
+
+    def shutdown(self) -> None:
+        if self.buffer is not None:
+            self.buffer.shutdown()
+        if self.learners is not None:
+            self.learners.shutdown()
+        self.verifiers.shutdown()
+        for worker in self.generators.workers + self.verifiers.workers:
+            ray.kill(worker)
+        self.placement.remove()
+        if self.started_ray:
+            ray.shutdown()
