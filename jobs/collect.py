@@ -13,7 +13,6 @@ candidates in `reward_model.candidates`) by tokenizing it with the checkpoint's 
 import json
 
 from rayrep.cli import job_parser, parse_job_args, run_job
-from rayrep.pipelines.collect import collect_pool
 
 
 def main(argv: list[str]) -> dict:
@@ -22,6 +21,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--out", required=True, help="experience pool to write (.parquet)")
     parser.add_argument("--import-text", help="a text-only RLEP pool (verl/DAPO rows) to convert instead of sampling")
     args, cfg = parse_job_args(parser, argv)
+    from rayrep.pipelines.collect import collect_pool  # Ray, torch, vLLM: once the command line holds
+
     if args.import_text:
         from transformers import AutoTokenizer
 

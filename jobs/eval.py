@@ -25,7 +25,6 @@ from pathlib import Path
 from rayrep.cli import job_parser, parse_job_args, run_job
 from rayrep.data import load_split
 from rayrep.eval.report import check_report_path, default_report_path, eval_report, format_table, write_report
-from rayrep.eval.runner import evaluate_checkpoint
 from rayrep.models import resolve_policy
 from rayrep.progress import Progress, format_duration
 
@@ -40,6 +39,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--out", help="write the JSON report here (default: "
                                       "<logging.out_dir>/eval/<checkpoint>-<time>.json)")
     args, cfg = parse_job_args(parser, argv)
+    from rayrep.eval.runner import evaluate_checkpoint  # Ray, torch, vLLM: once the command line holds
+
     if args.prompts:
         cfg = cfg.replace(**{"data.test_files": args.prompts})
 

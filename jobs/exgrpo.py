@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from rayrep.cli import job_parser, parse_job_args, run_job
-from rayrep.pipelines.compare import compare_with_baseline
 
 
 def main(argv: list[str]) -> dict:
@@ -24,6 +23,8 @@ def main(argv: list[str]) -> dict:
     if not any(a.startswith("--algorithm.std_normalize") for a in argv):
         argv = [*argv, "--algorithm.std_normalize", "false"]
     args, cfg = parse_job_args(parser, argv)
+    from rayrep.pipelines.compare import compare_with_baseline  # Ray, torch, vLLM: once the command line holds
+
     if args.resume == "":
         parser.error("--resume takes the pipeline folder to continue: --resume runs/exgrpo-<time>")
     out = Path(args.resume or args.out or Path(cfg.logging.out_dir) / f"exgrpo-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from rayrep.cli import job_parser, parse_job_args, run_job
-from rayrep.pipelines.compare import compare_with_baseline
 
 
 def main(argv: list[str]) -> dict:
@@ -27,6 +26,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--pool", help="skip collection: replay this experience pool")
     parser.add_argument("--out", help="pipeline folder (default: runs/rlep-pipeline-<time>)")
     args, cfg = parse_job_args(parser, argv)
+    from rayrep.pipelines.compare import compare_with_baseline  # Ray, torch, vLLM: once the command line holds
+
     if args.resume == "":
         parser.error("--resume takes the pipeline folder to continue: --resume runs/rlep-pipeline-<time>")
     out = Path(args.resume or args.out or Path(cfg.logging.out_dir) / f"rlep-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
