@@ -25,8 +25,9 @@ class Evaluations:
         """The step-0 evaluation of another run with this run's start, to reuse rather than repeat."""
 
     def due(self, step: int) -> bool:
+        """Whether training step `step` (1 on) ends with an evaluation; the start's is `Run.begin`'s."""
         every = self.cfg.run.eval_every
-        return step == 0 or bool(every and step % every == 0) or step == self.cfg.run.steps
+        return bool(every and step % every == 0) or step == self.cfg.run.steps
 
     def run(self, runtime: Runtime, step: int) -> dict:
         """Evaluate the generators' current weights at `step` (or reuse the known start) and
