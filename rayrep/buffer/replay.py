@@ -101,7 +101,7 @@ class ReplayBuffer:
         supervisor, `rayrep.cluster.supervisor`)."""
         if self.in_process:
             return {s: method(self.shards[s])(*a) for s, a in args.items()}
-        results, _ = self.supervisor.gather(
+        results, _, _ = self.supervisor.gather(
             {s: s for s in args},
             lambda s, shard: method(shard).options(num_returns=num_returns).remote(*args[s]),
             lambda s: "call")

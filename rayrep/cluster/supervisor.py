@@ -72,11 +72,13 @@ class Supervisor:
         return actor is not self.workers[slot] or not responds(actor)
 
     def gather(self, calls: dict[Key, int], submit: Callable[[Key, Any], Refs],
-               work: Callable[[Key], str]) -> tuple[dict[Key, Any], Counter]:
+               work: Callable[[Key], str]) -> tuple[dict[Key, Any], Counter, int]:
         """Each call's result, waiting for all of them; call `key` runs on the actor of slot
         `calls[key]`, as `submit(key, actor)` (a ref, or refs of which the first is waited for
         and the others passed on). A call whose actor died is asked again of its replacement;
-        returns the results and how many times each call was asked again."""
+        returns the results, how many times each call was asked again, and how many actors
+        were started anew meanwhile."""
+        replaced_before = self.replaced
         results: dict[Key, Any] = {}
         retries: Counter = Counter()
         waiting: dict[ray.ObjectRef, tuple[Key, Any, list]] = {}
@@ -106,7 +108,7 @@ class Supervisor:
                 send(key)
                 continue
             results[key] = value if len(refs) == 1 else (value, *refs[1:])
-        return results, retries
+        return results, retries, self.replaced - replaced_before
 
     def replace(self, slot: int, cause: BaseException) -> int:
         """A new actor for the dead one at `slot` (and, with `replace_all_dead`, for any other

@@ -66,7 +66,7 @@ class GeneratorPool:
         """`workers`: GeneratorWorker handles, worker i started by `start_worker(cfg, model_path,
         placement, i, version)`, as a dead one's replacement is (without `cfg`, nothing is
         replaced). `on_replaced(slots)`: brings replacements to the current policy."""
-        self.cfg, self.model_path, self.placement, self.version = cfg, model_path, placement, version
+        self.version = version
         start = (lambda slot: start_worker(cfg, model_path, placement, slot, version)) if cfg is not None else None
         self.supervisor = Supervisor("generator", workers, start,
                                      ready=lambda slot, worker: worker.policy_version.remote(),
@@ -120,7 +120,6 @@ class GeneratorPool:
         """
         counts = Counter() if counts is None else counts
         done = list(pending)
-        replaced_before = self.supervisor.replaced
 
         def submit(position: int, worker) -> ray.ObjectRef:
             share = done[position]
@@ -129,12 +128,12 @@ class GeneratorPool:
                 counts["retried_prompts"] += len(share.indices)
             return done[position].ref
 
-        results, _ = self.supervisor.gather(
+        results, _, replaced = self.supervisor.gather(
             {position: share.request.generator if share.request is not None else 0
              for position, share in enumerate(done)},
             submit, lambda position: f"share of {len(done[position].indices)} prompt(s)")
-        if self.supervisor.replaced > replaced_before:
-            counts["replaced"] += self.supervisor.replaced - replaced_before
+        if replaced:
+            counts["replaced"] += replaced
         return done, [rollouts for position in range(len(done)) for rollouts in results[position]]
 
     @staticmethod

@@ -104,7 +104,6 @@ class VerifierPool:
         where worker i was started (`placement.options("verifier", i)`), so that a dead
         worker's replacement takes its bundle; None: one CPU anywhere."""
         self.timeout_s = timeout_s
-        self.placement = placement
         self.supervisor = Supervisor("verifier", workers or [], lambda slot: _start_worker(timeout_s, placement, slot))
         self.workers = self.supervisor.workers
 
@@ -150,13 +149,12 @@ class VerifierPool:
         """Share i on worker i mod n; a share whose worker died, again on its replacement (the
         share's ref may carry an upstream actor's death, a generator's: only a verifier that
         no longer answers is replaced)."""
-        replaced_before = self.supervisor.replaced
-        results, retries = self.supervisor.gather(
+        results, retries, replaced = self.supervisor.gather(
             {share: share % len(self.workers) for share in range(len(pending))},
             lambda share, worker: worker.check.remote(pending[share].ref, per_share[share], majority),
             lambda share: f"share of {len(per_share[share])} prompt(s)")
-        if self.supervisor.replaced > replaced_before:
-            counts["replaced"] += self.supervisor.replaced - replaced_before
+        if replaced:
+            counts["replaced"] += replaced
         for share, n in retries.items():
             counts["retried_items"] += n * sum(len(row) for row in results[share].correct)
         return [results[share] for share in range(len(pending))]
