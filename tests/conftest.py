@@ -18,6 +18,24 @@ def tiny_policy(tiny_cfg) -> str:
     return resolve_policy(tiny_cfg)
 
 
+SHORT_RUN = {"run.steps": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
+             "data.arithmetic_test_size": 32, "learner.behaviour_cap": 2.0, "logging.plots": False}
+"""Two cheap GRPO steps of the tiny preset: the run that several tests vary one knob of."""
+
+
+@pytest.fixture(scope="session")
+def short_run(tiny_cfg, tiny_policy, tmp_path_factory) -> list[dict]:
+    """The metrics of `SHORT_RUN` (seed 0, synchronous), trained once for the whole session:
+    on the cluster of the module that first asks (`train` joins the one this process has),
+    or on a local one of its own."""
+    from rayrep.run.log import read_metrics
+    from rayrep.train import train
+
+    cfg = tiny_cfg.replace(**SHORT_RUN, **{"logging.out_dir": str(tmp_path_factory.mktemp("short")),
+                                           "logging.run_name": "seed-0"})
+    return read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A real local Ray cluster for one test module, stopped afterwards.

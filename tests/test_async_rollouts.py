@@ -4,6 +4,7 @@ and the decoupled-PPO weights correct them."""
 
 import pytest
 
+from conftest import SHORT_RUN
 from rayrep.config import ConfigError
 from rayrep.rollouts import drop_stale, policy_lag_stats, rounds_ahead
 from rayrep.run.log import read_metrics
@@ -46,15 +47,10 @@ def comparable(record: dict) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_one_step_ahead_trains_on_answers_one_version_old(ray_cluster, tiny_cfg, tiny_policy, tmp_path):
-    cfg = tiny_cfg.replace(**{
-        "run.steps": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
-        "data.arithmetic_test_size": 32, "learner.behaviour_cap": 2.0, "logging.out_dir": str(tmp_path),
-        "logging.plots": False,
-    })
-    runs = {lag: read_metrics(train(cfg.replace(**{"run.max_policy_lag": lag, "logging.run_name": f"lag-{lag}"}),
-                                    log=lambda _: None).run_dir / "metrics.jsonl")
-            for lag in (0, 1)}
+def test_one_step_ahead_trains_on_answers_one_version_old(ray_cluster, tiny_cfg, short_run, tmp_path):
+    cfg = tiny_cfg.replace(**SHORT_RUN, **{"run.max_policy_lag": 1, "logging.out_dir": str(tmp_path),
+                                           "logging.run_name": "lag-1"})
+    runs = {0: short_run, 1: read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl")}
     sync, ahead = runs[0][1:], runs[1][1:]
     answers = 16 * 8
     # Synchronous: every answer comes from the policy the update starts from.

@@ -56,10 +56,11 @@ def test_collect_then_rlep_run_replays_the_pool(ray_cluster, tiny_cfg, tiny_poli
 
 
 def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tmp_path):
-    # On the DeepSpeed ZeRO-2 learner, so that strategy also runs end to end (weight sync included).
+    """On the DeepSpeed ZeRO-2 learner, so that strategy also runs end to end (weight sync
+    included), and with dynamic sampling: every refill round's groups keep their replays."""
     cfg = small(tiny_cfg, tmp_path, **{
         "algorithm.name": "exgrpo", "algorithm.std_normalize": False, "run.steps": 3, "learner.strategy": "deepspeed",
-        "algorithm.exgrpo.start_pass_rate": 0.0, "logging.run_name": "exgrpo",
+        "algorithm.exgrpo.start_pass_rate": 0.0, "algorithm.dynamic_sampling": True, "logging.run_name": "exgrpo",
     })
     run = train(cfg, log=lambda _: None)
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
@@ -72,19 +73,23 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
     assert all(r["optimizer_steps"] == 2 and r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in records)
     assert [r["policy_version"] for r in records] == [1, 2, 3]  # each step synced new weights
     assert (run.run_dir / "checkpoints" / "final" / "buffer" / "answers.parquet").exists()
+    # Dynamic sampling: refills happened, every trained group carries a signal, and every
+    # replayed question trains with K - 1 fresh rollouts and its stored answer.
+    K = cfg.algorithm.group_size
+    assert sum(r["dynamic_sampling_rounds"] for r in records) > 0
+    assert all(r["groups_all_equal"] == 0 for r in records)
+    assert all(r["group_size_min"] == r["group_size_max"] == K for r in records)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rlep", "exgrpo"])
+@pytest.mark.parametrize("name", ["grpo", "rlep"])
 def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, tiny_policy, tmp_path, pool_stats, name):
     """Refill rounds are planned as values of their own: no round's replays are lost, and the
-    filter sees every group whole (fresh and replayed rollouts)."""
+    filter sees every group whole (fresh and replayed rollouts). ExGRPO's: in the test above."""
     changes = {"algorithm.name": name, "algorithm.dynamic_sampling": True, "run.steps": 3, "logging.run_name": name}
     if name == "rlep":
         # G = 4: fresh groups that all fail (kept only through their replays) are common
         # enough that three steps surely hold some (about 1 in 5 groups).
         changes.update({"algorithm.rlep.pool": pool_stats["pool"], "algorithm.group_size": 4})
-    if name == "exgrpo":
-        changes.update({"algorithm.std_normalize": False, "algorithm.exgrpo.start_pass_rate": 0.0})
     cfg = small(tiny_cfg, tmp_path, **changes)
     records = [r for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl") if r["step"] > 0]
     K = cfg.algorithm.group_size
@@ -98,10 +103,6 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
         # Groups whose fresh rollouts all failed are kept when a pooled success gives them a signal.
         assert any(r["groups_signal_from_replay"] > 0 for r in records)
         assert all(r["group_size_max"] <= K + cfg.algorithm.rlep.replays_per_group for r in records)
-    if name == "exgrpo":
-        # Every replayed question trains with K - 1 fresh rollouts and its stored answer.
-        assert all(r["group_size_min"] == r["group_size_max"] == K for r in records)
-        assert all(r["replayed_questions"] > 0 and r["replay_tokens"] > 0 for r in records[1:])
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""Checkpoints and resume, with real failures: a run SIGKILLed after a checkpoint resumes and
-repeats the uninterrupted run exactly; a run resumes on another number of learners; a run
-whose generator, replay shard and learner are killed in turn (`--auto-resume`) ends as the
-uninterrupted run ends, with each death counted."""
+"""Checkpoints and resume, with real failures: a run SIGKILLed while it saves a checkpoint
+resumes from the one before and repeats the uninterrupted run exactly; a run resumes on
+another number of learners; a run whose generator, replay shard and learner are killed in
+turn (`--auto-resume`) ends as the uninterrupted run ends, with each death counted. One
+uninterrupted run and one killed run serve every test."""
 
 import json
 import os
@@ -29,9 +30,9 @@ RUN = ["--algorithm.name", "exgrpo", "--algorithm.std_normalize", "false", "--al
 CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
 
 
-def job(out: Path, name: str, *extra: str) -> subprocess.Popen:
+def job(out: Path, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "jobs/train.py", *RUN, "--logging.out_dir", str(out),
-                             "--logging.run_name", name, *extra], cwd=REPO, start_new_session=True,
+                             "--logging.run_name", name, *extra], cwd=REPO, start_new_session=True, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -47,32 +48,44 @@ def comparable(record: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tiny_policy, tmp_path_factory):
-    """An uninterrupted run, and the same run SIGKILLed once its step-2 checkpoint is written
-    (the whole job: driver, Ray and every actor), then resumed."""
+    """An uninterrupted run, and the same run SIGKILLed while it saves its step-4 checkpoint
+    (the driver kills itself with the checkpoint written but not yet renamed into place; then
+    the rest of the job, its local Ray cluster and every actor), then resumed. What the killed
+    run left is noted before the resume."""
     out = tmp_path_factory.mktemp("runs")
-    whole = job(out, "whole")
-    finish(whole)
+    finish(job(out, "whole"))
 
-    killed = job(out, "killed")
-    checkpoint = out / "killed" / "checkpoints" / "step-2" / "run_state.json"
-    deadline = time.monotonic() + 600
-    while not checkpoint.exists():
-        assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0][-4000:]
-        time.sleep(0.2)
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait()
+    killed = job(out, "killed", env=dict(os.environ, RAYREP_FAILPOINT="save-4"))
+    output, _ = killed.communicate(timeout=900)
+    assert killed.returncode == -signal.SIGKILL, output[-3000:]
+    try:
+        os.killpg(killed.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    run = out / "killed"
+    left = {"checkpoints": [step for step, _ in step_checkpoints(run)],
+            "partial": (run / "checkpoints" / ".step-4.partial" / "run_state.json").exists(),
+            "logged": [r["step"] for r in read_metrics(run / "metrics.jsonl")]}
     resumed_output = finish(subprocess.Popen(
-        [sys.executable, "jobs/train.py", "--resume", str(out / "killed")], cwd=REPO, start_new_session=True,
+        [sys.executable, "jobs/train.py", "--resume", str(run)], cwd=REPO, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return out, resumed_output
+    return out, left, resumed_output
+
+
+def test_a_job_killed_while_saving_leaves_the_checkpoint_before_it_current(runs):
+    _, left, _ = runs
+    # Steps 3 and 4 were logged (a record goes to the log before its checkpoint); the step-4
+    # checkpoint is complete but not current.
+    assert left == {"checkpoints": [2], "partial": True, "logged": [0, 1, 2, 3, 4]}
 
 
 def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
-    out, output = runs
+    out, _, output = runs
     assert "resumed" in output and "at step 2" in output
     whole = read_metrics(out / "whole" / "metrics.jsonl")
     resumed = read_metrics(out / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # what the killed run logged after step 2 is gone
+    # The resumed run repeats the uninterrupted one step for step: one run.seed repeats a run.
     for mine, theirs in zip(resumed, whole):
         assert comparable(mine) == comparable(theirs), mine["step"]
     assert resumed[-1]["buffer_answers"] > 0 and resumed[-1]["exgrpo_collecting"] == 1.0
@@ -89,7 +102,7 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
 
 
 def test_a_run_resumes_on_another_number_of_learners(runs, tmp_path):
-    out, _ = runs
+    out, _, _ = runs
     # A copy of the interrupted run's step-2 checkpoint, resumed by two learners instead of one.
     run = tmp_path / "two"
     (run / "checkpoints").mkdir(parents=True)
@@ -108,35 +121,6 @@ def test_a_run_resumes_on_another_number_of_learners(runs, tmp_path):
         assert two[3][key] == one[3][key], key
     assert abs(two[4]["accuracy"] - one[4]["accuracy"]) < 0.1
     assert read_run_state(run / "checkpoints" / "final").learner["world_size"] == 2
-
-
-def test_a_job_killed_while_saving_resumes_from_the_checkpoint_before(runs, tmp_path):
-    out, _ = runs
-    # The driver is SIGKILLed with its step-4 checkpoint written but not yet renamed into place.
-    env = dict(os.environ, RAYREP_FAILPOINT="save-4")
-    killed = subprocess.Popen([sys.executable, "jobs/train.py", *RUN, "--logging.out_dir", str(tmp_path),
-                               "--logging.run_name", "saving"], cwd=REPO, start_new_session=True, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output, _ = killed.communicate(timeout=900)
-    assert killed.returncode == -signal.SIGKILL, output[-3000:]
-    try:
-        os.killpg(killed.pid, signal.SIGKILL)  # the rest of the job: its local Ray cluster
-    except ProcessLookupError:
-        pass
-    run = tmp_path / "saving"
-    assert [step for step, _ in step_checkpoints(run)] == [2]
-    assert (run / "checkpoints" / ".step-4.partial" / "run_state.json").exists()  # complete, but not current
-
-    output = finish(subprocess.Popen([sys.executable, "jobs/train.py", "--resume", str(run)], cwd=REPO,
-                                     start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    assert "at step 2" in output
-    assert [step for step, _ in step_checkpoints(run)] == [2, 4]
-    assert not list((run / "checkpoints").glob(".step-*"))
-    # A run started again from scratch with the same run.seed (then killed and resumed)
-    # repeats the first one step for step: the test that one seed repeats a run.
-    whole = read_metrics(out / "whole" / "metrics.jsonl")
-    again = read_metrics(run / "metrics.jsonl")
-    assert [comparable(r) for r in again] == [comparable(r) for r in whole]
 
 
 def kill_in_turn(job: subprocess.Popen, run: Path, stop: threading.Event, killed: list) -> None:
@@ -166,7 +150,7 @@ def kill_in_turn(job: subprocess.Popen, run: Path, stop: threading.Event, killed
 
 
 def test_a_run_whose_actors_die_in_turn_ends_as_the_uninterrupted_one(runs):
-    out, _ = runs
+    out, _, _ = runs
     job_process = job(out, "deaths", "--auto-resume")
     stop, killed = threading.Event(), []
     watcher = threading.Thread(target=kill_in_turn, args=(job_process, out / "deaths", stop, killed))

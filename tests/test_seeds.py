@@ -3,6 +3,7 @@ tests/test_resume.py); explicit seeds still win."""
 
 import hashlib
 
+from conftest import SHORT_RUN
 from rayrep.config import derive_seed, load_preset
 from rayrep.run.log import read_metrics
 from rayrep.train import train
@@ -22,18 +23,13 @@ def test_every_seed_derives_from_the_run_seed_unless_set():
     assert derive_seed(3, "generator", 2) == int.from_bytes(hashlib.blake2b(b"3/generator/2", digest_size=4).digest(), "big") & 0x7FFFFFFF
 
 
-def run_records(cfg, tmp_path, name: str) -> list[dict]:
-    run = train(cfg.replace(**{"logging.out_dir": str(tmp_path), "logging.run_name": name}), log=lambda _: None)
-    return [{k: r[k] for k in COMPARED} for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
-
-
-def test_another_run_seed_changes_the_run(ray_cluster, tiny_cfg, tiny_policy, tmp_path):
+def test_another_run_seed_changes_the_run(ray_cluster, tiny_cfg, short_run, tmp_path):
     """That the same `run.seed` repeats a run step for step is tested with more at stake in
-    tests/test_resume.py (a run started again from scratch, killed and resumed, against the
-    uninterrupted one); here another seed must change what the run samples."""
-    cfg = tiny_cfg.replace(**{"run.steps": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 16,
-                              "learner.mini_batch_prompts": 8, "data.arithmetic_test_size": 16})
-    first = run_records(cfg, tmp_path, "a")
-    other = run_records(cfg.replace(**{"run.seed": 1}), tmp_path, "b")
+    tests/test_resume.py (a run killed and resumed, against the uninterrupted one); here
+    another seed must change what the run samples."""
+    cfg = tiny_cfg.replace(**SHORT_RUN, **{"run.seed": 1, "logging.out_dir": str(tmp_path), "logging.run_name": "b"})
+    first = [{k: r[k] for k in COMPARED} for r in short_run if r["step"] > 0]
+    other = [{k: r[k] for k in COMPARED} for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl")
+             if r["step"] > 0]
     assert len(first) == len(other) == 2
     assert first[0]["accuracy"] != other[0]["accuracy"] or first[0]["generated_tokens"] != other[0]["generated_tokens"]

@@ -54,7 +54,7 @@ class GeneratorConfig:
     eval_samples: int = option(4, "answers sampled per test question in evaluation (avg@k, pass@k, maj@k)", min=1)
     eval_samples_by_source: tuple[str, ...] = option((), "benchmarks sampled another number of times, as data_source=k entries (ExGRPO: avg@32 on AIME and AMC)")
     gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take (GPU only)", min=0.05, max=1.0)
-    cpu_kv_cache_gib: float = option(1.0, "KV-cache size of a CPU vLLM engine in GiB (CPU only)", min=0.1)
+    cpu_kv_cache_gib: float = option(1.0, "KV-cache size of a CPU vLLM engine in GiB (CPU only; the engine zeroes all of it at start)", min=0.01)
     enforce_eager: bool = option(True, "run vLLM without CUDA graphs / compilation (fast start, needed on CPU)")
     seed: int = option(-1, "base seed of the generators' sampling (worker i uses seed + i); -1: derived from run.seed", min=-1)
 

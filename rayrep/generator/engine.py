@@ -56,8 +56,13 @@ def configure_vllm_env(cfg: Config, in_process: bool = True) -> None:
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if cfg.placement.device == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.generator.cpu_kv_cache_gib))))
+    if cfg.placement.device == "cpu" and cfg.generator.enforce_eager:
+        # vLLM's sampler compiles two small kernels with inductor even in eager mode (the
+        # sampled token's rank among the log-probs, a random draw): on CPU that is about 3 s
+        # of each engine's first call, for results that eager torch gives bit for bit.
+        import torch
+
+        torch.compiler.set_stance("force_eager")
 
 
 def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: list[int] | None = None,
@@ -85,6 +90,10 @@ def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: 
         # its first chunk and rewinds that request's seeded generator, which vLLM does with
         # a generator offset that only CUDA generators have.
         kwargs["enable_chunked_prefill"] = False
+        # The KV cache in bytes, through the engine argument (`VLLM_CPU_KVCACHE_SPACE` counts
+        # whole GiB): the engine zeroes all of it as it starts, about 4 s per GiB on a busy
+        # 2-core machine, and the tiny policy's whole batch needs a few dozen MiB.
+        kwargs["kv_cache_memory_bytes"] = int(gen.cpu_kv_cache_gib * 2**30)
     if cfg.placement.device == "gpu":
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = gen.tensor_parallel_size

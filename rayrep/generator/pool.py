@@ -76,10 +76,22 @@ class GeneratorPool:
     @staticmethod
     def create(cfg: Config, model_path: str, placement: Placement, version: int = 0,
                on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorPool":
+        """The pool, its engines up."""
+        pool = GeneratorPool.start(cfg, model_path, placement, version, on_replaced)
+        pool.wait_until_up()
+        return pool
+
+    @staticmethod
+    def start(cfg: Config, model_path: str, placement: Placement, version: int = 0,
+              on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorPool":
+        """The pool, its engines starting: other roles may set up meanwhile (`wait_until_up`)."""
         workers = [start_worker(cfg, model_path, placement, i, version)
                    for i in range(len(placement.plan.slots["generator"]))]
-        ray.get([w.policy_version.remote() for w in workers])  # engines up before anything else
         return GeneratorPool(workers, cfg, model_path, placement, version, on_replaced)
+
+    def wait_until_up(self) -> None:
+        """Every engine built (an engine that cannot start raises here, not in a step)."""
+        ray.get([w.policy_version.remote() for w in self.workers])
 
     def generate(
         self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int,

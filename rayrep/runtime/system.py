@@ -100,23 +100,31 @@ class Runtime:
                                    actor_env=actor_environment(cfg, log_dir),
                                    autoscaling_config=cfg.placement.autoscaling_config)
         self.learners = self.sync = self.buffer = None
-        self.generators = GeneratorPool.create(cfg, generator_path or model_path, self.placement, policy_version,
-                                               on_replaced=self.bring_to_policy)
+        self.generators = GeneratorPool.start(cfg, generator_path or model_path, self.placement, policy_version,
+                                              on_replaced=self.bring_to_policy)
         self.verifiers = VerifierPool.create(cfg, self.placement)
         if train:
-            # Colocated GPUs: the new engines sleep while the learners set up (sharding moves
-            # each module's fp32 weights to the GPU), and wake once the learners' state left it.
-            takes_turns = cfg.placement.takes_turns
-            if takes_turns:
-                self.generators.sleep()
-            self.learners = LearnerGroup(cfg, model_path, self.placement)
-            if takes_turns:
-                self.generators.wake_up()
+            self.learners = self._start_learners(model_path)
+        self.generators.wait_until_up()
+        if train:
             self.sync = WeightSync(cfg, self.learners, self.generators, policy_version)
             if cfg.algorithm.uses_replay:
                 replay = cfg.replay
                 self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed,
                                            self.placement)
+
+    def _start_learners(self, model_path: str) -> LearnerGroup:
+        """The learners, set up while the engines start: on a CPU machine their imports and
+        model loads overlap. Colocated GPUs: the engines take their memory first, then sleep
+        while the learners set up (sharding moves each module's fp32 weights to the GPU), and
+        wake once the learners' state left it."""
+        if not self.cfg.placement.takes_turns:
+            return LearnerGroup(self.cfg, model_path, self.placement)
+        self.generators.wait_until_up()
+        self.generators.sleep()
+        learners = LearnerGroup(self.cfg, model_path, self.placement)
+        self.generators.wake_up()
+        return learners
 
     @property
     def version(self) -> int:
