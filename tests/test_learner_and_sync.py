@@ -62,22 +62,32 @@ def make_learners(cfg, model_path, workers, strategy="fsdp2"):
     return cfg, placement, LearnerGroup(cfg, model_path, placement)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
-def test_two_ranks_take_the_same_update_as_one(ray_cluster, tiny_cfg, tiny_policy, strategy):
-    # Two mini-batches of 4 questions, micro-batches of 5 rows: rows per rank and micro-batch
-    # counts differ, and token counts differ between ranks: token-mean must still be global.
-    # The one-rank reference is always FSDP2; the two ranks use `strategy`.
-    cfg = tiny_cfg.replace(**{"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 4,
-                              "learner.micro_batch_size": 5, "learner.lr": 1e-3, "learner.warmup_steps": 2})
-    batch = synthetic_batch()
-    results = {}
-    for workers in (1, 2):
-        _, placement, learners = make_learners(cfg, tiny_policy, workers, "fsdp2" if workers == 1 else strategy)
-        metrics = learners.update(batch, LossSpec())
-        results[workers] = (metrics, full_state(learners))
+# Two mini-batches of 4 questions, micro-batches of 5 rows: rows per rank and micro-batch
+# counts differ, and token counts differ between ranks: token-mean must still be global.
+TWO_MINI_BATCHES = {"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 4, "learner.micro_batch_size": 5,
+                    "learner.lr": 1e-3, "learner.warmup_steps": 2}
+
+
+def one_update(cfg, tiny_policy, workers, strategy="fsdp2"):
+    """(metrics, full state) of `workers` ranks after one update on `synthetic_batch()`."""
+    _, placement, learners = make_learners(cfg, tiny_policy, workers, strategy)
+    try:
+        return learners.update(synthetic_batch(), LossSpec()), full_state(learners)
+    finally:
         learners.shutdown()
         placement.remove()
-    (m1, s1), (m2, s2) = results[1], results[2]
+
+
+@pytest.fixture(scope="module")
+def one_rank_update(ray_cluster, tiny_cfg, tiny_policy):
+    """The one-rank FSDP2 reference of `test_two_ranks_take_the_same_update_as_one`, taken once for both strategies."""
+    return one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 1)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+def test_two_ranks_take_the_same_update_as_one(one_rank_update, tiny_cfg, tiny_policy, strategy):
+    batch = synthetic_batch()
+    (m1, s1), (m2, s2) = one_rank_update, one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 2, strategy)
     assert m1["optimizer_steps"] == m2["optimizer_steps"] == 2
     assert m1["fresh_tokens"] == m2["fresh_tokens"] == int(batch.response_mask.sum())
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)  # same gradients
@@ -196,20 +206,33 @@ def test_the_learning_rate_schedule_counts_rollouts_not_optimizer_steps(ray_clus
     assert [m["lr"] for m in rates] == pytest.approx([1e-3 * f for f in expected])
 
 
-def test_gradient_checkpointing_takes_the_same_update(ray_cluster, tiny_cfg, tiny_policy):
-    cfg = tiny_cfg.replace(**{"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 8, "learner.lr": 1e-3,
-                              "learner.warmup_steps": 0})
-    states, norms = [], []
-    for checkpointing in (False, True):
-        _, placement, learners = make_learners(cfg.replace(**{"learner.gradient_checkpointing": checkpointing}), tiny_policy, 1)
-        try:
-            norms.append(learners.update(synthetic_batch(), LossSpec())["grad_norm"])
-            states.append(full_state(learners))
-        finally:
-            learners.shutdown()
-            placement.remove()
-    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
-    assert all(torch.allclose(states[0][n], states[1][n], atol=1e-6) for n in states[0])
+# One mini-batch of 8 questions, lr 1e-3 from the first step.
+ONE_MINI_BATCH = {"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 8, "learner.lr": 1e-3,
+                  "learner.warmup_steps": 0}
+
+
+@pytest.fixture(scope="module")
+def fp32_updates(ray_cluster, tiny_cfg, tiny_policy):
+    """One fp32 rank, three updates on `synthetic_batch()`: (metrics of each, the full state
+    after the first, after the third): the reference of gradient checkpointing and of bf16."""
+    _, placement, learners = make_learners(tiny_cfg.replace(**ONE_MINI_BATCH, **{"model.dtype": "float32"}),
+                                           tiny_policy, 1)
+    try:
+        metrics = [learners.update(synthetic_batch(), LossSpec())]
+        first = full_state(learners)
+        metrics += [learners.update(synthetic_batch(), LossSpec()) for _ in range(2)]
+        return metrics, first, full_state(learners)
+    finally:
+        learners.shutdown()
+        placement.remove()
+
+
+def test_gradient_checkpointing_takes_the_same_update(fp32_updates, tiny_cfg, tiny_policy):
+    metrics, state, _ = fp32_updates
+    cfg = tiny_cfg.replace(**ONE_MINI_BATCH, **{"model.dtype": "float32", "learner.gradient_checkpointing": True})
+    checkpointed, checkpointed_state = one_update(cfg, tiny_policy, 1)
+    assert checkpointed["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)
+    assert all(torch.allclose(state[n], checkpointed_state[n], atol=1e-6) for n in state)
 
 
 def optimizer_state_dtypes(learners: LearnerGroup) -> set[str]:
@@ -249,22 +272,19 @@ def test_bf16_compute_keeps_fp32_masters_that_move_at_a_paper_learning_rate(ray_
     assert {s.dtype for s in manifest.tensors} == {torch.bfloat16}  # the generators get bf16
 
 
-def test_three_bf16_steps_agree_with_fp32_within_bf16_tolerance(ray_cluster, tiny_cfg, tiny_policy):
+def test_three_bf16_steps_agree_with_fp32_within_bf16_tolerance(fp32_updates, tiny_cfg, tiny_policy):
     from safetensors.torch import load_file
 
-    runs = {}
-    for dtype in ("float32", "bfloat16"):
-        cfg = tiny_cfg.replace(**{"model.dtype": dtype, "learner.lr": 1e-3, "learner.warmup_steps": 0,
-                                  "algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 8})
-        _, placement, learners = make_learners(cfg, tiny_policy, 1)
-        try:
-            metrics = [learners.update(synthetic_batch(), LossSpec()) for _ in range(3)]
-            runs[dtype] = (metrics, full_state(learners))
-        finally:
-            learners.shutdown()
-            placement.remove()
+    m32, _, s32 = fp32_updates
+    _, placement, learners = make_learners(tiny_cfg.replace(**ONE_MINI_BATCH, **{"model.dtype": "bfloat16"}),
+                                           tiny_policy, 1)
+    try:
+        m16 = [learners.update(synthetic_batch(), LossSpec()) for _ in range(3)]
+        s16 = full_state(learners)
+    finally:
+        learners.shutdown()
+        placement.remove()
     original = load_file(f"{tiny_policy}/model.safetensors")
-    (m32, s32), (m16, s16) = runs["float32"], runs["bfloat16"]
     # bf16 carries 8 bits of mantissa: gradients agree to a few percent, and Adam, which
     # normalises each element's step, moves the weights in nearly the same direction. (How
     # close depends on the weights: measured 5.1% apart on the current tiny policy, within 5%

@@ -166,9 +166,11 @@ class MemoryPlan:
 
 
 def model_shape(cfg: Config, local_only: bool = True) -> ModelShape | None:
-    """The policy's shape: the embedded tiny policy's recipe, the checkpoint's config.json
-    from a folder or the local cache, the table of known models, or (unless `local_only`)
-    the config.json fetched from the hub; None when none of them can tell."""
+    """The policy's shape: the embedded tiny policy's recipe, the table of known models (the
+    published shapes of those hub ids: a dry run of a paper preset needs no transformers,
+    which takes seconds to import), the checkpoint's config.json from a folder or the local
+    cache, or (unless `local_only`) the config.json fetched from the hub; None when none of
+    them can tell."""
     if cfg.model.path == "tiny":
         from rayrep.models import tiny_spec
         from rayrep.models.recipe import padded_vocab_size
@@ -177,14 +179,14 @@ def model_shape(cfg: Config, local_only: bool = True) -> ModelShape | None:
         spec = tiny_spec(cfg)
         return ModelShape(padded_vocab_size(build_char_tokenizer()), spec.hidden_size, spec.intermediate_size,
                           spec.num_layers, spec.num_heads, spec.num_kv_heads, True)
+    if cfg.model.path in KNOWN_SHAPES:
+        return ModelShape.of(KNOWN_SHAPES[cfg.model.path])
     from rayrep.models import read_model_config
 
     try:
         return ModelShape.of(read_model_config(cfg.model.path, local_only=True))
     except InputError:
         pass
-    if cfg.model.path in KNOWN_SHAPES:
-        return ModelShape.of(KNOWN_SHAPES[cfg.model.path])
     if local_only:
         return None
     return ModelShape.of(read_model_config(cfg.model.path))
