@@ -36,9 +36,10 @@ def short_run(tiny_cfg, tiny_policy, tmp_path_factory) -> list[dict]:
     return read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A real local Ray cluster for one test module, stopped afterwards.
+@pytest.fixture(scope="session")
+def ray_session():
+    """One real local Ray cluster for the whole session, started by the first module that
+    asks for it and stopped at the end (a cluster's start and stop take about 6 s here).
 
     `address="local"` never attaches to some other cluster running on the machine. Four
     logical CPUs on a 2-core machine: the roles take turns, as in a real run.
@@ -48,6 +49,22 @@ def ray_cluster():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_session):
+    """The session's Ray cluster, whole again for each module: a module that leaves a
+    placement group behind fails when it ends (naming the groups), and its groups are
+    removed, so that the next module does not wait for CPUs that a leak holds."""
+    yield
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    left = {pg_id: info["name"] for pg_id, info in ray.util.placement_group_table().items()
+            if info["state"] != "REMOVED"}
+    for pg_id in left:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    assert not left, f"the module left placement groups behind: {sorted(left.values())}"
 
 
 def kill_and_wait(actor, timeout_s: float = 30.0) -> None:

@@ -17,22 +17,20 @@ CAPS = {"serve.max_tokens": 48, "serve.max_n": 4, "serve.max_prompts": 4, "serve
 
 
 @pytest.fixture(scope="module")
-def server(tiny_cfg, tiny_policy):
-    """The tiny policy served as "tiny" on a free port; Serve and Ray stopped afterwards."""
-    import ray
+def server(ray_cluster, tiny_cfg, tiny_policy):
+    """The tiny policy served as "tiny" on a free port of the session's Ray cluster; Serve
+    stopped afterwards."""
     from ray import serve
 
     from rayrep.serve.app import build_app
 
     cfg = tiny_cfg.replace(**CAPS, **{"serve.port": free_port()})
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         serve.run(build_app(cfg, tiny_policy, "tiny"), name="policy", route_prefix="/")
         yield f"http://{cfg.serve.host}:{cfg.serve.port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
