@@ -24,8 +24,12 @@ def ray_head(tiny_policy):
     """A Ray head started from the CLI; stopped through the process we started (never `ray stop`)."""
     temp_dir = tempfile.mkdtemp(prefix="rr-", dir="/tmp")  # short: Ray's unix sockets live here
     dashboard = free_port()
+    # The job agent's port is free too: the default (52365) is taken by any other Ray node on
+    # the machine (the suite's own cluster, say), and a head whose agent cannot listen takes
+    # no job ("No available agent to submit job").
     head = start_ray_node("--head", "--port", str(free_port()), "--dashboard-host", "127.0.0.1",
-                          "--dashboard-port", str(dashboard), "--temp-dir", temp_dir)
+                          "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port", str(free_port()),
+                          "--temp-dir", temp_dir)
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 120
