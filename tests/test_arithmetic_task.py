@@ -88,6 +88,10 @@ def test_prompts_ask_for_a_boxed_answer_and_have_stable_ids():
     assert all("\\boxed{}" in p.text for p in prompts)
     assert prompts[3].uid == "arith-test-3"
     assert prompts == arithmetic_prompts("test", 100, 20, seed=0)
+    # drawn on their own, the test prompts are make_splits' test split
+    assert prompts == [p.to_prompt("test", i) for i, p in enumerate(make_splits(100, 20, seed=0)[1])]
+    with pytest.raises(ValueError, match="only 100 distinct problems, fewer than the 150 test questions"):
+        arithmetic_prompts("test", 0, 150, seed=0, levels=("add1",))
     assert load_split(DataConfig(arithmetic_train_size=100, arithmetic_test_size=20), "test") == prompts
 
 

@@ -11,6 +11,7 @@ import os
 import ray
 
 from rayrep.config import Config
+from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
 from rayrep.sync.collective import WeightManifest
 from rayrep.types import Rollout
@@ -24,10 +25,11 @@ class GeneratorWorker:
     def __init__(self, cfg: Config, model_path: str, worker_index: int, threads: int, bundles: list[int],
                  version: int = 0):
         route_library_output()  # before vLLM starts: its notices go to the run's log file
-        import torch
+        with long_lived():
+            import torch
 
-        from rayrep.cluster.placement import pinned_cores
-        from rayrep.generator.engine import make_engine
+            from rayrep.cluster.placement import pinned_cores
+            from rayrep.generator.engine import make_engine
 
         cores = pinned_cores(cfg, "generator", worker_index, threads)
         if cores is not None:  # before any thread starts; vLLM binds its OpenMP threads (by default: to every core)

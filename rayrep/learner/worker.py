@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rayrep.config import Config
+from rayrep.heap import long_lived
 from rayrep.learner.logprobs import token_logprobs
 from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.learner.sums import MetricSums
@@ -106,9 +107,10 @@ class LearnerWorker:
         The weights load in fp32 whatever `model.dtype` is: they are the master weights that
         the optimizer updates; the sharding computes in `model.dtype` (mixed precision).
         """
-        from transformers import AutoModelForCausalLM
+        with long_lived():
+            from transformers import AutoModelForCausalLM
 
-        from rayrep.learner.sharding import make_sharding
+            from rayrep.learner.sharding import make_sharding
 
         cfg, rank, world_size = self.cfg, self.rank, self.world_size
         dist.init_process_group(

@@ -17,6 +17,7 @@ from rayrep.algos import AlgorithmInputs, check_inputs
 from rayrep.algos.interface import Algorithm
 from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
+from rayrep.heap import long_lived
 from rayrep.library_output import LIBRARY_LOG
 from rayrep.models import resolve_policy
 from rayrep.progress import Progress
@@ -58,11 +59,12 @@ class Run:
         any actor starts and before the run's folder is written; then the folder gets the
         config, and a resumed run its sampler position, evaluations and log up to its checkpoint."""
         policy = resolve_policy(cfg, log=log)
-        tokenizer = AutoTokenizer.from_pretrained(policy)
-        train_prompts, test_prompts = load_split(cfg.data, "train"), load_split(cfg.data, "test")
-        prompt_ids = dict(zip((p.uid for p in train_prompts),
-                              encode_prompts(tokenizer, train_prompts, cfg.data.max_prompt_tokens)))
-        test_ids = encode_prompts(tokenizer, test_prompts, cfg.data.max_prompt_tokens)
+        with long_lived():  # the prompt sets and their token ids: as long as the run
+            tokenizer = AutoTokenizer.from_pretrained(policy)
+            train_prompts, test_prompts = load_split(cfg.data, "train"), load_split(cfg.data, "test")
+            prompt_ids = dict(zip((p.uid for p in train_prompts),
+                                  encode_prompts(tokenizer, train_prompts, cfg.data.max_prompt_tokens)))
+            test_ids = encode_prompts(tokenizer, test_prompts, cfg.data.max_prompt_tokens)
         inputs = check_inputs(cfg, train_prompts, prompt_ids)
         folder = RunFolder.of(cfg)
         checkpoint, state = resume_point(cfg, folder) if resume else (None, None)
