@@ -7,8 +7,9 @@ Each measurement is a fresh Python process (as a generator actor is), alternatin
 builds round by round (this machine's speed drifts from one minute to the next):
 
 - **rayrep**: `make_engine` of the tiny preset: the KV cache sized through the engine's
-  `kv_cache_memory_bytes` (`generator.cpu_kv_cache_gib`: 0.25 GiB on the tiny presets) and
-  the sampler's small kernels eager (`torch.compiler.set_stance("force_eager")`);
+  `kv_cache_memory_bytes` (`generator.cpu_kv_cache_gib`: 0.25 GiB on the tiny presets), the
+  sampler's small kernels eager (`torch.compiler.set_stance("force_eager")`) and vLLM's
+  import frozen out of the garbage collector's walks (`rayrep.heap.long_lived`);
 - **defaults**: the same engine with the cache given as whole GiB through
   `VLLM_CPU_KVCACHE_SPACE=1` (the least it can say) and vLLM's sampler kernels compiled by
   inductor on the first call.
