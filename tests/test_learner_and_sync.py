@@ -9,7 +9,7 @@ import torch
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
-from rayrep.learner.worker import token_budget_batches
+from rayrep.learner.worker import mini_batches, rows_per_rank, token_budget_batches
 from rayrep.runtime.weights import WeightSync
 from rayrep.types import LossSpec, TrainBatch
 
@@ -204,6 +204,55 @@ def test_the_learning_rate_schedule_counts_rollouts_not_optimizer_steps(ray_clus
     # rollout 0, 1: warm-up 1/2, 2/2; then cosine over the 3 remaining rollouts: 1, 0.75, 0.25
     expected = [0.5, 1.0, 1.0, 0.75, 0.25]
     assert [m["lr"] for m in rates] == pytest.approx([1e-3 * f for f in expected])
+
+
+@pytest.mark.parametrize(("algorithm", "epochs"), [("grpo", 2), ("rlep", 1), ("exgrpo", 1)])
+def test_the_first_mini_batch_takes_its_old_logprobs_from_its_own_forward_pass(ray_cluster, tiny_cfg, tiny_policy,
+                                                                              algorithm, epochs):
+    """The update skips the old-log-prob pass over its first mini-batch (its weights have not
+    moved yet) and takes the same update as when every row's old log-probs come from a
+    separate pass first: GRPO over two epochs (the first mini-batch's own log-probs serve
+    the second epoch), RLEP's replays recomputed with the fresh answers, ExGRPO's replays
+    keeping their recorded log-probs under the shaped loss."""
+    cfg = tiny_cfg.replace(**{**TWO_MINI_BATCHES, "model.dtype": "float32", "learner.epochs": epochs,
+                              "learner.warmup_steps": 0})
+    batch = synthetic_batch(seed=5)
+    replayed = torch.arange(len(batch.replay_mask)) % 4 == 3  # one answer in four
+    loss = LossSpec()
+    if algorithm != "grpo":
+        batch.replay_mask = replayed
+    if algorithm == "exgrpo":
+        batch.recompute_old = ~replayed
+        loss = LossSpec(replay_loss="shaped", clip_fresh=False)
+
+    def old_logprobs_before_any_update(worker, batch: TrainBatch) -> torch.Tensor:
+        """The batch's old log-probs as a separate pass takes them, mini-batch by mini-batch
+        (run inside the learner actor): recomputed rows replaced, recorded rows kept."""
+        old = batch.old_logprobs.clone()
+        for prompts in mini_batches(batch.num_prompts, worker.cfg.learner.mini_batch_prompts):
+            rows, recomputed = worker._old_logprobs(batch, rows_per_rank(batch.prompt_index, prompts, worker.world_size))
+            keep = batch.recompute_old[rows]
+            old[rows[keep]] = recomputed[keep]
+        return old
+
+    results = []
+    for separate_pass in (False, True):
+        _, placement, learners = make_learners(cfg, tiny_policy, 1)
+        try:
+            trained = batch
+            if separate_pass:  # the reference: every old log-prob given, none recomputed
+                old = ray.get(learners.workers[0].__ray_call__.remote(old_logprobs_before_any_update, batch))
+                trained = TrainBatch(**{**vars(batch), "old_logprobs": old,
+                                        "recompute_old": torch.zeros_like(batch.recompute_old)})
+            results.append((learners.update(trained, loss), full_state(learners)))
+        finally:
+            learners.shutdown()
+            placement.remove()
+    (own, own_state), (separate, separate_state) = results
+    assert own["optimizer_steps"] == separate["optimizer_steps"] == 2 * epochs
+    for name in ("loss", "grad_norm", "approx_kl"):
+        assert own[name] == pytest.approx(separate[name], rel=1e-5, abs=1e-7), name
+    assert all(torch.allclose(own_state[n], separate_state[n], atol=1e-6) for n in own_state)
 
 
 # One mini-batch of 8 questions, lr 1e-3 from the first step.

@@ -225,29 +225,29 @@ class LearnerWorker:
         # update); the recorded log-probs stay as the behaviour policy's.
         recompute_old = torch.ones_like(batch.recompute_old) if loss.behaviour_cap is not None else batch.recompute_old
         start = time.perf_counter()
-        if recompute_old.any() and len(steps) * learner.epochs > 1:
-            # Later mini-batches see updated weights, so "old" must be taken before any update.
-            # (With a single optimizer step, the first forward pass is the old policy.)
-            for prompts in steps:
+        if recompute_old.any():
+            # Later mini-batches see updated weights, so their "old" must be taken before any
+            # update. The first mini-batch's weights have not moved when it is trained: its
+            # first forward pass is the old policy, and it takes its own (no separate pass).
+            for prompts in steps[1:]:
                 rows, recomputed = self._old_logprobs(batch, rows_per_rank(batch.prompt_index, prompts, self.world_size))
                 recompute = recompute_old[rows]
                 old_logprobs[rows[recompute]] = recomputed[recompute]
-            single_pass_old = False
-        else:
-            single_pass_old = True
         if self.rank == 0:
             sums.count("time_old_logprobs", time.perf_counter() - start)
             sums.add("lr", self.sharding.scheduler.get_last_lr()[0], 1.0)  # the rate of every step of this rollout
-        for _ in range(learner.epochs):
-            for prompts in steps:
-                self._step(batch, prompts, old_logprobs, recompute_old if single_pass_old else None, loss, sums)
+        for epoch in range(learner.epochs):
+            for index, prompts in enumerate(steps):
+                own_old = recompute_old if epoch == 0 and index == 0 else None
+                self._step(batch, prompts, old_logprobs, own_old, loss, sums)
         self.sharding.scheduler.step()  # the schedule counts rollouts, not optimizer steps
         return sums.state()
 
     def _step(self, batch, prompts: range, old_logprobs, recompute_now: torch.Tensor | None, loss: LossSpec,
               sums: MetricSums) -> None:
         """One optimizer step on the questions `prompts`. `recompute_now`: the rows whose old
-        log-probs are this pass's own (a rollout's single optimizer step), or None."""
+        log-probs are this pass's own (the first mini-batch of a rollout, before any update),
+        or None; their log-probs are kept in `old_logprobs` for the later epochs."""
         shares = rows_per_rank(batch.prompt_index, prompts, self.world_size)
         # The counts over every rank and micro-batch of this mini-batch.
         totals = mini_batch_totals(batch.response_mask[torch.cat(shares)], loss.agg, self.cfg.learner.micro_batch_size)
@@ -264,7 +264,10 @@ class LearnerWorker:
                 mask = torch.zeros_like(mask)
             old = old_logprobs[rows, :width].to(self.device)
             if recompute_now is not None:
-                old = torch.where(recompute_now[rows].to(self.device)[:, None], logp.detach(), old)
+                own = recompute_now[rows]
+                old = torch.where(own.to(self.device)[:, None], logp.detach(), old)
+                if not dummy:
+                    old_logprobs[rows[own], :width] = logp.detach()[own.to(self.device)].cpu()
             behaviour = batch.old_logprobs[rows, :width].to(self.device) if loss.behaviour_cap is not None else None
             value, metrics = policy_loss(
                 logp, old, batch.advantages[rows].to(self.device), mask, loss,
