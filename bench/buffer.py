@@ -11,8 +11,10 @@ per question), it fills a fresh buffer and measures:
   loads its pool; the test data are made beforehand and not timed);
 - RLEP: latency of `sample_answers` for 512 questions x M = 2 (the issue's target: under
   10 ms at 1M trajectories);
-- ExGRPO: latency of `sample_questions(64)` with K = 8 (bucket sizes asked of the shards,
-  then one call per shard), questions spread over buckets 1..7;
+- ExGRPO: latency of `sample_questions(64)` with K = 8 (one call per shard), questions
+  spread over buckets 1..7;
+- call floor: latency of a call to every shard actor that does nothing (`pid`), measured
+  beside the draws: what any draw across actors costs here before any work;
 - memory: `stats()["bytes"]`, and the growth of the memory of the process(es) holding the
   shards (this process for 0 shards, the shard actors otherwise): resident (RSS) and
   unique (USS: RSS without shared pages, such as Ray's object store mapped into an actor),
@@ -122,6 +124,7 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
     pick = random.Random(seed)
     rlep = timed(lambda: buffer.sample_answers([(uid, 2) for uid in pick.sample(uids, min(512, len(uids)))]), repeats)
     exgrpo = timed(lambda: buffer.sample_questions(64, K, "code"), repeats)
+    floor = timed(lambda: ray.get([shard.pid.remote() for shard in buffer.shards]), repeats) if shards else (0.0, 0.0)
     files = None
     if snapshot:
         directory = Path(tempfile.mkdtemp(prefix="bench-buffer-"))
@@ -150,7 +153,7 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
     raw = questions * answers * tokens * 8
     return {
         "shards": shards, "stored": questions * answers, "add_per_s": questions * answers / add_seconds,
-        "add_mb_per_s": raw / add_seconds / 1e6, "rlep": rlep, "exgrpo": exgrpo,
+        "add_mb_per_s": raw / add_seconds / 1e6, "rlep": rlep, "exgrpo": exgrpo, "floor": floor,
         "held": stats["bytes"], "raw": raw, "rss": rss_grown, "uss": uss_grown, "files": files,
     }
 
@@ -181,7 +184,7 @@ def main(argv=None):
     print(f"\nreplay buffer: {args.tokens}-token trajectories, {args.answers_per_question} per question; "
           f"latencies p50 / p90 over {args.repeats} calls; "
           f"raw = token ids + log-probs ({8 * args.tokens} B per trajectory)")
-    header = (f"{'shards':>8}{'stored':>11}{'add ans/s':>11}{'add MB/s':>10}{'RLEP 512x2 ms':>16}{'ExGRPO 64 ms':>15}"
+    header = (f"{'shards':>8}{'stored':>11}{'add ans/s':>11}{'add MB/s':>10}{'RLEP 512x2 ms':>16}{'ExGRPO 64 ms':>15}{'floor ms':>10}"
               f"{'held MB':>10}{'held/raw':>10}{'RSS+ MB':>10}{'RSS/raw':>9}{'USS+ MB':>10}{'USS/raw':>9}")
     print(header)
     print("-" * len(header))
@@ -189,7 +192,7 @@ def main(argv=None):
         shards = "in-proc" if r["shards"] == 0 else str(r["shards"])
         print(f"{shards:>8}{r['stored']:>11,}{r['add_per_s']:>11,.0f}{r['add_mb_per_s']:>10.0f}"
               f"{r['rlep'][0]:>9.2f} /{r['rlep'][1]:>5.1f}{r['exgrpo'][0]:>8.2f} /{r['exgrpo'][1]:>5.1f}"
-              f"{r['held'] / 1e6:>10.1f}{r['held'] / r['raw']:>10.3f}"
+              f"{r['floor'][0]:>10.2f}{r['held'] / 1e6:>10.1f}{r['held'] / r['raw']:>10.3f}"
               f"{r['rss'] / 1e6:>10.1f}{r['rss'] / r['raw']:>9.3f}{r['uss'] / 1e6:>10.1f}{r['uss'] / r['raw']:>9.3f}")
     if args.snapshot:
         print(f"\n{'shards':>8}{'stored':>11}{'snapshot s':>12}{'restore s':>11}{'files MB':>10}{'files/raw':>11}")

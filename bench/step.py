@@ -20,6 +20,14 @@ the generators sample the next steps while the learners update), compared with l
 `--vary FIELD V1 V2 ...` does the same for any config field, e.g. `--vary
 learner.micro_batch_tokens 0 2048` (each variant's share of padding in the update is
 printed too).
+
+Last, the learner against plain PyTorch (`--learner-only`: that alone): one step's rows
+(the task's first questions, `algorithm.group_size` answers each, of 10-36 random tokens:
+the tiny policy's answers average 23) trained by a learner group as a run trains them, and
+by a plain loop in this process over the same rows, micro-batches and loss (forward, the
+same log-prob and loss functions, backward; clip and AdamW per mini-batch), with as many
+threads; no actor, no sharding, no old-log-prob pass, no metrics. Alternating, trained
+tokens per second of each and their ratio.
 """
 
 import statistics
@@ -76,6 +84,7 @@ def main(argv=None):
                         help="compare these run.max_policy_lag values of the first algorithm instead")
     parser.add_argument("--vary", nargs="+", metavar=("FIELD", "VALUE"),
                         help="compare these values of one config field for the first algorithm instead")
+    parser.add_argument("--learner-only", action="store_true", help="only the learner against plain PyTorch")
     args, cfg = parse_job_args(parser, argv)
     stamp = int(time.time())
     cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": f"runs/bench-step-{stamp}"})
@@ -84,6 +93,9 @@ def main(argv=None):
     from rayrep.pipelines.collect import collect_pool
     from rayrep.train import train
 
+    if args.learner_only:
+        learner_against_plain(cfg, resolve_policy(cfg, log=lambda _: None), max(4, args.rounds))
+        return
     names = args.algorithms.split(",")
     variants = {
         "grpo": {"algorithm.name": "grpo"},
@@ -139,6 +151,96 @@ def main(argv=None):
     print(f"\nweight sync of {size / 1e6:.1f} MB: {sync:.3f} GB/s; in-memory copy of the same bytes: "
           f"{copy:.2f} GB/s; ratio sync/copy = {sync / copy:.4f}")
     print(f"generated tokens/s (median): {statistics.median(r['tokens_per_second'] for r in records):.0f}")
+    learner_against_plain(cfg, resolve_policy(cfg, log=lambda _: None), max(4, args.rounds))
+
+
+def one_step_of_rows(cfg, policy: str):
+    """A TrainBatch shaped as one step of `cfg`: real prompts, random answers of 10-36 tokens."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from rayrep.data import encode_prompts, load_split
+    from rayrep.types import TrainBatch
+
+    algo, rng = cfg.algorithm, random.Random(0)
+    prompts = encode_prompts(AutoTokenizer.from_pretrained(policy), load_split(cfg.data, "train")[: algo.prompts_per_step],
+                             cfg.data.max_prompt_tokens)
+    rows = [(q, ids, [rng.randrange(3, 259) for _ in range(rng.randint(10, 36))])
+            for q, ids in enumerate(prompts) for _ in range(algo.group_size)]
+    return TrainBatch.of_sequences([p for _, p, _ in rows], [r for _, _, r in rows], [q for q, _, _ in rows],
+                                   logprobs=[[-3.0] * len(r) for _, _, r in rows],
+                                   advantages=[rng.uniform(-1.5, 1.5) for _ in rows], recompute_old=[True] * len(rows))
+
+
+def plain_update(model, optimizer, batch, cfg, loss) -> None:
+    """The update as plain PyTorch does it: per mini-batch, forward and backward of each
+    micro-batch (old log-probs: the pass's own), then clip and step."""
+    from rayrep.learner.logprobs import token_logprobs
+    from rayrep.learner.loss import mini_batch_totals, policy_loss
+    from rayrep.learner.worker import micro_batches, mini_batches, rows_per_rank
+
+    learner = cfg.learner
+    for prompts in mini_batches(batch.num_prompts, learner.mini_batch_prompts):
+        rows = rows_per_rank(batch.prompt_index, prompts, 1)[0]
+        totals = mini_batch_totals(batch.response_mask[rows], loss.agg, learner.micro_batch_size)
+        for chunk in micro_batches(rows, max(1, -(-len(rows) // learner.micro_batch_size))):
+            width = int(batch.lengths[chunk].max())
+            ids = batch.input_ids[chunk, :width]
+            attention = torch.arange(width)[None, :] < batch.lengths[chunk, None]
+            logits = model(input_ids=ids, attention_mask=attention.long()).logits
+            logp, entropy = token_logprobs(logits, ids, batch.temperature, "detached", learner.logit_chunk_tokens)
+            value, _ = policy_loss(logp, logp.detach(), batch.advantages[chunk], batch.response_mask[chunk, :width], loss,
+                                   entropy=entropy, totals=totals)
+            value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), learner.grad_clip or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def learner_against_plain(cfg, policy: str, rounds: int) -> None:
+    """Trained tokens per second of a one-rank learner group's update and of `plain_update`
+    on the same rows, alternating; prints both and their ratio."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from rayrep.cluster.placement import Placement, make_plan
+    from rayrep.learner.group import LearnerGroup
+    from rayrep.types import LossSpec
+
+    cfg = cfg.replace(**{"learner.num_workers": 1, "generator.num_workers": 1, "verifier.num_workers": 0})
+    batch, loss = one_step_of_rows(cfg, policy), LossSpec()
+    tokens = float(batch.response_mask.sum())
+    torch.set_num_threads(cfg.placement.threads)
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    model.config.use_cache = False
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    placement = Placement(make_plan(cfg))
+    learners = LearnerGroup(cfg, policy, placement)
+    times: dict[str, list[float]] = {"learner": [], "plain": []}
+    try:
+        for round_index in range(rounds + 1):  # the first round warms both up, unmeasured
+            for name in ("learner", "plain") if round_index % 2 == 0 else ("plain", "learner"):
+                start = time.perf_counter()
+                if name == "learner":
+                    learners.update(batch, loss)
+                else:
+                    plain_update(model, optimizer, batch, cfg, loss)
+                if round_index:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        learners.shutdown()
+        placement.remove()
+        ray.shutdown()
+    learner, plain = (statistics.median(times[n]) for n in ("learner", "plain"))
+    print(f"\nthe update of one step ({len(batch.lengths)} rows, {tokens:.0f} trained tokens, mini-batches of "
+          f"{cfg.learner.mini_batch_prompts} questions, {cfg.placement.threads} threads), median of {rounds}:")
+    print(f"{'':<14}{'s':>8}{'tokens/s':>10}")
+    print(f"{'learner':<14}{learner:>8.3f}{tokens / learner:>10.0f}")
+    print(f"{'plain PyTorch':<14}{plain:>8.3f}{tokens / plain:>10.0f}")
+    print(f"learner / plain tokens per second: {plain / learner:.3f}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,21 @@ def test_two_ranks_take_the_same_update_as_one(one_rank_update, tiny_cfg, tiny_p
     assert moved > 1e-4  # the update really changed the weights
 
 
+def test_shared_prompts_take_the_same_update_as_whole_rows(one_rank_update, tiny_cfg, tiny_policy):
+    """Each prompt computed once per micro-batch, its answers attending to its cached keys
+    (the default on one fp32 rank), against every row computed whole: the same loss,
+    gradients and weights to float round-off. Two mini-batches, so the old-log-prob pass
+    over the second takes shared prompts too."""
+    (shared, s1) = one_rank_update
+    whole, s2 = one_update(tiny_cfg.replace(**{**TWO_MINI_BATCHES, "learner.shared_prompts": False}), tiny_policy, 1)
+    assert shared["optimizer_steps"] == whole["optimizer_steps"] == 2
+    for name in ("loss", "grad_norm", "approx_kl", "fresh_entropy"):
+        assert shared[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-6), name
+    diff = torch.cat([(s1[name] - s2[name]).abs().flatten() for name in s1])
+    assert diff.max() <= 2 * 2 * 1e-3  # Adam: an element whose gradient is round-off may move either way
+    assert (diff > 1e-5).float().mean() < 1e-3
+
+
 def test_fsdp2_reduce_scatters_every_micro_batch(tmp_path, tiny_cfg, tiny_policy):
     """After a micro-batch that is not a mini-batch's last, every parameter already holds its
     gradient shard: FSDP2 reduce-scattered it, and no rank keeps the model's unsharded fp32
@@ -264,7 +279,10 @@ ONE_MINI_BATCH = {"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts":
 def fp32_updates(ray_cluster, tiny_cfg, tiny_policy):
     """One fp32 rank, three updates on `synthetic_batch()`: (metrics of each, the full state
     after the first, after the third): the reference of gradient checkpointing and of bf16."""
-    _, placement, learners = make_learners(tiny_cfg.replace(**ONE_MINI_BATCH, **{"model.dtype": "float32"}),
+    # Rows whole, as gradient checkpointing and bf16 (FSDP2) compute them: the same
+    # arithmetic, so that the comparisons below are of one change at a time.
+    _, placement, learners = make_learners(tiny_cfg.replace(**ONE_MINI_BATCH, **{"model.dtype": "float32",
+                                                                                 "learner.shared_prompts": False}),
                                            tiny_policy, 1)
     try:
         metrics = [learners.update(synthetic_batch(), LossSpec())]

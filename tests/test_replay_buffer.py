@@ -404,7 +404,7 @@ def test_sample_questions_bucket_frequencies_in_process(scale):
     assert sizes == [{k: 200 for k in range(1, K)}]
     draws = []
     for _ in range(6000):
-        (uid,) = buffer.sample_questions(1, K, scale, shard_buckets=sizes)
+        (uid,) = buffer.sample_questions(1, K, scale)
         draws.append(uid)
     assert_bucket_frequencies(draws, buckets, scale)
     # Uniform within a bucket: bucket 4's 200 questions, each about equally often.
@@ -426,6 +426,44 @@ def test_sample_questions_without_replacement_and_exhaustion():
     assert ReplayBuffer(0, 4).sample_questions(5, K, "code") == []
 
 
+def test_a_shards_bucket_index_follows_its_questions_and_draws_as_a_sorted_scan():
+    """A shard's per-bucket index, through bucket moves, retirements and a restore, holds what
+    a scan of its questions finds; a seeded offer is what `random.sample` of each bucket's
+    sorted ids (without the excluded ones) draws with the same seed, in its order."""
+    import random
+
+    rng = random.Random(11)
+    shard = ReplayShard(CAP, seed=3)
+    uids = [f"q{i:03d}" for i in range(120)]
+    rng.shuffle(uids)  # arriving out of id order
+    shard.add_packed(PackedAnswers.pack([(uid, prompt(1), answers_of(1, 1)) for uid in uids]))
+
+    def scan(exclude=()) -> dict[int, list[str]]:
+        members: dict[int, list[str]] = {}
+        for uid, entry in shard.questions.items():
+            if entry.bucket >= 0 and uid not in exclude:
+                members.setdefault(entry.bucket, []).append(uid)
+        return {k: sorted(v) for k, v in members.items()}
+
+    for round_ in range(4):
+        shard.set_buckets({uid: rng.randrange(-1, K + 1) for uid in rng.sample(uids, 60)})
+        shard.retire(rng.sample(sorted(shard.questions), 5))
+        if round_ == 2:  # a restored shard indexes what it restored
+            exported = shard.export()
+            shard = ReplayShard(CAP, seed=3)
+            shard.restore(exported["questions"], exported["retired"], exported["evicted"])
+        exclude = rng.sample(sorted(shard.questions) + ["not-held"], 20)
+        members = scan(exclude)
+        assert shard.bucket_sizes(exclude) == {k: len(v) for k, v in members.items()}
+        count, wanted = rng.randrange(1, 20), [1, 3, 4, 5, 7]
+        expected_rng = np.random.default_rng(round_)
+        expected = {k: [members[k][i] for i in expected_rng.choice(len(members[k]), min(count, len(members[k])),
+                                                                    replace=False).tolist()]
+                    for k in sorted(members) if k in wanted}
+        sizes, offers = shard.offer_questions(count, wanted, seed=round_, exclude=exclude)
+        assert sizes == {k: len(members[k]) for k in expected} and offers == expected
+
+
 def test_exhausted_buckets_renormalise_over_the_rest():
     """Bucket 4 and bucket 3 hold one question each, bucket 2 many; draw two.
 
@@ -440,11 +478,10 @@ def test_exhausted_buckets_renormalise_over_the_rest():
     sizes = buffer.bucket_sizes()
     trials, both = 8000, 0
     for _ in range(trials):
-        drawn = buffer.sample_questions(2, K, "code", shard_buckets=sizes)
+        drawn = buffer.sample_questions(2, K, "code")
         assert len(set(drawn)) == 2
         both += {"four", "three"} <= set(drawn)
     assert abs(both / trials - expected) <= binomial_tolerance(trials, expected), (both / trials, expected)
-    assert sorted(buffer.sample_questions(3, K, "code", shard_buckets=[{4: 1, 3: 1}])) == ["four", "three"]
 
 
 @pytest.mark.parametrize("shards", [2, 3])
@@ -456,7 +493,7 @@ def test_sample_questions_across_ray_shards(buffers, shards):
         assert sum(s.get(k, 0) for s in sizes) == 30
     draws = []
     for _ in range(1200):
-        (uid,) = buffer.sample_questions(1, K, "code", shard_buckets=sizes)
+        (uid,) = buffer.sample_questions(1, K, "code")
         draws.append(uid)
     assert_bucket_frequencies(draws, buckets, "code")
     # Uniform within bucket 4 whichever shard holds the question: shards drawn by their share.

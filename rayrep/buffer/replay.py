@@ -198,39 +198,32 @@ class ReplayBuffer:
         results = self._call(lambda shard: shard.bucket_sizes, {s: (excluded[s],) for s in self._all})
         return [results[s] for s in self._all]
 
-    def sample_questions(self, count: int, K: int, scale: str, shard_buckets: list[dict[int, int]] | None = None,
-                         exclude: frozenset[str] = frozenset()) -> list[str]:
+    def sample_questions(self, count: int, K: int, scale: str, exclude: frozenset[str] = frozenset()) -> list[str]:
         """`count` questions (or all there are) drawn by ExGRPO's bucketed scheme, none of
         them in `exclude` (questions already in this step).
 
         Each draw picks a bucket with probability proportional to its weight (among
         buckets with questions left), then a question of that bucket uniformly without
-        replacement, whichever shard holds it. The draws are planned here from the shards'
-        bucket sizes, then each shard is asked once for its share.
+        replacement, whichever shard holds it. One call per shard: each offers its bucket
+        sizes and up to `count` of each bucket's questions in a random order; here the
+        draws are counted per bucket (`bucket_counts`), each bucket's split over the shards
+        as a uniform draw over all its questions splits (multivariate hypergeometric), and
+        each shard's part taken from the front of its offer.
         """
-        excluded = self._excluded(exclude)
-        shard_buckets = shard_buckets if shard_buckets is not None else self.bucket_sizes(exclude)
         weights = bucket_weights(K, scale)
-        left = {(s, k): n for s, sizes in enumerate(shard_buckets) for k, n in sizes.items() if k in weights and n > 0}
-        plan: dict[int, dict[int, int]] = {}
-        for _ in range(count):
-            totals: dict[int, int] = {}
-            for (s, k), n in left.items():
-                totals[k] = totals.get(k, 0) + n
-            if not totals:
-                break
-            buckets = sorted(totals)
-            k = self.rng.choices(buckets, weights=[weights[b] for b in buckets])[0]
-            # Uniform over the bucket's questions across shards: pick a shard by its share.
-            shards = sorted(s for (s, b) in left if b == k)
-            s = self.rng.choices(shards, weights=[left[(s, k)] for s in shards])[0]
-            plan.setdefault(s, {})[k] = plan.get(s, {}).get(k, 0) + 1
-            left[(s, k)] -= 1
-            if left[(s, k)] == 0:
-                del left[(s, k)]
-        seeds = self.rng.getrandbits(63)
-        results = self._call(lambda shard: shard.sample_questions, {s: (per_bucket, seeds + s, excluded[s]) for s, per_bucket in plan.items()})
-        return [uid for s in sorted(results) for uid in results[s]]
+        excluded = self._excluded(exclude)
+        offer_seed, plan_seed = self.rng.getrandbits(63), self.rng.getrandbits(63)
+        offers = self._call(lambda shard: shard.offer_questions,
+                            {s: (count, sorted(weights), offer_seed + s, excluded[s]) for s in self._all})
+        sizes = {k: [offers[s][0].get(k, 0) for s in self._all] for k in sorted(weights)}
+        rng = np.random.default_rng(plan_seed)
+        chosen = []
+        for k, n in bucket_counts(rng, count, {k: sum(per_shard) for k, per_shard in sizes.items()}, weights).items():
+            split = rng.multivariate_hypergeometric(sizes[k], n) if len(sizes[k]) > 1 else [n]
+            for s, taken in zip(self._all, split):
+                if taken:
+                    chosen += offers[s][1][k][:taken]
+        return chosen
 
     def stats(self, now_step: int | None = None) -> dict:
         results = self._call(lambda shard: shard.stats, {s: (now_step,) for s in self._all})
@@ -303,6 +296,29 @@ class ReplayBuffer:
         if not self.in_process:
             for shard in self.shards:
                 ray.kill(shard)
+
+
+def bucket_counts(rng: np.random.Generator, count: int, available: dict[int, int],
+                  weights: dict[int, float]) -> dict[int, int]:
+    """How many of `count` draws take a question of each bucket, when every draw picks a
+    bucket with probability proportional to its weight among the buckets with questions
+    left (`available[k]` at first). Drawn in bulk: the picks stand up to the first that
+    finds its bucket empty; the rest are drawn again over the buckets left."""
+    counts = {k: 0 for k in sorted(available)}
+    open_buckets = [k for k in counts if available[k] > 0]
+    left = count
+    while left and open_buckets:
+        p = np.array([weights[k] for k in open_buckets], np.float64)
+        picks = rng.choice(len(open_buckets), size=left, p=p / p.sum())
+        room = np.array([available[k] - counts[k] for k in open_buckets])
+        over = (np.cumsum(np.eye(len(open_buckets), dtype=np.int64)[picks], axis=0) > room).any(axis=1)
+        stand = int(over.argmax()) if over.any() else left
+        for index, n in enumerate(np.bincount(picks[:stand], minlength=len(open_buckets)).tolist()):
+            counts[open_buckets[index]] += n
+        left -= stand
+        if stand < len(picks):  # that bucket is empty now
+            open_buckets.remove(open_buckets[picks[stand]])
+    return {k: n for k, n in counts.items() if n}
 
 
 def merge_stats(parts: list[dict]) -> dict:

@@ -7,14 +7,15 @@ It serves both replay methods:
 - RLEP: `sample_packed` draws M stored successes of given questions uniformly without
   replacement (what it has when a question has fewer than M: never placeholders).
 - ExGRPO: questions carry the latest number of correct answers k out of K (their
-  bucket); `sample_questions` takes given numbers of questions per bucket, uniformly
-  without replacement; `retire` removes a question forever.
+  bucket, indexed: `BucketIndex`); `offer_questions` offers each bucket's questions in a
+  uniformly random order for the client's draw; `retire` removes a question forever.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from bisect import bisect_left, insort
 
 import numpy as np
 import ray
@@ -22,6 +23,39 @@ import ray
 from rayrep.buffer.answers import PackedAnswers, QuestionAnswers, cumulative_offsets
 from rayrep.buffer.store import AnswerStore, StoredQuestion
 from rayrep.library_output import route_library_output
+
+
+class BucketIndex:
+    """The ids of a shard's questions in each bucket, each bucket's kept sorted as questions
+    move: a bucket's size, and a uniform draw from it in id order (a shard restored from a
+    snapshot must draw what the original would have), without a pass over the shard."""
+
+    def __init__(self):
+        self.members: dict[int, list[str]] = {}
+
+    def move(self, uid: str, old: int, new: int) -> None:
+        """Question `uid` leaves bucket `old` for bucket `new` (-1: none)."""
+        if old == new:
+            return
+        if old >= 0:
+            members = self.members[old]
+            del members[bisect_left(members, uid)]
+        if new >= 0:
+            insort(self.members.setdefault(new, []), uid)
+
+    def sizes(self) -> dict[int, int]:
+        return {k: len(members) for k, members in self.members.items() if members}
+
+    def sample(self, rng: np.random.Generator, k: int, count: int, excluded: list[str]) -> list[str]:
+        """Up to `count` ids of bucket `k` uniformly without replacement, in a random order,
+        none of `excluded` (members of bucket k): indexes drawn into the bucket's sorted ids
+        without the excluded ones, each moved past the excluded positions before it."""
+        members = self.members.get(k, [])
+        skipped = np.sort(np.array([bisect_left(members, uid) for uid in excluded], np.int64))
+        left = len(members) - len(skipped)
+        picks = rng.choice(left, size=min(count, left), replace=False)
+        picks += np.searchsorted(skipped - np.arange(len(skipped)), picks, side="right")
+        return [members[i] for i in picks.tolist()]
 
 
 class ReplayShard:
@@ -33,6 +67,7 @@ class ReplayShard:
         """Stored answers kept per question, the oldest evicted beyond it; 0: no cap."""
         self.store = AnswerStore()
         self.questions: dict[str, StoredQuestion] = {}
+        self.buckets = BucketIndex()
         self.retired: set[str] = set()
         self.rng = random.Random(seed)
         self.evicted = 0
@@ -97,8 +132,10 @@ class ReplayShard:
     def set_buckets(self, counts: dict[str, int]) -> None:
         """Record each question's latest number of correct answers (its ExGRPO bucket)."""
         for uid, k in counts.items():
-            if uid in self.questions:
-                self.questions[uid].bucket = k
+            entry = self.questions.get(uid)
+            if entry is not None:
+                self.buckets.move(uid, entry.bucket, k)
+                entry.bucket = k
 
     def retire(self, uids: list[str]) -> int:
         """Remove questions forever: their answers go, and later adds are refused."""
@@ -107,6 +144,7 @@ class ReplayShard:
             entry = self.questions.pop(uid, None)
             if entry is not None:
                 self.store.drop(entry.rows)
+                self.buckets.move(uid, entry.bucket, -1)
                 removed += 1
             self.retired.add(uid)
         self._compact_if_holey()
@@ -160,30 +198,32 @@ class ReplayShard:
         rows = np.array([self.questions[uid].rows[i] for uid, i in zip(uids, positions)], np.int64)
         return self.store.gather(uids, [1] * len(uids), rows)
 
+    def _excluded_by_bucket(self, exclude: list[str]) -> dict[int, list[str]]:
+        by_bucket: dict[int, list[str]] = {}
+        for uid in set(exclude):
+            entry = self.questions.get(uid)
+            if entry is not None and entry.bucket >= 0:
+                by_bucket.setdefault(entry.bucket, []).append(uid)
+        return by_bucket
+
     def bucket_sizes(self, exclude: list[str] = ()) -> dict[int, int]:
         """Questions per bucket (those in `exclude` not counted)."""
-        left_out = set(exclude)
-        sizes: dict[int, int] = {}
-        for uid, entry in self.questions.items():
-            if entry.bucket >= 0 and uid not in left_out:
-                sizes[entry.bucket] = sizes.get(entry.bucket, 0) + 1
-        return sizes
+        sizes = self.buckets.sizes()
+        for k, uids in self._excluded_by_bucket(exclude).items():
+            sizes[k] -= len(uids)
+        return {k: n for k, n in sizes.items() if n}
 
-    def sample_questions(self, per_bucket: dict[int, int], seed: int | None = None, exclude: list[str] = ()) -> list[str]:
-        """`per_bucket[k]` questions of bucket k each, uniformly without replacement, none in `exclude`."""
-        rng = random.Random(seed) if seed is not None else self.rng
-        left_out = set(exclude)
-        members: dict[int, list[str]] = {}
-        for uid, entry in self.questions.items():
-            if entry.bucket in per_bucket and uid not in left_out:
-                members.setdefault(entry.bucket, []).append(uid)
-        chosen = []
-        for k in sorted(per_bucket):
-            # In id order, not the order questions arrived in: a shard restored from a
-            # snapshot (a resumed run) then draws exactly what the original one would have.
-            pool = sorted(members.get(k, []))
-            chosen += rng.sample(pool, min(per_bucket[k], len(pool)))
-        return chosen
+    def offer_questions(self, count: int, buckets: list[int], seed: int, exclude: list[str] = ()
+                        ) -> tuple[dict[int, int], dict[int, list[str]]]:
+        """This shard's part of a draw of up to `count` questions from `buckets`, none in
+        `exclude`: (questions per bucket, and up to `count` of each bucket's in a uniformly
+        random order). Any first n of a bucket's offer are n of its questions drawn
+        uniformly without replacement, so the caller takes them in order as it plans the
+        draw over every shard: one call per shard."""
+        rng = np.random.default_rng(seed)
+        excluded = self._excluded_by_bucket(exclude)
+        sizes = {k: n for k, n in self.bucket_sizes(exclude).items() if k in set(buckets)}
+        return sizes, {k: self.buckets.sample(rng, k, count, excluded.get(k, [])) for k in sorted(sizes)}
 
     def stats(self, now_step: int | None = None) -> dict:
         """Counts; `bytes`: the live answers' arrays (8 bytes per token, 29 per answer) plus
@@ -230,9 +270,11 @@ class ReplayShard:
         self.store = AnswerStore()
         self.store.reserve(sum(len(entry.tokens) for _, entry in questions), sum(len(entry) for _, entry in questions))
         self.questions = {}
+        self.buckets = BucketIndex()
         for uid, entry in questions:
             stored = self.questions[uid] = StoredQuestion(entry.prompt_ids, entry.bucket)
             stored.rows = self.store.append_question(entry)
+            self.buckets.move(uid, -1, entry.bucket)
         self.retired = set(retired)
         self.evicted = evicted
         self.in_id_order = [uid for uid, _ in questions] == sorted(uid for uid, _ in questions)

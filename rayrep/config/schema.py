@@ -133,6 +133,7 @@ class LearnerConfig:
     logit_chunk_tokens: int = option(1024, "tokens whose log-probs and entropies are computed at once from the logits, in fp32 (the logits themselves stay in model.dtype): bounds that working memory to about 4 x this x vocab x 4 bytes", min=1)
     epochs: int = option(1, "passes over each rollout batch", min=1)
     gradient_checkpointing: bool = option(False, "keep only each layer's input for backward and recompute the rest (the paper presets: on)")
+    shared_prompts: bool = option(True, "forward passes compute each prompt of a micro-batch once, its answers attending to it (a question's G answers share their prompt; the same log-probs, fewer positions); where ranks hold whole parameters (one fp32 rank, DeepSpeed), without gradient checkpointing; else every row whole")
     clip_low: float = option(0.2, "PPO clip range below 1 (1 - eps_low)", min=0.0, max=0.999)
     clip_high: float = option(0.28, "PPO clip range above 1 (clip-higher, 1 + eps_high)", min=0.0)
     dual_clip: float = option(10.0, "dual-clip bound c for negative advantages (0 disables)", min=0.0)

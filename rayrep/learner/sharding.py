@@ -1,4 +1,5 @@
-"""How a learner rank shards the policy and applies its gradients: FSDP2 or DeepSpeed ZeRO-2.
+"""How a learner rank shards the policy and applies its gradients: FSDP2 or DeepSpeed ZeRO-2,
+or, for a single fp32 rank, nothing at all (`OneRank`).
 
 Both give the worker the same things, so the training loop is written once: `model`
 (call it, `.train()`/`.eval()` it), `module` (the Hugging Face model inside, for names
@@ -32,6 +33,12 @@ class Sharding(Protocol):
 
     model: torch.nn.Module
     """The module to call (and `.train()` / `.eval()`): the sharded model or its engine."""
+    whole_parameters: bool
+    """Whether every parameter is whole on this rank while the model runs, so that a
+    micro-batch may take several forward calls that share tensors before its backward
+    (the learner's shared prompts). FSDP2 regathers each layer per call and frees it after,
+    and a tensor carried from one call into the next (a prompt's keys and values) reaches
+    backward with no hook of FSDP2's to gather that layer again."""
     module: torch.nn.Module
     """The Hugging Face model inside, for parameter names and global shapes."""
     optimizer: torch.optim.Optimizer
@@ -86,6 +93,8 @@ class FSDP2Sharding:
     all-gather casts them to the compute dtype for forward and backward, and gradients are
     reduce-scattered in fp32. At lr 1e-6 a bf16 parameter would round most updates away.
     """
+
+    whole_parameters = False
 
     def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
@@ -215,6 +224,28 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+class OneRank(FSDP2Sharding):
+    """A single fp32 learner rank: the model itself, trained as plain PyTorch trains it.
+
+    One rank has nothing to shard and fp32 nothing to cast: FSDP2 would only copy every
+    parameter into its all-gather buffer and out again on each forward and backward, and
+    run the optimizer over DTensors. Checkpoints are FSDP2's of one rank (its shard is the
+    whole tensor), so a group of any size loads them and this rank loads theirs. A bf16
+    rank stays with FSDP2, whose mixed precision casts the fp32 masters for the compute.
+    """
+
+    whole_parameters = True
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device):
+        model.to(device)
+        self.model = self.module = model
+        self.world_size = 1
+        self.cpu_group = None
+        self.optimizer, self.scheduler = make_optimizer(model, cfg)
+        self.grad_clip = cfg.learner.grad_clip
+        self.skip_above = cfg.learner.skip_grad_norm_above
+
+
 class DeepSpeedSharding:
     """DeepSpeed ZeRO stage 2: gradients and optimizer state sharded, parameters whole on every rank.
 
@@ -225,6 +256,8 @@ class DeepSpeedSharding:
     compute dtype, DeepSpeed's bf16 mode keeps fp32 master weights in the optimizer's
     partitions and bf16 copies in the module.
     """
+
+    whole_parameters = True  # ZeRO-2 partitions gradients and optimizer state only
 
     def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device):
         # Ray gives each learner actor its own device, so the local rank is always 0; the
@@ -274,5 +307,7 @@ class DeepSpeedSharding:
 
 
 def make_sharding(strategy: str, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device) -> Sharding:
+    if strategy == "fsdp2" and world_size == 1 and compute_dtype(cfg) == torch.float32:
+        return OneRank(model, cfg, world_size, device)
     kinds: dict[str, type[Sharding]] = {"fsdp2": FSDP2Sharding, "deepspeed": DeepSpeedSharding}
     return kinds[strategy](model, cfg, world_size, device)

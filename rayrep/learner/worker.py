@@ -1,7 +1,8 @@
 """LearnerWorker: one data-parallel rank of the policy's training group (a Ray actor).
 
 W workers form one `torch.distributed` group (gloo on CPU, NCCL on GPU) and shard the
-policy with FSDP2 or DeepSpeed ZeRO-2 (`rayrep/learner/sharding.py`). Every rank receives
+policy with FSDP2 or DeepSpeed ZeRO-2 (`rayrep/learner/sharding.py`; a single fp32 rank
+trains the model itself, as plain PyTorch does). Every rank receives
 the whole `TrainBatch` (one object ref) and picks its own rows, so the split needs no
 communication and every rank knows the mini-batch's global token count, which makes
 token-mean exact across ranks and micro-batches.
@@ -148,6 +149,8 @@ class LearnerWorker:
         if dummy:
             rows = torch.zeros(1, dtype=torch.long)
         width = int(batch.lengths[rows].max())
+        if self._shares_prompts(batch):
+            return (*self._forward_shared_prompts(batch, rows, entropy, width), width, dummy)
         ids = batch.input_ids[rows, :width].to(self.device)
         attention = (torch.arange(width)[None, :] < batch.lengths[rows, None]).to(self.device)
         logits = self.sharding.model(input_ids=ids, attention_mask=attention.long()).logits  # model.dtype
@@ -156,6 +159,74 @@ class LearnerWorker:
         token_logp, token_entropy = token_logprobs(logits, ids, batch.temperature, entropy,
                                                    self.cfg.learner.logit_chunk_tokens)
         return token_logp, token_entropy, width, dummy
+
+    def _shares_prompts(self, batch: TrainBatch) -> bool:
+        """Whether forward passes over `batch` compute each prompt once: asked of the whole
+        batch, so that every rank makes the same forward calls (FSDP2 gathers the weights
+        in each). Not with gradient checkpointing (its layers drop a cache), nor for a
+        batch with a one-token prompt or an empty response, nor where a rank does not hold
+        whole parameters (`Sharding.whole_parameters`: FSDP2 over several ranks or in bf16)."""
+        learner = self.cfg.learner
+        if not (learner.shared_prompts and self.sharding.whole_parameters) or learner.gradient_checkpointing:
+            return False
+        starts = batch.response_mask.to(torch.int8).argmax(1)
+        return bool((starts >= 2).all()) and bool((batch.lengths > starts).all())
+
+    def _forward_shared_prompts(self, batch: TrainBatch, rows: torch.Tensor, entropy: Entropy, width: int):
+        """`_forward`'s ([n, width] log-probs, entropies or None) with each distinct prompt of
+        `rows` computed once: a question's answers share their prompt, which is often most
+        of a row (on the tiny task, 34 of 56 tokens, for G = 8 answers each).
+
+        Pass 1 runs every distinct prompt but its last token and keeps its keys and values
+        (a `DynamicCache`, in the graph); pass 2 runs each row's last prompt token and
+        response, its queries attending to its own prompt's cached keys (picked per row, so
+        the gradient of every answer flows back into the one prompt pass) and causally to
+        its own tokens. Positions and masks are each row's own, so the log-probs are the
+        whole-row pass's up to round-off."""
+        from transformers import DynamicCache
+
+        starts = batch.response_mask[rows].to(torch.int8).argmax(1)  # first response position = prompt length
+        ends = batch.lengths[rows]
+        keys = [tuple(batch.input_ids[row, : start - 1].tolist()) for row, start in zip(rows.tolist(), starts.tolist())]
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = torch.tensor([distinct.setdefault(key, len(distinct)) for key in keys])
+        prefix_width = max(map(len, distinct))
+        prefix_ids = torch.zeros(len(distinct), prefix_width, dtype=torch.long)
+        prefix_lengths = torch.tensor([len(key) for key in distinct])
+        for index, key in enumerate(distinct):
+            prefix_ids[index, : len(key)] = torch.tensor(key)
+        model, device = self.sharding.model, self.device
+        cache = DynamicCache(config=self.sharding.module.config)
+        prefix_attention = (torch.arange(prefix_width)[None, :] < prefix_lengths[:, None]).long()
+        model(input_ids=prefix_ids.to(device), attention_mask=prefix_attention.to(device), past_key_values=cache,
+              use_cache=True, logits_to_keep=1)  # the prompts' own logits are never used
+        cache.reorder_cache(owner.to(device))  # each row's prompt (index_select: gradients sum back)
+        # Pass 2: from each row's last prompt token to its end, right-padded.
+        suffix_width = int((ends - starts).max()) + 1
+        offsets = torch.arange(suffix_width)
+        positions = (starts - 1)[:, None] + offsets[None, :]  # each token's position in its row
+        suffix_ids = batch.input_ids[rows[:, None], positions.clamp(max=batch.input_ids.shape[1] - 1)]
+        suffix_ids = suffix_ids.masked_fill(positions >= ends[:, None], 0)
+        # [n, 1, suffix, prefix + suffix]: the row's own prompt (no other prompt's, no
+        # padding), then causal over its own suffix (a padding query sees earlier padding:
+        # never an empty row, whose softmax would be NaN).
+        sees_prefix = torch.arange(prefix_width)[None, :] < prefix_lengths[owner][:, None]
+        sees = torch.cat([sees_prefix[:, None, :].expand(-1, suffix_width, -1),
+                          (offsets[None, :] <= offsets[:, None])[None].expand(len(rows), -1, -1)], dim=2)
+        dtype = getattr(torch, self.cfg.model.dtype)
+        mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)[:, None]
+        logits = model(input_ids=suffix_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                       past_key_values=cache).logits
+        suffix_logp, suffix_entropy = token_logprobs(logits, suffix_ids.to(device), batch.temperature, entropy,
+                                                     self.cfg.learner.logit_chunk_tokens)
+        # Back to the rows' layout: suffix token t sits at position start - 1 + t (padding
+        # lands past each row's end, in room cut off after).
+        index = positions.to(device)
+
+        def placed(values: torch.Tensor) -> torch.Tensor:
+            return values.new_zeros(len(rows), width + suffix_width).scatter(1, index, values)[:, :width]
+
+        return placed(suffix_logp), (placed(suffix_entropy) if suffix_entropy is not None else None)
 
     def _micro_chunks(self, batch: TrainBatch, shares: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's rows of a mini-batch in micro-batches; every rank gets the same count
