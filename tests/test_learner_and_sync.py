@@ -328,6 +328,11 @@ def test_bf16_compute_keeps_fp32_masters_that_move_at_a_paper_learning_rate(ray_
         state = full_state(learners)
         dtypes = optimizer_state_dtypes(learners)
         manifest = learners.weight_manifest(1 << 20)
+        # What a sync sends: each tensor gathered in bf16 (FSDP2: each rank's shard cast first).
+        synced = ray.get([w.__ray_call__.remote(
+            lambda worker: {name: (tensor.dtype, tensor.float().cpu())
+                            for name, tensor in worker.sharding.full_tensors(torch.bfloat16)})
+            for w in learners.workers])
     finally:
         learners.shutdown()
         placement.remove()
@@ -337,6 +342,11 @@ def test_bf16_compute_keeps_fp32_masters_that_move_at_a_paper_learning_rate(ray_
     assert changed / total > 0.99, changed / total
     assert dtypes == {"torch.float32"}
     assert {s.dtype for s in manifest.tensors} == {torch.bfloat16}  # the generators get bf16
+    for rank_tensors in synced:  # every rank holds the full tensors: the masters rounded to bf16
+        assert set(rank_tensors) == set(state)
+        for name, (dtype, tensor) in rank_tensors.items():
+            assert dtype == torch.bfloat16
+            assert torch.equal(tensor, state[name].to(torch.bfloat16).float()), name
 
 
 def test_three_bf16_steps_agree_with_fp32_within_bf16_tolerance(fp32_updates, tiny_cfg, tiny_policy):

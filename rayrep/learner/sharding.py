@@ -51,8 +51,9 @@ class Sharding(Protocol):
     def step(self) -> tuple[float, bool]:
         """Clip and apply the accumulated gradient: (global grad norm, whether the step was applied)."""
 
-    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full fp32 master tensor) of every parameter; every rank must iterate together."""
+    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of every parameter: the fp32 master, or in `dtype` (a weight
+        sync's compute dtype); every rank must iterate together."""
 
     def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
         """Every parameter's full tensor in `dtype`, in CPU memory at rank 0 (None elsewhere);
@@ -132,10 +133,13 @@ class FSDP2Sharding:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, stepped
 
-    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            yield name, full.detach()
+            # Each rank casts its own shard, then the all-gather moves the cast tensors: a
+            # bf16 sync gathers half the bytes of the fp32 masters (the same values: a cast
+            # is elementwise).
+            local = param.detach() if dtype is None else param.detach().to(dtype)
+            yield name, local.full_tensor() if hasattr(local, "full_tensor") else local
 
     def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
         """Each parameter's dim-0 shards, cast to `dtype` where they lie (CPU memory while the
@@ -293,12 +297,13 @@ class DeepSpeedSharding:
         grad_norm = float(self.model.get_global_grad_norm())
         return grad_norm, math.isfinite(grad_norm)
 
-    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from deepspeed.utils import safe_get_full_fp32_param
 
         for name, param in self.module.named_parameters():
             # The fp32 master (gathered from the optimizer's partitions), not the bf16 copy.
-            yield name, (safe_get_full_fp32_param(param) if self.bf16 else param).detach()
+            master = (safe_get_full_fp32_param(param) if self.bf16 else param).detach()
+            yield name, master if dtype is None else master.to(dtype)
 
     def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
         # ZeRO-2 keeps its state on the GPU all along (nothing is offloaded): gather there.

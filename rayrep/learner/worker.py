@@ -419,7 +419,7 @@ class LearnerWorker:
         moved = onload and self.onload(optimizer=False)
         with torch.no_grad():
             # Every rank iterates together: under FSDP2 each tensor is an all-gather.
-            tensors = (tensor for _, tensor in self.sharding.full_tensors())
+            tensors = (tensor for _, tensor in self.sharding.full_tensors(getattr(torch, self.cfg.model.dtype)))
             try:
                 if self.weight_channel is not None:
                     self.weight_channel.send(manifest, tensors)

@@ -17,7 +17,8 @@ at most that many padded tokens, one row at least):
 - generator (vLLM): `generator.gpu_memory_utilization` of the GPU, of which the weights
   (compute dtype, split over the tensor-parallel group) and the rest KV cache.
 - sync: the learner's state still on the GPU (master shard, AdamW moments; the gradients
-  are freed by the step), the largest tensor gathered whole in fp32, the buckets in flight
+  are freed by the step), the largest tensor gathered whole (FSDP2: in the compute dtype,
+  each shard cast before the gather; DeepSpeed: its fp32 master and the cast), the buckets in flight
   (two packed by the sender, two copied by the receiver) and, colocated, the engine's
   weights, woken to receive the new ones.
 
@@ -224,8 +225,11 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:
     state = ("fp32 master shard", "AdamW moments", "whole model", "fp32 master partition")
     largest = max(shape.vocab_size * H, shape.intermediate_size * H)
     sync_parts = {name: learner_parts[name] for name in state if name in learner_parts}
-    sync_parts.update({"largest tensor gathered (fp32)": 4 * largest,
-                       "buckets in flight": 4 * int(cfg.sync.bucket_mb * 2**20)})
+    if learner.strategy == "fsdp2":  # each rank's shard cast to the compute dtype, then gathered
+        sync_parts[f"largest tensor gathered ({cfg.model.dtype})"] = itemsize * largest
+    else:  # DeepSpeed gathers the fp32 master from the optimizer's partitions, then casts it
+        sync_parts["largest tensor gathered (fp32) and cast"] = (4 + itemsize) * largest
+    sync_parts["buckets in flight"] = 4 * int(cfg.sync.bucket_mb * 2**20)
     if colocated:
         sync_parts["engine weights, woken"] = weights
     kv_cache = budget - weights
