@@ -208,8 +208,11 @@ class ReplayShard:
 
     def bucket_sizes(self, exclude: list[str] = ()) -> dict[int, int]:
         """Questions per bucket (those in `exclude` not counted)."""
+        return self._sizes_without(self._excluded_by_bucket(exclude))
+
+    def _sizes_without(self, excluded: dict[int, list[str]]) -> dict[int, int]:
         sizes = self.buckets.sizes()
-        for k, uids in self._excluded_by_bucket(exclude).items():
+        for k, uids in excluded.items():
             sizes[k] -= len(uids)
         return {k: n for k, n in sizes.items() if n}
 
@@ -221,8 +224,8 @@ class ReplayShard:
         uniformly without replacement, so the caller takes them in order as it plans the
         draw over every shard: one call per shard."""
         rng = np.random.default_rng(seed)
-        excluded = self._excluded_by_bucket(exclude)
-        sizes = {k: n for k, n in self.bucket_sizes(exclude).items() if k in set(buckets)}
+        excluded, wanted = self._excluded_by_bucket(exclude), set(buckets)
+        sizes = {k: n for k, n in self._sizes_without(excluded).items() if k in wanted}
         return sizes, {k: self.buckets.sample(rng, k, count, excluded.get(k, [])) for k in sorted(sizes)}
 
     def stats(self, now_step: int | None = None) -> dict:

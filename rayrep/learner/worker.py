@@ -26,6 +26,7 @@ from rayrep.config import Config
 from rayrep.heap import long_lived
 from rayrep.learner.logprobs import token_logprobs
 from rayrep.learner.loss import mini_batch_totals, policy_loss
+from rayrep.learner.sharding import compute_dtype
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
 from rayrep.sync.collective import WeightManifest
@@ -213,7 +214,7 @@ class LearnerWorker:
         sees_prefix = torch.arange(prefix_width)[None, :] < prefix_lengths[owner][:, None]
         sees = torch.cat([sees_prefix[:, None, :].expand(-1, suffix_width, -1),
                           (offsets[None, :] <= offsets[:, None])[None].expand(len(rows), -1, -1)], dim=2)
-        dtype = getattr(torch, self.cfg.model.dtype)
+        dtype = compute_dtype(self.cfg)
         mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)[:, None]
         logits = model(input_ids=suffix_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                        past_key_values=cache).logits
@@ -419,7 +420,7 @@ class LearnerWorker:
         moved = onload and self.onload(optimizer=False)
         with torch.no_grad():
             # Every rank iterates together: under FSDP2 each tensor is an all-gather.
-            tensors = (tensor for _, tensor in self.sharding.full_tensors(getattr(torch, self.cfg.model.dtype)))
+            tensors = (tensor for _, tensor in self.sharding.full_tensors(compute_dtype(self.cfg)))
             try:
                 if self.weight_channel is not None:
                     self.weight_channel.send(manifest, tensors)
@@ -443,7 +444,7 @@ class LearnerWorker:
         """Save a Hugging Face checkpoint directory in `model.dtype` (rank 0 writes; every rank must call)."""
         from rayrep.models.checkpoint import save_checkpoint
 
-        state = self.full_state_dict(getattr(torch, self.cfg.model.dtype))
+        state = self.full_state_dict(compute_dtype(self.cfg))
         if self.rank == 0:
             return save_checkpoint(state, base_model_path, path, self.config_overrides)
         return None
