@@ -19,7 +19,12 @@ the generators sample the next steps while the learners update), compared with l
 `generate` phase is the wait for the round's answers: what the update did not hide.
 `--vary FIELD V1 V2 ...` does the same for any config field, e.g. `--vary
 learner.micro_batch_tokens 0 2048` (each variant's share of padding in the update is
-printed too).
+printed too). Verification overlapping generation: `--vary generator.answer_parts 1 8`
+(`verify` is then the wait for verdicts after the last answers), or `--overlap`: a step's
+rollouts alone (no learner), scored after the last answer or part by part as the answers
+arrive, alternating. Long answers of varied lengths: `--generator.temperature 2
+--generator.min_response_tokens 512 --generator.max_response_tokens 1024
+--model.max_position_embeddings 1152`.
 
 Last, the learner against plain PyTorch (`--learner-only`: that alone): one step's rows
 (the task's first questions, `algorithm.group_size` answers each, of 10-36 random tokens:
@@ -85,6 +90,8 @@ def main(argv=None):
     parser.add_argument("--vary", nargs="+", metavar=("FIELD", "VALUE"),
                         help="compare these values of one config field for the first algorithm instead")
     parser.add_argument("--learner-only", action="store_true", help="only the learner against plain PyTorch")
+    parser.add_argument("--overlap", action="store_true",
+                        help="only a step's rollouts, scored after the last answer or as parts arrive")
     args, cfg = parse_job_args(parser, argv)
     stamp = int(time.time())
     cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": f"runs/bench-step-{stamp}"})
@@ -95,6 +102,9 @@ def main(argv=None):
 
     if args.learner_only:
         learner_against_plain(cfg, resolve_policy(cfg, log=lambda _: None), max(4, args.rounds))
+        return
+    if args.overlap:
+        scoring_overlap(cfg, resolve_policy(cfg, log=lambda _: None), max(4, args.rounds))
         return
     names = args.algorithms.split(",")
     variants = {
@@ -140,6 +150,8 @@ def main(argv=None):
             print(f"{phase:<14}{seconds:>10.3f}{100 * seconds / step_time:>7.1f}%")
         print(f"replayed answers: {100 * statistics.median(r['replay_share'] for r in records):.1f}% of the batch; "
               f"replayed questions per step: {statistics.median(r['replayed_questions'] for r in records):.0f}")
+        rollouts = statistics.median(r.get("time_generate", 0.0) + r.get("time_verify", 0.0) for r in records)
+        print(f"rollouts (generate + verify): {rollouts:.3f} s, {100 * rollouts / step_time:.1f}% of the step")
         print(f"fresh answers' policy lag: mean {statistics.mean(r.get('fresh_lag_mean', 0.0) for r in records):.2f}, "
               f"max {max(r.get('fresh_lag_max', 0) for r in records)}; padding in the update: "
               f"{100 * statistics.median(r.get('padding_frac', 0.0) for r in records):.1f}% of computed positions")
@@ -151,7 +163,8 @@ def main(argv=None):
     print(f"\nweight sync of {size / 1e6:.1f} MB: {sync:.3f} GB/s; in-memory copy of the same bytes: "
           f"{copy:.2f} GB/s; ratio sync/copy = {sync / copy:.4f}")
     print(f"generated tokens/s (median): {statistics.median(r['tokens_per_second'] for r in records):.0f}")
-    learner_against_plain(cfg, resolve_policy(cfg, log=lambda _: None), max(4, args.rounds))
+    if not args.vary:  # (a knob's comparison does not need it)
+        learner_against_plain(cfg, resolve_policy(cfg, log=lambda _: None), max(4, args.rounds))
 
 
 def one_step_of_rows(cfg, policy: str):
@@ -196,6 +209,64 @@ def plain_update(model, optimizer, batch, cfg, loss) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), learner.grad_clip or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def scoring_overlap(cfg, policy: str, rounds: int) -> None:
+    """A step's rollouts on the config's generators and verifiers (no learner), three ways,
+    alternating, each round with new seeds: each share whole, scored after its last answer
+    (`generator.answer_parts` 1); in 8 parts, scored after the last; in 8 parts, each scored
+    as it arrives (8, as a run does it). Median seconds to the last answer and to the last
+    verdict, and the latter against the first way's."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from rayrep.cluster.placement import Placement, make_plan
+    from rayrep.data import encode_prompts, load_split
+    from rayrep.generator.pool import GeneratorPool
+    from rayrep.verifier.pool import VerifierPool
+
+    algo, gen = cfg.algorithm, cfg.generator
+    prompts = load_split(cfg.data, "train")[: algo.prompts_per_step]
+    prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(policy), prompts, cfg.data.max_prompt_tokens)
+    truths = [p.ground_truth for p in prompts]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    placement = Placement(make_plan(cfg, learners=False))
+    generators, verifiers = GeneratorPool.create(cfg, policy, placement), VerifierPool.create(cfg, placement)
+
+    def rollouts(parts: int, as_they_come: bool, round_index: int) -> tuple[float, float, int]:
+        checking = verifiers.checking(truths)
+        start = time.perf_counter()
+        shares = generators.generate(prompt_ids, n=algo.group_size, temperature=gen.temperature, top_p=gen.top_p,
+                                     max_tokens=gen.max_response_tokens, parts=parts,
+                                     seeds=cfg.sampling_seeds(f"overlap-{round_index}", len(prompt_ids)))
+        arrived, sampled = generators.complete(shares, on_arrival=checking.send if as_they_come else None)
+        answers = time.perf_counter() - start
+        for part in [] if as_they_come else arrived:
+            checking.send(part)
+        checking.result()
+        return answers, time.perf_counter() - start, sum(len(r.response_ids) for group in sampled for r in group)
+
+    ways = {"whole, scored after": (1, False), "8 parts, scored after": (8, False),
+            "8 parts, as they come": (8, True)}
+    times: dict[str, list[tuple[float, float, int]]] = {name: [] for name in ways}
+    try:
+        for way in ways.values():  # warm-up
+            rollouts(*way, round_index=-1)
+        for round_index in range(rounds):
+            for name, way in ways.items():
+                times[name].append(rollouts(*way, round_index=round_index))
+    finally:
+        verifiers.shutdown()
+        placement.remove()
+        ray.shutdown()
+    answers = len(prompt_ids) * algo.group_size
+    tokens = statistics.median(t[2] for t in times["whole, scored after"]) / answers
+    print(f"\n{len(prompt_ids)} prompts x {algo.group_size} answers ({tokens:.0f} tokens each on average), "
+          f"{rounds} rounds alternating; median seconds to the last answer, to the last verdict:")
+    first = statistics.median(t[1] for t in times["whole, scored after"])
+    for name, measured in times.items():
+        last_answer, last_verdict = (statistics.median(t[i] for t in measured) for i in (0, 1))
+        print(f"{name:<24}{last_answer:>8.3f} s{last_verdict:>9.3f} s{last_verdict / first:>8.3f}x")
 
 
 def learner_against_plain(cfg, policy: str, rounds: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rayrep.algos.interface import Algorithm
 from rayrep.config import Config
 from rayrep.data import PromptSampler
-from rayrep.generator.pool import PendingRollouts
+from rayrep.generator.pool import Share
 from rayrep.run.record import StepRecord
 from rayrep.runtime.system import Runtime
 from rayrep.types import Group, StepBatch, StepPlan
@@ -31,7 +31,7 @@ class Round:
     (still sampling), and how long planning took, for the step that finishes it."""
 
     plan: StepPlan
-    pending: list[PendingRollouts]
+    shares: list[Share]
     plan_seconds: float
 
 
@@ -75,26 +75,29 @@ class Rollouts:
         plan = self.algorithm.plan(self.sampler, self.cfg.algorithm.prompts_per_step, exclude)
         plan_seconds = time.perf_counter() - start
         gen = self.cfg.generator
-        pending = self.runtime.generators.generate(
+        shares = self.runtime.generators.generate(
             [self.prompt_ids[p.uid] for p in plan.prompts], n=[n for _, n in plan.requests],
             temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
-            seeds=self.cfg.sampling_seeds(f"rollout-{step}-{number}", len(plan.prompts)),
+            seeds=self.cfg.sampling_seeds(f"rollout-{step}-{number}", len(plan.prompts)), parts=gen.answer_parts,
         )
-        return Round(plan, pending, plan_seconds)
+        return Round(plan, shares, plan_seconds)
 
     def finish(self, started: Round, record: StepRecord) -> list[Group]:
         """The round's rollouts (a generator that died is replaced and its prompts asked again,
         counted as `generator_replaced` and `generator_retried_prompts`), marked by the
-        verifiers, with the planned replays in their groups."""
+        verifiers as they arrive, with the planned replays in their groups. `generate` times
+        the wait for the last answers (with asynchronous rollouts: what the update did not
+        hide), `verify` the wait for the verdicts after them (what scoring did not overlap)."""
         record.times["plan"] = record.times.get("plan", 0.0) + started.plan_seconds
         record.count({"sampling_rounds": 1})
-        with record.timed("generate"):  # the wait: with asynchronous rollouts, what the update did not hide
-            recovery: Counter = Counter()
-            pending, rollouts = self.runtime.generators.complete(started.pending, recovery)
-        record.count(recovery, prefix="generator_")
         plan = started.plan
+        checking = self.runtime.verifiers.checking([p.ground_truth for p in plan.prompts])
+        with record.timed("generate"):
+            recovery: Counter = Counter()
+            _, rollouts = self.runtime.generators.complete(started.shares, recovery, on_arrival=checking.send)
+        record.count(recovery, prefix="generator_")
         with record.timed("verify"):
-            verdicts = self.runtime.verifiers.check(pending, [p.ground_truth for p in plan.prompts])
+            verdicts = checking.result()
         record.count(verdicts.statuses, prefix="verifier_")
         fresh = [
             Group(prompt, tuple(sampled), tuple(marks), (False,) * len(sampled))

@@ -66,7 +66,7 @@ def sample(generators, prompt_ids, seeds, counts=None, kill_after_s=None):
     done, rollouts = generators.complete(pending, counts)
     if killer is not None:
         killer.join()
-    assert GeneratorPool.gather(done) == rollouts  # the shares' refs: those the verifiers read
+    assert generators.gather(done) == rollouts  # the parts' refs: those the verifiers read
     return rollouts
 
 
@@ -101,6 +101,44 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
         # The next call runs on the healthy pool again, with nothing to count.
         counts = Counter()
         assert sample(generators, prompt_ids, seeds, counts) == undisturbed and counts == {}
+    finally:
+        for worker in generators.workers:
+            ray.kill(worker)
+        placement.remove()
+
+
+def test_a_generator_killed_after_its_first_answers_arrived_is_asked_only_the_rest(
+        ray_cluster, tiny_cfg, tiny_policy):
+    """Answers arrive in parts (here 8 per share); generator 1 is killed as its first part
+    arrives: what arrived is kept, only its unanswered prompts go to the replacement, and
+    every prompt's answers are those of an undisturbed call, each prompt answered once."""
+    cfg = two_generators(tiny_cfg)
+    placement = Placement(make_plan(cfg, learners=False))
+    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    try:
+        prompt_ids = questions(cfg, tiny_policy, 48)
+        seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
+
+        def call(on_arrival=None, counts=None):
+            shares = generators.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds,
+                                         parts=8)
+            return generators.complete(shares, counts, on_arrival)
+
+        parts, undisturbed = call()
+        assert len(parts) >= 4 and sorted(i for part in parts for i in part.indices) == list(range(48))
+        victim = ray.get(generators.workers[1].pid.remote())
+        first: list = []
+
+        def kill_on_first_part(part):
+            if min(part.indices) >= 24 and not first:  # generator 1's share: prompts 24..47
+                first.append(list(part.indices))
+                os.kill(victim, signal.SIGKILL)
+
+        counts = Counter()
+        parts, recovered = call(kill_on_first_part, counts)
+        assert recovered == undisturbed
+        assert sorted(i for part in parts for i in part.indices) == list(range(48))  # none answered twice
+        assert counts["replaced"] == 1 and 0 < counts["retried_prompts"] <= 24 - len(first[0])
     finally:
         for worker in generators.workers:
             ray.kill(worker)

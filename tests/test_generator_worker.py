@@ -57,30 +57,37 @@ class RecordingEngine:
 
 
 def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
-    """Two steps of a colocated GPU run, in the driver's order (the learners' turn: the
-    engine sleeps; the weight sync: new weights arrive; the generators' turn): every step
-    sleeps once, wakes the weights before loading them and the KV cache after, and wakes no
-    memory twice. On CPU (the roles do not take turns) nothing sleeps or wakes."""
+    """A colocated GPU run, in the driver's order. At start the engines sleep while the
+    learners set up and keep their weights (level 1: no sync follows). Then two steps (the
+    learners' turn: the engine sleeps, dropping its weights, level 2; the weight sync: new
+    weights arrive; the generators' turn): every step sleeps once, wakes the weights before
+    loading them and the KV cache after, and wakes no memory twice. Dropped weights are never
+    woken but by a sync. On CPU (the roles do not take turns) nothing sleeps or wakes."""
     from rayrep.config import load_preset
     from rayrep.generator.worker import GeneratorWorker
 
     def worker_for(cfg):
         worker = GeneratorWorker.__new__(GeneratorWorker)  # the engine-facing logic, on a recording engine
-        worker.cfg, worker.llm, worker.sleeping, worker.version = cfg, RecordingEngine(), (), 0
+        worker.cfg, worker.llm, worker.sleeping, worker.weights_dropped, worker.version = cfg, RecordingEngine(), (), False, 0
         return worker
 
     gpu = worker_for(load_preset("qwen2.5-math-7b-rlep"))
     assert gpu.cfg.placement.takes_turns
+    assert gpu.sleep(keep_weights=True)  # Runtime._start_learners
+    assert gpu.wake_up() == ("weights", "kv_cache")
+    start = [("sleep", 1), ("wake_up", ("weights", "kv_cache"))]
     for step in (1, 2):
         assert gpu.sleep() and not gpu.sleep()  # Runtime.hand_over_to_learners (a second call: already asleep)
+        with pytest.raises(ValueError, match="dropped as it slept.*only a weight sync"):
+            gpu.wake_up()
         gpu.receive_weights(manifest=None, version=step)  # WeightSync.push
         assert gpu.wake_up() == ("kv_cache",)  # Runtime.hand_over_to_generators
         assert gpu.wake_up() == () and gpu.version == step
-    one_step = [("sleep", 1), ("wake_up", ("weights",)), ("rayrep_receive_weights",), ("reset_prefix_cache",),
+    one_step = [("sleep", 2), ("wake_up", ("weights",)), ("rayrep_receive_weights",), ("reset_prefix_cache",),
                 ("wake_up", ("kv_cache",))]
-    assert gpu.llm.calls == one_step * 2
+    assert gpu.llm.calls == start + one_step * 2
     cpu = worker_for(load_preset("tiny-cpu"))
-    assert not cpu.sleep()
+    assert not cpu.sleep() and not cpu.sleep(keep_weights=True)
     cpu.receive_weights(manifest=None, version=1)
     assert cpu.wake_up() == () and cpu.llm.calls == [("rayrep_receive_weights",), ("reset_prefix_cache",)]
 
@@ -117,6 +124,55 @@ def test_rollouts_are_consistent_with_a_transformers_forward_pass(pool, tiny_pol
                 logits = model(full).logits[0, len(ids) - 1 : -1]
             expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(rollout.response_ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(rollout.logprobs), expected, atol=1e-3)
+
+
+def test_answers_arrive_in_parts_as_they_finish_and_are_those_of_one_part(pool, tiny_policy):
+    """A share's answers come in parts, each a prompt's once all its answers are done, the
+    short ones first; the parts change no answer (one batch in the engine, seeded prompts),
+    and the verifiers get each part while the rest is sampled: the first verdicts exist
+    before the last answers do."""
+    from transformers import AutoTokenizer
+
+    from rayrep.verifier.pool import VerifierPool
+
+    cfg, generators = pool
+    prompts = load_split(cfg.data, "train")[:32]
+    prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(tiny_policy), prompts, cfg.data.max_prompt_tokens)
+    seeds = cfg.sampling_seeds("parts", len(prompt_ids))
+
+    def call(parts, on_arrival=None):
+        shares = generators.generate(prompt_ids, n=4, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds,
+                                     parts=parts)
+        return generators.complete(shares, on_arrival=on_arrival)
+
+    whole_parts, whole = call(1)
+    assert sorted(sorted(part.indices) for part in whole_parts) == [list(range(16)), list(range(16, 32))]
+    verifiers = VerifierPool.create(cfg.replace(**{"verifier.num_workers": 1}))  # (one CPU is left free)
+    try:
+        truths = [p.ground_truth for p in prompts]
+        expected = verifiers.check(whole_parts, truths)  # (the verifiers up and warm)
+        checking = verifiers.checking(truths)
+        scored_before = []  # at each part's arrival: how many earlier parts' verdicts were done
+
+        def send(part):
+            sent = [ref for _, ref in checking.sent]
+            scored_before.append(len(ray.wait(sent, num_returns=len(sent), timeout=0)[0]) if sent else 0)
+            checking.send(part)
+
+        parts, streamed = call(8, send)
+        assert streamed == whole
+        assert len(parts) >= 8 and sorted(i for part in parts for i in part.indices) == list(range(32))
+        for share in (range(16), range(16, 32)):  # a share's first part: its quick answers; its last: the slow
+            own = [part for part in parts if part.indices[0] in share]
+            longest = [sum(max(len(r.response_ids) for r in streamed[i]) for i in part.indices) / len(part.indices)
+                       for part in (own[0], own[-1])]
+            assert longest[0] < longest[1]
+        assert checking.result() == expected
+        assert any(scored_before)  # scored while the engines still sampled
+    finally:
+        verifiers.shutdown()
+        for worker in verifiers.workers:
+            ray.kill(worker)
 
 
 def test_sleep_and_wake_are_no_ops_on_cpu(pool, tiny_policy):

@@ -168,9 +168,10 @@ def test_a_run_whose_actors_die_in_turn_ends_as_the_uninterrupted_one(runs):
 
     records = read_metrics(out / "deaths" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
-    # Step 1: the generator was replaced and all 16 prompts sampled again; step 2: the shard was
-    # restored from step 1's snapshot, losing nothing.
-    assert (records[1].get("generator_replaced"), records[1].get("generator_retried_prompts")) == (1, 16)
+    # Step 1: the generator was replaced and the prompts whose answers had not arrived (all 16,
+    # unless a first part came before the kill) sampled again; step 2: the shard was restored
+    # from step 1's snapshot, losing nothing.
+    assert records[1].get("generator_replaced") == 1 and 0 < records[1].get("generator_retried_prompts", 0) <= 16
     assert {k: v for k, v in records[2].items() if k.startswith("replay_shard_")} == \
            {"replay_shard_replaced": 1, "replay_shard_lost_answers": 0, "replay_shard_lost_question_updates": 0}
     assert not any(k.startswith(("generator_", "replay_shard_")) for r in records[3:] for k in r)

@@ -97,18 +97,23 @@ class Supervisor:
             try:
                 value = ray.get(ref)
             except RayActorError as error:
-                slot = calls[key]
-                if self.start is None or not self.died(slot, actor):
-                    raise
                 retries[key] += 1
-                if retries[key] > MAX_RETRIES:
-                    raise too_many_deaths(self.role, slot, retries[key], work(key), error) from error
-                if actor is self.workers[slot]:  # not yet replaced (another call may have found it dead)
-                    self.replace(slot, error)
+                self.recover(calls[key], actor, error, retries[key], work(key))
                 send(key)
                 continue
             results[key] = value if len(refs) == 1 else (value, *refs[1:])
         return results, retries, self.replaced - replaced_before
+
+    def recover(self, slot: int, actor, error: RayActorError, retries: int, work: str) -> None:
+        """After a call of `work` on `actor`, serving `slot`, failed with `error`, to be asked
+        again for the `retries`-th time: `error` again unless the actor died; the end past
+        `MAX_RETRIES`; else a replacement in the slot (unless another call replaced it already)."""
+        if self.start is None or not self.died(slot, actor):
+            raise error
+        if retries > MAX_RETRIES:
+            raise too_many_deaths(self.role, slot, retries, work, error) from error
+        if actor is self.workers[slot]:
+            self.replace(slot, error)
 
     def replace(self, slot: int, cause: BaseException) -> int:
         """A new actor for the dead one at `slot` (and, with `replace_all_dead`, for any other

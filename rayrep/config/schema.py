@@ -49,6 +49,8 @@ class GeneratorConfig:
     temperature: float = option(1.0, "sampling temperature of training rollouts", min=0.0)
     top_p: float = option(1.0, "nucleus sampling of training rollouts", min=0.0, max=1.0)
     max_response_tokens: int = option(3072, "longest response a rollout may generate", min=1)
+    min_response_tokens: int = option(0, "shortest response: the end-of-answer token is not sampled before this many tokens (vLLM's min_tokens; for benchmarks of long answers)", min=0)
+    answer_parts: int = option(8, "parts a generator's share of a generate call arrives in, each scored by the verifiers while the rest is sampled (1: the whole share at once)", min=1)
     eval_temperature: float = option(1.0, "sampling temperature of evaluation", min=0.0)
     eval_top_p: float = option(1.0, "nucleus sampling of evaluation (both papers: 1.0)", min=0.0, max=1.0)
     eval_samples: int = option(4, "answers sampled per test question in evaluation (avg@k, pass@k, maj@k)", min=1)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 from rayrep.config import Config
 from rayrep.eval.formulas import summarize_by_source
-from rayrep.generator.pool import GeneratorPool, PendingRollouts, split_evenly
+from rayrep.generator.pool import PendingRollouts, Share, split_evenly
 from rayrep.progress import Progress
 from rayrep.runtime.system import Runtime
 from rayrep.types import Prompt, Rollout
@@ -44,16 +44,17 @@ def _score_in_slices(
     verifiers: VerifierPool,
     prompts: Sequence[Prompt],
     slices: Sequence[range],
-    sample_slice: Callable[[range], list[PendingRollouts]],
+    sample_slice: Callable[[range], Sequence[Share | PendingRollouts]],
     progress: Progress | None,
-    complete: Callable[[list[PendingRollouts], Counter], tuple[list[PendingRollouts], list]] | None = None,
+    complete: Callable[..., tuple[list[PendingRollouts], list]] | None = None,
 ) -> dict[str, float]:
     """Sample each slice of questions (`sample_slice(indices)`; the next slice's sampling starts
     before this one is scored), score it on the verifier pool, and summarize every verdict at
     the end: the metrics are those of one slice holding all questions, whatever the slicing.
-    `complete`: `GeneratorPool.complete`, which makes a slice's shares whole (a dead generator
-    replaced, its prompts asked again) before they are scored; its counts are reported as
-    `generator_replaced` and `generator_retried_prompts` when not zero."""
+    `complete`: `GeneratorPool.complete`, which hands a slice's answers to the verifiers as
+    they arrive (a dead generator replaced, its prompts asked again); its counts are reported
+    as `generator_replaced` and `generator_retried_prompts` when not zero. None: the answers
+    are given (`sample_slice` returns them as `PendingRollouts`), scored as they are."""
     if not prompts:
         raise ValueError("no questions to evaluate")
     correct: list[list[bool]] = []
@@ -68,12 +69,14 @@ def _score_in_slices(
         pending = upcoming
         if position + 1 < len(slices):
             upcoming = sample_slice(slices[position + 1])  # the generators go on while this slice is scored
+        checking = verifiers.checking([prompts[i].ground_truth for i in part], majority=True)
         if complete is not None:
-            pending, rollouts = complete(pending, recovery)
+            _, rollouts = complete(pending, recovery, on_arrival=checking.send)
+            lengths.extend(len(r.response_ids) for sampled in rollouts for r in sampled)
         else:
-            rollouts = GeneratorPool.gather(pending)
-        verdicts = verifiers.check(pending, [prompts[i].ground_truth for i in part], majority=True)
-        lengths.extend(len(r.response_ids) for sampled in rollouts for r in sampled)
+            for answers in pending:
+                checking.send(answers)
+        verdicts = checking.result()
         correct.extend(verdicts.correct)
         majority.extend(verdicts.majority)
         statuses.update(verdicts.statuses)
@@ -117,10 +120,11 @@ def evaluate(
     seeds = cfg.sampling_seeds("eval", len(prompts))  # per question: the same answers however sliced
     slices = [range(len(prompts))] if progress is None else eval_slices(samples, len(runtime.generators.workers))
 
-    def sample_slice(part: range) -> list[PendingRollouts]:
+    def sample_slice(part: range) -> list[Share]:
         return runtime.generators.generate(
             [prompt_ids[i] for i in part], n=[samples[i] for i in part], temperature=gen.eval_temperature,
             top_p=gen.eval_top_p, max_tokens=gen.max_response_tokens, seeds=[seeds[i] for i in part],
+            parts=gen.answer_parts,
         )
 
     return _score_in_slices(runtime.verifiers, prompts, slices, sample_slice, progress, runtime.generators.complete)

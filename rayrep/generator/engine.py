@@ -6,6 +6,7 @@ Shared by the generator worker actor and by the jobs that sample in-process (eva
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 from rayrep.config import Config, InputError
 from rayrep.heap import long_lived
@@ -46,6 +47,10 @@ def check_vllm_version(installed: dict[str, str] | None = None) -> None:
         if found.split(".")[:2] != VLLM_SERIES.split("."):
             raise InputError(f"{name} {found} is installed; rayrep is written against vLLM {VLLM_SERIES}.x (its "
                              f"sleep mode and weight-reload interfaces change between releases): {fix}")
+
+
+REQUEST_PREFIX = "rayrep-"
+"""Of the names `sample_as_finished` gives its requests, before the prompt's position."""
 
 
 def configure_vllm_env(cfg: Config, in_process: bool = True) -> None:
@@ -140,32 +145,75 @@ def sample(
     their behaviour log-probs. `seeds`: one per prompt, so that a prompt's answers depend on
     its seed alone, not on which engine samples it or what else is in the batch (a resumed
     run repeats the uninterrupted one); None: the engine's own random stream."""
+    per_prompt: list[list[Rollout]] = [[] for _ in prompt_ids]
+    for positions, rollouts in sample_as_finished(llm, prompt_ids, n=n, temperature=temperature, top_p=top_p,
+                                                  max_tokens=max_tokens, seeds=seeds, version=version):
+        for position, answers in zip(positions, rollouts):
+            per_prompt[position] = answers
+    return per_prompt
+
+
+def sample_as_finished(
+    llm,
+    prompt_ids: list[list[int]],
+    *,
+    n: int | list[int],
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    seeds: list[int] | None = None,
+    version: int = 0,
+    parts: int = 1,
+    min_tokens: int = 0,
+) -> Iterator[tuple[list[int], list[list[Rollout]]]]:
+    """`sample`'s answers, a prompt's as soon as all of its `n` are done: yields (positions
+    of the prompts in `prompt_ids`, their rollouts), in about `parts` parts (the prompts
+    finished since the last part, once they are at least 1/`parts` of all; the last part
+    holds the rest). One batch in the engine, run as `LLM.generate` runs one (the requests
+    added, then the engine stepped until none is left), so the answers are the same whatever
+    `parts` is; the caller scores a part while the engine samples the rest. `min_tokens`: no
+    answer ends before this many tokens."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import tokens_input
+    from vllm.sampling_params import RequestOutputKind
 
     counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
     seeds = [None] * len(prompt_ids) if seeds is None else list(seeds)
-    params = [
-        SamplingParams(n=count, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0)
-        for count, seed in zip(counts, seeds)
-    ]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
-    per_prompt = []
-    for ids, output in zip(prompt_ids, outputs):
-        rollouts = []
-        for completion in output.outputs:
-            response = list(completion.token_ids)
-            # logprobs=0 returns exactly the sampled token's log-prob at each position.
-            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, response)]
-            rollouts.append(
-                Rollout(
-                    prompt_ids=list(ids),
-                    response_ids=response,
-                    logprobs=logprobs,
-                    text=completion.text,
-                    finish_reason=completion.finish_reason or "stop",
-                    version=version,
-                )
-            )
-        per_prompt.append(rollouts)
-    return per_prompt
+    engine = llm.llm_engine
+    # Each request is named by its prompt's position (the engine reports a finished request
+    # under the name it was given) and reports once, when all of its answers are done.
+    for position, (ids, count, seed) in enumerate(zip(prompt_ids, counts, seeds)):
+        params = SamplingParams(n=count, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                                min_tokens=min(min_tokens, max_tokens), logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.add_request(f"{REQUEST_PREFIX}{position}", tokens_input(ids), params)
+    part_size = max(1, -(-len(prompt_ids) // max(1, parts)))
+    positions: list[int] = []
+    rollouts: list[list[Rollout]] = []
+    finished: set[int] = set()
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    positions.append(int(output.request_id.removeprefix(REQUEST_PREFIX)))
+                    rollouts.append(_rollouts(prompt_ids[positions[-1]], output, version))
+            if len(positions) >= part_size or (positions and not engine.has_unfinished_requests()):
+                finished.update(positions)
+                yield positions, rollouts
+                positions, rollouts = [], []
+    finally:  # stopped early (an error, a caller that stopped reading): no request outlives the call
+        left = [f"{REQUEST_PREFIX}{p}" for p in range(len(prompt_ids)) if p not in finished and p not in positions]
+        if left and engine.has_unfinished_requests():
+            engine.abort_request(left)
+
+
+def _rollouts(ids: list[int], output, version: int) -> list[Rollout]:
+    """A finished request's answers to the prompt `ids`, with their sampled tokens' log-probs."""
+    rollouts = []
+    for completion in output.outputs:
+        response = list(completion.token_ids)
+        # logprobs=0 returns exactly the sampled token's log-prob at each position.
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, response)]
+        rollouts.append(Rollout(prompt_ids=list(ids), response_ids=response, logprobs=logprobs, text=completion.text,
+                                finish_reason=completion.finish_reason or "stop", version=version))
+    return rollouts

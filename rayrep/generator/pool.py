@@ -1,19 +1,22 @@
-"""GeneratorPool: splits a batch of prompts across W generator workers.
+"""GeneratorPool: splits a batch of prompts across W generator workers, whose answers
+arrive in parts as their engines finish them (so that the verifiers score a part while the
+rest is sampled).
 
 A generator that dies (its process killed, its node lost) loses no prompts: `complete`
 has the supervisor (`rayrep.cluster.supervisor`) start a new one in the same placement-group
 bundle, brought to the current policy by whoever holds it (`on_replaced`: the runtime,
 through the rebuilt weight sync; without one, the pool's checkpoint is the policy), and
-asks it the dead one's shares again, with the same per-prompt seeds.
+asks it the dead one's prompts whose answers had not arrived, with the same per-prompt seeds.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import ray
+from ray.exceptions import RayActorError
 
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
@@ -33,19 +36,36 @@ class ShareRequest:
     top_p: float
     max_tokens: int
     seeds: list[int] | None
+    parts: int
+    """How many parts its answers arrive in (`generator.answer_parts`)."""
+
+    def subset(self, positions: Sequence[int]) -> "ShareRequest":
+        """The same request for the prompts at `positions` of this one (each with its seed)."""
+        return replace(self, prompt_ids=[self.prompt_ids[p] for p in positions],
+                       counts=[self.counts[p] for p in positions],
+                       seeds=None if self.seeds is None else [self.seeds[p] for p in positions])
+
+
+@dataclass(frozen=True)
+class Share:
+    """One generator's share of a generate call, being sampled: which prompts of the call,
+    what was asked of which actor, and the stream its answers arrive on (`complete` reads it)."""
+
+    indices: Sequence[int]
+    request: ShareRequest
+    worker: ray.actor.ActorHandle
+    stream: ray.ObjectRefGenerator
+    retries: int = 0
+    """How many times these prompts were asked again after a generator died."""
 
 
 @dataclass(frozen=True)
 class PendingRollouts:
-    """One worker's share of a generate call: which prompts, and the ref that resolves to
-    their rollouts (one list per prompt) once the worker is done."""
+    """Answers that exist: the ref resolves to the rollouts of the call's prompts `indices`
+    (one list per prompt), for the verifiers to read without the driver passing them on."""
 
-    indices: range
+    indices: Sequence[int]
     ref: ray.ObjectRef
-    request: ShareRequest | None = None
-    """What the share asked of which generator; None: rollouts made elsewhere (nothing to ask again)."""
-    worker: ray.actor.ActorHandle | None = None
-    """The actor the request went to (once its generator is replaced, the share goes to the new one)."""
 
 
 def split_evenly(count: int, parts: int) -> list[range]:
@@ -95,13 +115,13 @@ class GeneratorPool:
 
     def generate(
         self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int,
-        seeds: list[int] | None = None,
-    ) -> list[PendingRollouts]:
+        seeds: list[int] | None = None, parts: int = 1,
+    ) -> list[Share]:
         """Start sampling `n` rollouts per prompt (`n` may differ per prompt) across the workers;
-        `seeds`: one per prompt (see `rayrep.generator.engine.sample`).
+        `seeds`: one per prompt (see `rayrep.generator.engine.sample`). Each worker's answers
+        arrive in about `parts` parts, as its engine finishes them.
 
-        Returns at once; each share's ref resolves to its prompts' rollouts. A share whose
-        generator may die before it is done goes through `complete` before anything reads it.
+        Returns at once; `complete` reads the shares' answers as they arrive.
         """
         counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
         shares = []
@@ -109,53 +129,82 @@ class GeneratorPool:
             if len(indices):
                 request = ShareRequest(
                     slot, [prompt_ids[i] for i in indices], [counts[i] for i in indices], temperature, top_p,
-                    max_tokens, None if seeds is None else [seeds[i] for i in indices],
+                    max_tokens, None if seeds is None else [seeds[i] for i in indices], parts,
                 )
                 shares.append(self._send(indices, request))
         return shares
 
-    def _send(self, indices: range, request: ShareRequest) -> PendingRollouts:
+    def _send(self, indices: Sequence[int], request: ShareRequest, retries: int = 0) -> Share:
         worker = self.workers[request.generator]
-        ref = worker.generate.remote(request.prompt_ids, request.counts, request.temperature, request.top_p,
-                                     request.max_tokens, request.seeds)
-        return PendingRollouts(indices, ref, request, worker)
+        stream = worker.generate_as_finished.options(num_returns="streaming").remote(
+            request.prompt_ids, request.counts, request.temperature, request.top_p, request.max_tokens, request.seeds,
+            request.parts)
+        return Share(indices, request, worker, stream, retries)
 
-    def complete(self, pending: list[PendingRollouts],
-                 counts: Counter | None = None) -> tuple[list[PendingRollouts], list[list[Rollout]]]:
-        """`pending` with every share done (waits for the workers): the same shares, in order,
-        each ref resolved (for the verifiers), and every prompt's rollouts, in prompt order.
+    def complete(self, shares: Sequence[Share | PendingRollouts], counts: Counter | None = None,
+                 on_arrival: Callable[[PendingRollouts], None] | None = None,
+                 ) -> tuple[list[PendingRollouts], list[list[Rollout]]]:
+        """Every prompt's rollouts, in prompt order, waiting for the workers, and the parts they
+        arrived in; each part goes to `on_arrival` (the verifiers) as soon as it exists, while
+        the engines sample the rest. (Answers made elsewhere, as `PendingRollouts`, arrive at once.)
 
-        A share whose generator died is asked again of that generator's replacement (see the
-        module's docstring); with per-prompt seeds its answers are those the dead one would
-        have given. `counts` (when given) gains `replaced` (generators started anew) and
-        `retried_prompts` (prompts asked again).
+        A generator that dies mid-share loses nothing that arrived: the prompts it had not
+        answered are asked again of its replacement (see the module's docstring); with
+        per-prompt seeds their answers are those the dead one would have given. `counts` (when
+        given) gains `replaced` (generators started anew) and `retried_prompts` (prompts asked again).
         """
         counts = Counter() if counts is None else counts
-        done = list(pending)
+        arrived: list[PendingRollouts] = []
+        by_index: dict[int, list[Rollout]] = {}
+        replaced_before = self.supervisor.replaced
 
-        def submit(position: int, worker) -> ray.ObjectRef:
-            share = done[position]
-            if worker is not share.worker:  # a replacement (now, or by an earlier call): the same request again
-                done[position] = self._send(share.indices, share.request)
-                counts["retried_prompts"] += len(share.indices)
-            return done[position].ref
+        def take(part: PendingRollouts, rollouts: list[list[Rollout]]) -> None:
+            if on_arrival is not None:
+                on_arrival(part)
+            arrived.append(part)
+            by_index.update(zip(part.indices, rollouts))
 
-        results, _, replaced = self.supervisor.gather(
-            {position: share.request.generator if share.request is not None else 0
-             for position, share in enumerate(done)},
-            submit, lambda position: f"share of {len(done[position].indices)} prompt(s)")
-        if replaced:
-            counts["replaced"] += replaced
-        return done, [rollouts for position in range(len(done)) for rollouts in results[position]]
+        live: dict[ray.ObjectRefGenerator, tuple[Share, list[int]]] = {}
+        for share in shares:
+            if isinstance(share, PendingRollouts):
+                take(share, ray.get(share.ref))
+            else:
+                live[share.stream] = (share, [])
+        while live:
+            [stream], _ = ray.wait(list(live), num_returns=1)
+            share, answered = live[stream]
+            try:
+                positions = ray.get(next(stream))
+                ref = next(stream)
+                rollouts = ray.get(ref)  # (yielded right after the positions)
+            except StopIteration:
+                del live[stream]
+                continue
+            except RayActorError as error:
+                del live[stream]
+                retries = share.retries + 1
+                self.supervisor.recover(share.request.generator, share.worker, error, retries,
+                                        f"share of {len(share.indices)} prompt(s)")
+                done = set(answered)
+                rest = [p for p in range(len(share.indices)) if p not in done]
+                retry = self._send([share.indices[p] for p in rest], share.request.subset(rest), retries)
+                live[retry.stream] = (retry, [])
+                counts["retried_prompts"] += len(rest)
+                continue
+            answered.extend(positions)
+            take(PendingRollouts([share.indices[p] for p in positions], ref), rollouts)
+        if self.supervisor.replaced > replaced_before:
+            counts["replaced"] += self.supervisor.replaced - replaced_before
+        return arrived, [by_index[i] for i in range(len(by_index))]
 
-    @staticmethod
-    def gather(pending: list[PendingRollouts]) -> list[list[Rollout]]:
+    def gather(self, shares: Sequence[Share | PendingRollouts]) -> list[list[Rollout]]:
         """Every prompt's rollouts, in prompt order (waits for the workers)."""
-        return [rollouts for part in ray.get([p.ref for p in pending]) for rollouts in part]
+        return self.complete(shares)[1]
 
-    def sleep(self) -> None:
-        """Every engine frees its GPU memory for the learners (where the roles take turns)."""
-        ray.get([worker.sleep.remote() for worker in self.workers])
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Every engine frees its GPU memory for the learners (where the roles take turns),
+        its weights kept on the CPU only if `keep_weights` (see `GeneratorWorker.sleep`)."""
+        ray.get([worker.sleep.remote(keep_weights) for worker in self.workers])
 
     def wake_up(self) -> None:
         ray.get([worker.wake_up.remote() for worker in self.workers])

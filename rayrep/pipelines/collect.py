@@ -51,14 +51,15 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
         seeds = cfg.sampling_seeds("collect", len(prompts))
         for begin in range(0, len(prompts), size):
             part, ids = prompts[begin : begin + size], prompt_ids[begin : begin + size]
-            pending = runtime.generators.generate(
+            shares = runtime.generators.generate(
                 ids, n=settings.collect_samples, temperature=settings.collect_temperature,
                 top_p=settings.collect_top_p, max_tokens=cfg.generator.max_response_tokens,
-                seeds=seeds[begin : begin + size],
+                seeds=seeds[begin : begin + size], parts=cfg.generator.answer_parts,
             )
-            # A dead generator: replaced, its prompts asked again.
-            pending, rollouts = runtime.generators.complete(pending, recovery)
-            correct = runtime.verifiers.check(pending, [p.ground_truth for p in part]).correct
+            # Scored as they arrive; a dead generator: replaced, its unanswered prompts asked again.
+            checking = runtime.verifiers.checking([p.ground_truth for p in part])
+            _, rollouts = runtime.generators.complete(shares, recovery, on_arrival=checking.send)
+            correct = checking.result().correct
             for prompt, sampled, marks in zip(part, rollouts, correct):
                 samples += len(sampled)
                 successes = [r for r, ok in zip(sampled, marks) if ok]

@@ -39,7 +39,7 @@ GIB = 2**30
 RESERVED_BYTES = 3 * GIB
 """CUDA context, NCCL buffers and the allocator's slack, per GPU."""
 SLEEPING_ENGINE_BYTES = 1 * GIB
-"""What a vLLM engine keeps on its GPU at sleep level 1 (its weights and KV cache gone)."""
+"""What a vLLM engine keeps on its GPU asleep (its weights and KV cache gone, at level 1 or 2)."""
 
 KNOWN_SHAPES: dict[str, dict] = {
     # From the model's published config.json, for dry runs on machines without the weights.

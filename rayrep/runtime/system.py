@@ -121,7 +121,7 @@ class Runtime:
         if not self.cfg.placement.takes_turns:
             return LearnerGroup(self.cfg, model_path, self.placement)
         self.generators.wait_until_up()
-        self.generators.sleep()
+        self.generators.sleep(keep_weights=True)  # no sync follows: the engines sample the checkpoint's weights
         learners = LearnerGroup(self.cfg, model_path, self.placement)
         self.generators.wake_up()
         return learners
@@ -148,11 +148,12 @@ class Runtime:
             self.sync.rebuild()
 
     def hand_over_to_learners(self) -> None:
-        """Where colocated roles take turns on GPUs: the engines sleep, the learners bring
-        their state back. Elsewhere (CPU, disaggregated) nothing to do, and no call made:
-        a call would wait behind the generators' work in flight (asynchronous rollouts)."""
+        """Where colocated roles take turns on GPUs: the engines sleep, dropping their weights
+        (the weight sync after the update overwrites them all), the learners bring their state
+        back. Elsewhere (CPU, disaggregated) nothing to do, and no call made: a call would wait
+        behind the generators' work in flight (asynchronous rollouts)."""
         if self.cfg.placement.takes_turns:
-            self.generators.sleep()
+            self.generators.sleep(keep_weights=False)
             self.learners.onload()
 
     def hand_over_to_generators(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
@@ -113,51 +114,18 @@ class VerifierPool:
         workers = [_start_worker(timeout_s, placement, i) for i in range(cfg.verifier.num_workers)]
         return VerifierPool(timeout_s, workers, placement)
 
-    def check(self, pending: list[PendingRollouts], truths: list[str], majority: bool = False) -> Verdicts:
-        """Verdicts for the rollouts of `pending` (from `GeneratorPool.generate`), in prompt order.
+    def check(self, pending: Sequence[PendingRollouts], truths: list[str], majority: bool = False) -> Verdicts:
+        """Verdicts for the rollouts of `pending`, in prompt order: `checking`, given every part at once."""
+        checking = self.checking(truths, majority)
+        for part in pending:
+            checking.send(part)
+        return checking.result()
 
-        `truths[i]` is the ground truth of prompt i. The shares' refs go to the verifier
-        actors as they are: rollouts travel from generator to verifier through the object
-        store, not through the driver. `majority`: also judge each prompt's majority answer.
-
-        A share whose verifier dies goes again to that verifier's replacement (counted in
-        `statuses` as `replaced` and `retried_items`); after `MAX_RETRIES` such deaths for
-        one share, RuntimeError. Other errors (a share's ref that failed upstream) propagate.
-        """
-        per_share = [[truths[i] for i in share.indices] for share in pending]
-        counts: Counter = Counter()
-        if not self.workers:
-            from rayrep.verifier.math import default_sandbox
-
-            results = [
-                _check(default_sandbox(), ray.get(share.ref), share_truths, self.timeout_s, majority)
-                for share, share_truths in zip(pending, per_share)
-            ]
-        else:
-            results = self._check_on_workers(pending, per_share, majority, counts)
-        merged = Verdicts([], Counter(), [] if majority else None)
-        for part in results:
-            merged.correct.extend(part.correct)
-            merged.statuses.update(part.statuses)
-            if majority:
-                merged.majority.extend(part.majority)
-        merged.statuses.update(counts)
-        return merged
-
-    def _check_on_workers(self, pending: list[PendingRollouts], per_share: list[list[str]], majority: bool,
-                          counts: Counter) -> list[Verdicts]:
-        """Share i on worker i mod n; a share whose worker died, again on its replacement (the
-        share's ref may carry an upstream actor's death, a generator's: only a verifier that
-        no longer answers is replaced)."""
-        results, retries, replaced = self.supervisor.gather(
-            {share: share % len(self.workers) for share in range(len(pending))},
-            lambda share, worker: worker.check.remote(pending[share].ref, per_share[share], majority),
-            lambda share: f"share of {len(per_share[share])} prompt(s)")
-        if replaced:
-            counts["replaced"] += replaced
-        for share, n in retries.items():
-            counts["retried_items"] += n * sum(len(row) for row in results[share].correct)
-        return [results[share] for share in range(len(pending))]
+    def checking(self, truths: list[str], majority: bool = False) -> "Checking":
+        """A check whose parts are sent as they arrive (`GeneratorPool.complete`'s `on_arrival`)
+        and whose verdicts are read once all are in. `truths[i]` is the ground truth of prompt
+        i; `majority`: also judge each prompt's majority answer."""
+        return Checking(self, truths, majority)
 
     def shutdown(self) -> None:
         """Closes every live worker's sandbox; a dead worker has nothing left to close."""
@@ -166,3 +134,66 @@ class VerifierPool:
                 ray.get(closed)
             except RayActorError:
                 pass
+
+
+class Checking:
+    """One check of a call's answers, part by part: each part (`send`) goes to a verifier actor
+    at once, as its ref is (rollouts travel from generator to verifier through the object
+    store, not through the driver), part k to verifier k mod n, so that scoring overlaps the
+    sampling of the later parts; `result` waits for the verdicts.
+
+    A part whose verifier dies goes again to that verifier's replacement (counted in
+    `statuses` as `replaced` and `retried_items`); after `MAX_RETRIES` such deaths for one
+    part, RuntimeError. Other errors (a part's ref that failed upstream) propagate.
+    """
+
+    def __init__(self, pool: VerifierPool, truths: list[str], majority: bool):
+        self.pool, self.truths, self.majority = pool, truths, majority
+        self.parts: list[PendingRollouts] = []
+        self.sent: list[tuple[ray.actor.ActorHandle, ray.ObjectRef]] = []
+        """Each part's verifier and the ref of its verdicts (for a pool with actors)."""
+
+    def send(self, part: PendingRollouts) -> None:
+        self.parts.append(part)
+        workers = self.pool.workers
+        if workers:
+            self.sent.append(self._submit(len(self.parts) - 1, workers[(len(self.parts) - 1) % len(workers)]))
+
+    def _submit(self, key: int, worker) -> tuple[ray.actor.ActorHandle, ray.ObjectRef]:
+        part = self.parts[key]
+        return worker, worker.check.remote(part.ref, [self.truths[i] for i in part.indices], self.majority)
+
+    def result(self) -> Verdicts:
+        """The verdicts of every part sent, in prompt order (waits for the verifiers)."""
+        counts: Counter = Counter()
+        if not self.pool.workers:
+            from rayrep.verifier.math import default_sandbox
+
+            results = [_check(default_sandbox(), ray.get(part.ref), [self.truths[i] for i in part.indices],
+                              self.pool.timeout_s, self.majority) for part in self.parts]
+        else:
+            def submit(key: int, worker) -> ray.ObjectRef:
+                if worker is not self.sent[key][0]:  # its verifier died: the part again, to the replacement
+                    self.sent[key] = self._submit(key, worker)
+                return self.sent[key][1]
+
+            workers = len(self.pool.workers)
+            by_key, retries, replaced = self.pool.supervisor.gather(
+                {key: key % workers for key in range(len(self.parts))}, submit,
+                lambda key: f"share of {len(self.parts[key].indices)} prompt(s)")
+            if replaced:
+                counts["replaced"] += replaced
+            for key, n in retries.items():
+                counts["retried_items"] += n * sum(len(row) for row in by_key[key].correct)
+            results = [by_key[key] for key in range(len(self.parts))]
+        correct: dict[int, list[bool]] = {}
+        majority: dict[int, bool] = {}
+        statuses: Counter = Counter()
+        for part, verdicts in zip(self.parts, results):
+            correct.update(zip(part.indices, verdicts.correct))
+            if self.majority:
+                majority.update(zip(part.indices, verdicts.majority))
+            statuses.update(verdicts.statuses)
+        statuses.update(counts)
+        order = sorted(correct)
+        return Verdicts([correct[i] for i in order], statuses, [majority[i] for i in order] if self.majority else None)
