@@ -5,7 +5,10 @@
     ray job submit --working-dir . -- python jobs/serve.py --checkpoint <folder on the cluster> --detach
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming too),
-GET /health, on http://<serve.host>:<serve.port> (127.0.0.1:8000 by default). Replicas,
+GET /health, on http://<serve.host>:<serve.port> (127.0.0.1:8000 by default). With API
+keys (`--serve.api_keys_file`, `RAYREP_SERVE_API_KEY`) every route but /health needs
+`Authorization: Bearer <key>`; an address other machines reach is refused without one
+(unless `--serve.allow_unauthenticated true`). Replicas,
 autoscaling, per-replica concurrency and the caps on what a request may ask for are the
 `serve.*` config fields. The job serves until it is interrupted (Ctrl-C, `ray job stop`),
 then shuts Serve down; with --detach it deploys onto a running cluster and returns.
@@ -35,7 +38,10 @@ def main(argv: list[str]) -> None:
 
     from rayrep.models import resolve_policy
     from rayrep.serve.app import build_app, check_checkpoint, deployment_options, model_name, served_context
+    from rayrep.serve.keys import check_exposure, load_api_keys
 
+    keys = load_api_keys(cfg.serve)  # before anything starts, as every other check
+    warning = check_exposure(cfg.serve, keys)
     checkpoint = args.checkpoint or resolve_policy(cfg)
     check_checkpoint(checkpoint)
     context = served_context(cfg, checkpoint)
@@ -43,8 +49,11 @@ def main(argv: list[str]) -> None:
     if args.detach and not os.environ.get("RAY_ADDRESS"):
         raise InputError("--detach needs a running cluster to leave the server on (RAY_ADDRESS, as under ray job submit)")
     url = f"http://{cfg.serve.host}:{cfg.serve.port}/v1"
+    access = f"{len(keys)} API key(s)" if keys else "no API key"
+    if warning:
+        print(warning, flush=True)
     if args.dry_run:
-        print(f"would serve {checkpoint} as {name!r} at {url} (context {context} tokens)")
+        print(f"would serve {checkpoint} as {name!r} at {url} (context {context} tokens, {access})")
         print(f"deployment: {deployment_options(cfg)}")
         return
 
@@ -66,10 +75,11 @@ def main(argv: list[str]) -> None:
     deployed = False
     try:
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-        serve.run(build_app(cfg, checkpoint, name), name="rayrep-policy", route_prefix="/", blocking=False)
+        serve.run(build_app(cfg, checkpoint, name, keys), name="rayrep-policy", route_prefix="/", blocking=False)
         deployed = True
-        print(f"serving {checkpoint} as {name!r} at {url} (context {context} tokens)", flush=True)
-        print(f"  curl {url}/completions -H 'Content-Type: application/json' "
+        print(f"serving {checkpoint} as {name!r} at {url} (context {context} tokens, {access})", flush=True)
+        auth = " -H 'Authorization: Bearer <key>'" if keys else ""
+        print(f"  curl {url}/completions{auth} -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{name}\", \"prompt\": \"Q: 2+3=?\\nA: \", \"max_tokens\": 32}}'", flush=True)
         while not args.detach and not stop.is_set():
             time.sleep(0.5)

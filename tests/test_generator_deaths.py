@@ -2,8 +2,8 @@
 
 Two generators sit in their placement group's bundles, as in a run. One is SIGKILLed in the
 middle of a generate call: `GeneratorPool.complete` starts a replacement in the dead one's
-bundle and asks it the dead one's prompts again; with per-prompt seeds every answer is the
-one an undisturbed call gives. With learners and a weight sync, the replacement joins a
+bundle and asks it the dead one's prompts whose answers had not arrived; with per-prompt
+seeds every answer is the one an undisturbed call gives. With learners and a weight sync, the replacement joins a
 rebuilt weight group and samples from the learners' current weights at the current policy
 version; one that the weight sync finds dead is replaced by the sync. (In a real training run,
 tests/test_resume.py kills a generator during a step's generation: the run logs what an
@@ -101,33 +101,10 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
         # The next call runs on the healthy pool again, with nothing to count.
         counts = Counter()
         assert sample(generators, prompt_ids, seeds, counts) == undisturbed and counts == {}
-    finally:
-        for worker in generators.workers:
-            ray.kill(worker)
-        placement.remove()
 
-
-def test_a_generator_killed_after_its_first_answers_arrived_is_asked_only_the_rest(
-        ray_cluster, tiny_cfg, tiny_policy):
-    """Answers arrive in parts (here 8 per share); generator 1 is killed as its first part
-    arrives: what arrived is kept, only its unanswered prompts go to the replacement, and
-    every prompt's answers are those of an undisturbed call, each prompt answered once."""
-    cfg = two_generators(tiny_cfg)
-    placement = Placement(make_plan(cfg, learners=False))
-    generators = GeneratorPool.create(cfg, tiny_policy, placement)
-    try:
-        prompt_ids = questions(cfg, tiny_policy, 48)
-        seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
-
-        def call(on_arrival=None, counts=None):
-            shares = generators.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds,
-                                         parts=8)
-            return generators.complete(shares, counts, on_arrival)
-
-        parts, undisturbed = call()
-        assert len(parts) >= 4 and sorted(i for part in parts for i in part.indices) == list(range(48))
-        victim = ray.get(generators.workers[1].pid.remote())
-        first: list = []
+        # Answers in parts (8 per share): generator 1 killed as its first part arrives keeps
+        # what arrived; only its unanswered prompts go to the replacement, each prompt answered once.
+        victim, first = ray.get(generators.workers[1].pid.remote()), []
 
         def kill_on_first_part(part):
             if min(part.indices) >= 24 and not first:  # generator 1's share: prompts 24..47
@@ -135,7 +112,8 @@ def test_a_generator_killed_after_its_first_answers_arrived_is_asked_only_the_re
                 os.kill(victim, signal.SIGKILL)
 
         counts = Counter()
-        parts, recovered = call(kill_on_first_part, counts)
+        shares = generators.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds, parts=8)
+        parts, recovered = generators.complete(shares, counts, kill_on_first_part)
         assert recovered == undisturbed
         assert sorted(i for part in parts for i in part.indices) == list(range(48))  # none answered twice
         assert counts["replaced"] == 1 and 0 < counts["retried_prompts"] <= 24 - len(first[0])

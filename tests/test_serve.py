@@ -14,20 +14,31 @@ from rayrep.serve import openai_api as oai
 QUESTION = "2+5=? Answer in \\boxed{}."
 PROMPT = f"Q: {QUESTION}\nA: "  # the tiny policy's chat template around one user message
 CAPS = {"serve.max_tokens": 48, "serve.max_n": 4, "serve.max_prompts": 4, "serve.max_request_bytes": 100_000}
+KEYS = ["sk-rayrep-test-7f3a9c1e5b", "sk-rayrep-second-42d0e8"]
+AUTH = {"Authorization": f"Bearer {KEYS[1]}"}
+SERVED: dict = {}
+"""What the server fixture made: its output folder ("out")."""
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_cfg, tiny_policy):
-    """The tiny policy served as "tiny" on a free port of the session's Ray cluster; Serve
-    stopped afterwards."""
+def server(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory):
+    """The tiny policy served as "tiny" on a free port of the session's Ray cluster, with
+    two API keys from a keys file; Serve stopped afterwards."""
     from ray import serve
 
     from rayrep.serve.app import build_app
+    from rayrep.serve.keys import load_api_keys
 
-    cfg = tiny_cfg.replace(**CAPS, **{"serve.port": free_port()})
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys_file.write_text(f"# the test's keys\n{KEYS[0]}\n\n  {KEYS[1]}  \n")
+    out = SERVED["out"] = tmp_path_factory.mktemp("serve-out")
+    cfg = tiny_cfg.replace(**CAPS, **{"serve.port": free_port(), "serve.api_keys_file": str(keys_file),
+                                      "logging.out_dir": str(out)})
+    keys = load_api_keys(cfg.serve, environ={})
+    assert keys == KEYS
     try:
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-        serve.run(build_app(cfg, tiny_policy, "tiny"), name="policy", route_prefix="/")
+        serve.run(build_app(cfg, tiny_policy, "tiny", keys), name="policy", route_prefix="/")
         yield f"http://{cfg.serve.host}:{cfg.serve.port}"
     finally:
         serve.shutdown()
@@ -35,7 +46,39 @@ def server(ray_cluster, tiny_cfg, tiny_policy):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEYS[0], max_retries=0, timeout=120)
+
+
+def test_every_route_but_health_needs_a_key(server):
+    """401 in the OpenAI error shape without a key, with a wrong one, or another scheme, on
+    every route (unknown ones too); /health answers anyone. The keys appear in no log."""
+    import glob
+
+    with httpx.Client(base_url=server, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4}
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Basic {KEYS[0]}"},
+                        {"Authorization": "Bearer"}, {"Authorization": KEYS[0]}):
+            for method, route in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                  ("POST", "/v1/chat/completions"), ("GET", "/nowhere")):
+                response = http.request(method, route, json=body, headers=headers)
+                assert response.status_code == 401, (headers, route, response.text)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+                assert response.headers["www-authenticate"] == "Bearer"
+        for key in KEYS:  # either key of the file
+            answer = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    # Serve's logs (access lines, replicas') and the replica's library log in the output folder.
+    logs = glob.glob("/tmp/ray/session_*/logs/serve/*") + glob.glob(f"{SERVED['out']}/**/*", recursive=True)
+    assert any("serve" in path for path in logs)
+    for path in logs:
+        try:
+            text = open(path, errors="ignore").read()
+        except OSError:  # a folder
+            continue
+        assert not any(key in text for key in KEYS), path
 
 
 def greedy_answer(policy: str, prompt: str, max_new_tokens: int) -> str:
@@ -79,6 +122,73 @@ def test_completions_chat_and_streaming_answer_with_the_policy(client, tiny_poli
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def policy_logprobs(policy: str, ids: list[int]):
+    """log-softmax of the tiny policy's logits at each position of `ids`, by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_logprobs_and_echo_are_the_policys_own(client, tiny_policy):
+    """A harness's scoring call (echo, max_tokens 0, logprobs) returns the prompt's token
+    log-probs; an answer's log-probs, echoed or streamed, and the chat API's, are the
+    policy's own (transformers' forward pass on the same checkpoint, fp32 round-off)."""
+    import pytest as _pytest
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_policy)
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    scored = client.completions.create(model="tiny", prompt=PROMPT, echo=True, max_tokens=0, logprobs=3, temperature=0)
+    (choice,) = scored.choices
+    lp = choice.logprobs
+    assert choice.text == PROMPT and "".join(lp.tokens) == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and lp.text_offset == list(range(len(PROMPT)))
+    reference = policy_logprobs(tiny_policy, ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert lp.token_logprobs[1:] == _pytest.approx(expected, abs=2e-3)
+    for i in range(1, len(ids)):
+        top = lp.top_logprobs[i]
+        assert lp.tokens[i] in top and 3 <= len(top) <= 4  # the token itself and the 3 most likely
+        assert max(top.values()) == _pytest.approx(float(reference[i - 1].max()), abs=2e-3)
+
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, logprobs=2, temperature=0)
+    (choice,) = answer.choices
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and lp.text_offset[0] == len(PROMPT)
+    answer_ids = tokenizer.encode(choice.text, add_special_tokens=False)
+    whole = policy_logprobs(tiny_policy, ids + answer_ids)
+    expected = [float(whole[len(ids) + i - 1, t]) for i, t in enumerate(answer_ids)]
+    assert lp.token_logprobs == _pytest.approx(expected, abs=2e-3)
+    assert all(max(top.values()) == _pytest.approx(lp_, abs=1e-5) for top, lp_ in zip(lp.top_logprobs, lp.token_logprobs))
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, logprobs=2, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + choice.text
+    assert echoed.choices[0].logprobs.token_logprobs[len(ids):] == _pytest.approx(lp.token_logprobs, abs=1e-5)
+
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, logprobs=2, temperature=0,
+                                              stream=True))
+    tokens = [t for chunk in streamed for t in chunk.choices[0].logprobs.tokens]
+    values = [v for chunk in streamed for v in chunk.choices[0].logprobs.token_logprobs]
+    offsets = [o for chunk in streamed for o in chunk.choices[0].logprobs.text_offset]
+    assert "".join(tokens) == choice.text and values == _pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert offsets == lp.text_offset
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    chat_ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    reply_ids = tokenizer.encode(chat.choices[0].message.content, add_special_tokens=False)
+    whole = policy_logprobs(tiny_policy, list(chat_ids) + reply_ids)
+    expected = [float(whole[len(chat_ids) + i - 1, t]) for i, t in enumerate(reply_ids)]
+    assert [entry.logprob for entry in content] == _pytest.approx(expected, abs=2e-3)
+    assert all(len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode()) for entry in content)
 
 
 def test_streamed_completions_keep_each_prompts_answers_apart(client):
@@ -129,7 +239,14 @@ BAD_REQUESTS = [
     ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("completions", {"model": "tiny"}, 400, "missing_required_parameter"),
     ("completions", {"model": "tiny", "prompt": PROMPT, "stream": "yes"}, 400, "stream"),
-    ("completions", {"model": "tiny", "prompt": PROMPT, "logprobs": 5}, 400, "unsupported_parameter"),
+    ("completions", {"model": "tiny", "prompt": PROMPT, "best_of": 3}, 400, "unsupported_parameter"),
+    ("completions", {"model": "tiny", "prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+    ("completions", {"model": "tiny", "prompt": PROMPT, "echo": "yes"}, 400, "echo"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "logprobs": 3},
+     400, "logprobs"),
     ("completions", {"model": "tiny", "prompt": PROMPT, "frobnicate": 1}, 400, "frobnicate"),
     ("completions", {"model": "tiny", "prompt": "x" * 150_000}, 413, "request_too_large"),
     ("chat/completions", {"model": "tiny", "messages": "hello"}, 400, "messages"),
@@ -141,7 +258,7 @@ BAD_REQUESTS = [
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
-    with httpx.Client(base_url=f"{server}/v1", timeout=60) as http:
+    with httpx.Client(base_url=f"{server}/v1", timeout=60, headers=AUTH) as http:
         for route, body, status, name in BAD_REQUESTS:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             response = http.post(f"/{route}", content=content, headers={"Content-Type": "application/json"})
@@ -165,7 +282,7 @@ def test_the_official_client_sees_errors_as_errors(client):
 
 def test_64_concurrent_requests_all_succeed(server):
     async def main():
-        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300) as aclient:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEYS[1], max_retries=0, timeout=300) as aclient:
             return await asyncio.gather(*(
                 aclient.completions.create(model="tiny", prompt=f"Q: {i}+{i}=? Answer in \\boxed{{}}.\nA: ",
                                            max_tokens=24, temperature=0)
@@ -199,3 +316,66 @@ def test_request_rules_without_a_server(tiny_cfg):
     assert oai.answer_tokens(6, 250, 256, 1024, "prompt") == 6
     with pytest.raises(oai.APIError, match="257 tokens"):
         oai.answer_tokens(7, 250, 256, 1024, "prompt")
+
+
+def test_keys_and_exposure_rules_without_a_server(tiny_cfg, tmp_path):
+    """Keys from the file and the environment; a bad keys file named with its line (never the
+    key); no non-loopback address without a key unless explicitly allowed; the header check."""
+    from rayrep.config import InputError
+    from rayrep.serve.keys import KEY_ENV, authorized, check_exposure, digests, load_api_keys
+
+    serve = tiny_cfg.serve
+    assert load_api_keys(serve, environ={}) == []
+    assert load_api_keys(serve, environ={KEY_ENV: " sk-env \n"}) == ["sk-env"]
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("sk-one\n# a comment\nsk two\n")
+    with pytest.raises(InputError, match=rf"{keys_file}, line 3: a key has whitespace") as caught:
+        load_api_keys(tiny_cfg.replace(**{"serve.api_keys_file": str(keys_file)}).serve, environ={})
+    assert "two" not in str(caught.value)
+    keys_file.write_text("# nothing but a comment\n\n")
+    with pytest.raises(InputError, match="no key in the file"):
+        load_api_keys(tiny_cfg.replace(**{"serve.api_keys_file": str(keys_file)}).serve, environ={})
+    with pytest.raises(InputError, match="missing.*cannot be read"):
+        load_api_keys(tiny_cfg.replace(**{"serve.api_keys_file": str(tmp_path / "missing")}).serve, environ={})
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert check_exposure(tiny_cfg.replace(**{"serve.host": host}).serve, []) is None
+    exposed = ".".join(["0"] * 4)  # every address of the machine
+    for host in (exposed, "10.1.2.3", "my-head-node"):
+        with pytest.raises(InputError, match=rf"serve.host={host} .* no API key: set serve.api_keys_file or {KEY_ENV}"):
+            check_exposure(tiny_cfg.replace(**{"serve.host": host}).serve, [])
+        assert check_exposure(tiny_cfg.replace(**{"serve.host": host}).serve, ["sk-1"]) is None
+    allowed = tiny_cfg.replace(**{"serve.host": exposed, "serve.allow_unauthenticated": True}).serve
+    assert "without an API key" in check_exposure(allowed, [])
+
+    held = digests(["sk-1", "sk-2"])
+    assert authorized("Bearer sk-2", held) and authorized("bearer sk-1", held)
+    for header in (None, "", "Bearer", "Bearer ", "Bearer sk-3", "Basic sk-1", "sk-1"):
+        assert not authorized(header, held), header
+    assert not authorized("Bearer sk-1", ())
+
+
+def test_the_serve_job_refuses_an_exposed_address_without_a_key_before_starting(tmp_path, monkeypatch):
+    """`jobs/serve.py` on an address other machines reach, no key: refused before anything
+    starts (a dry run, which would otherwise print the deployment); with a key it goes on,
+    and never prints the key."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rayrep.serve.keys import KEY_ENV
+
+    root = Path(__file__).resolve().parents[1]
+    exposed = ".".join(["0"] * 4)
+    env = {k: v for k, v in __import__("os").environ.items() if k != KEY_ENV}
+    command = [sys.executable, "jobs/serve.py", "--dry-run", "--serve.host", exposed,
+               "--logging.out_dir", str(tmp_path)]
+    refused = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0
+    assert f"serve.host={exposed} makes the server reachable from other machines" in refused.stdout + refused.stderr
+    assert "would serve" not in refused.stdout
+    keyed = subprocess.run(command, cwd=root, env={**env, KEY_ENV: "sk-job-key-123"}, capture_output=True, text=True,
+                           timeout=300)
+    assert keyed.returncode == 0, keyed.stderr[-2000:]
+    assert "would serve" in keyed.stdout and "1 API key(s)" in keyed.stdout
+    assert "sk-job-key-123" not in keyed.stdout + keyed.stderr

@@ -190,6 +190,8 @@ class LoggingConfig:
 class ServeConfig:
     host: str = option("127.0.0.1", "address the HTTP server binds (0.0.0.0 exposes it beyond this machine)")
     port: int = option(8000, "HTTP port of the server", min=1, max=65535)
+    api_keys_file: str = option("", "file of API keys, one per line: every route but /health then needs 'Authorization: Bearer <key>' (RAYREP_SERVE_API_KEY adds one more)")
+    allow_unauthenticated: bool = option(False, "serve on an address other machines reach without an API key (refused otherwise)")
     min_replicas: int = option(1, "replicas (vLLM engines) kept running", min=1)
     max_replicas: int = option(1, "replicas at most: above min_replicas, Serve adds and removes replicas by load", min=1)
     target_ongoing_requests: float = option(16.0, "autoscaling aims at this many ongoing requests per replica", min=1.0)

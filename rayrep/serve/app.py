@@ -3,7 +3,7 @@
     GET  /v1/models             the one model: the checkpoint's name
     POST /v1/completions        text or token-id prompts; streaming with "stream": true
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
-    GET  /health                200 once the engine answers
+    GET  /health                200 once the engine answers (the one route that needs no API key)
 
 Each replica owns one vLLM async engine (`AsyncLLMEngine`, vLLM's public API) with its core
 in a process of its own, so that model steps never hold up the replica's event loop. Every
@@ -27,8 +27,34 @@ from starlette.exceptions import HTTPException
 from rayrep.config import Config, InputError
 from rayrep.library_output import library_log_env, route_library_output
 from rayrep.serve import openai_api as oai
+from rayrep.serve import keys
 
 api = FastAPI(title="rayrep policy server", docs_url=None, redoc_url=None)
+
+
+class _RequireKey:
+    """Every route, unknown ones included, but the health check (load balancers and probes
+    ask it without credentials; it says nothing but "ok") needs one of the replica's keys
+    (`keys.hold`, in its __init__: state of the keys module, which both import by name). A
+    plain ASGI middleware: streamed answers pass through it untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        held = keys.held()
+        if scope["type"] == "http" and held and scope["path"] != "/health":
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not keys.authorized(header, held):
+                error = oai.APIError(401, "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+                                     code="invalid_api_key")
+                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+api.add_middleware(_RequireKey)
 
 
 @api.exception_handler(oai.APIError)
@@ -90,12 +116,45 @@ def model_name(checkpoint: str) -> str:
     return path.name
 
 
+class _Answer:
+    """What one request's choices say, piece by piece (the whole answer, or each streamed part):
+    the text, with echo the prompt before a choice's first piece; the log-probs, when asked
+    for, with the character offsets running on across a choice's pieces."""
+
+    def __init__(self, server: "PolicyServer", body, chat: bool, texts: list[str] | None, prompt_only: bool):
+        self.server, self.body, self.chat, self.texts, self.prompt_only = server, body, chat, texts, prompt_only
+        self.offsets: dict[int, int] = {}
+        """Each choice's next character offset (completions' `text_offset`)."""
+
+    def piece(self, index: int, prompt: int, output, c) -> tuple[str, dict | None, int]:
+        """(text, logprobs payload or None, answer tokens) of choice `index`'s new piece `c`
+        of engine output `output`, for prompt number `prompt`."""
+        body, k = self.body, self.body.logprobs
+        text, token_ids, steps = ("", [], []) if self.prompt_only else (c.text, list(c.token_ids), c.logprobs)
+        positions = [] if k is None else self.server.token_logprobs(token_ids, steps, k)
+        starts = index not in self.offsets
+        if starts:
+            self.offsets[index] = 0 if body.echo or self.texts is None else len(self.texts[prompt])
+        if starts and body.echo:
+            text = self.texts[prompt] + text
+            if k is not None:
+                positions = self.server.token_logprobs(output.prompt_token_ids, output.prompt_logprobs, k) + positions
+        if k is None:
+            return text, None, len(token_ids)
+        if self.chat:
+            return text, oai.chat_logprobs(positions), len(token_ids)
+        logprobs = oai.completion_logprobs(positions, self.offsets[index])
+        self.offsets[index] += sum(len(p.token) for p in positions)
+        return text, logprobs, len(token_ids)
+
+
 # The class comes after every module-level name its methods use: `serve.ingress` pickles it
 # when it is defined, with the names bound at that moment.
 @serve.deployment
 @serve.ingress(api)
 class PolicyServer:
-    def __init__(self, cfg: Config, checkpoint: str, name: str):
+    def __init__(self, cfg: Config, checkpoint: str, name: str, key_digests: tuple[bytes, ...] = ()):
+        keys.hold(key_digests)  # (one replica per process: the middleware asks for this one's keys)
         route_library_output()  # before the engine process starts: it inherits the file
         from transformers import AutoTokenizer
 
@@ -117,6 +176,9 @@ class PolicyServer:
         kwargs = engine_args(cfg, checkpoint, bundles=list(range(1, tp + 1)), max_model_len=self.context)
         # A server keeps its GPU: no sleep mode, no GPU shared with a learner.
         kwargs.pop("enable_sleep_mode", None)
+        # Log-probs as the policy gives them (harnesses score texts with them), not after the
+        # request's temperature and top-p as a training run's behaviour log-probs are.
+        kwargs["logprobs_mode"] = "raw_logprobs"
         os.environ.pop("VLLM_RAY_PER_WORKER_GPUS", None)
         self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
 
@@ -143,7 +205,8 @@ class PolicyServer:
         body = oai.parse_completion(await self._json(request), self.caps)
         self._check_model(body.model)
         prompts = [self._prompt_ids(p) for p in body.prompts]
-        return await self._answer(body, prompts, "prompt", chat=False)
+        texts = [p if isinstance(p, str) else self.tokenizer.decode(list(p)) for p in body.prompts]
+        return await self._answer(body, prompts, "prompt", chat=False, texts=texts)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -183,42 +246,50 @@ class PolicyServer:
     # ------------------------------------------------------------ generating
 
     async def _answer(self, body: oai.CompletionRequest | oai.ChatRequest, prompts: list[list[int]], param: str,
-                      chat: bool):
+                      chat: bool, texts: list[str] | None = None):
+        """Generate for each prompt (`texts`: as the client wrote them, for echo) and answer,
+        whole or streamed; with `logprobs`, each token's log-prob and its alternatives', and
+        with `echo`, the prompt's before the answer (max_tokens 0: the prompt's alone)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         s = body.sampling
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+        prompt_only = body.echo and s.max_tokens == 0  # the engine samples one token, dropped
         # One engine request per prompt, its n answers being choices p*n .. p*n + n-1. vLLM
         # samples n > 1 only at T > 0: greedy answers are asked for one by one.
-        requests = []  # (first choice index, prompt ids, sampling params)
+        requests = []  # (first choice index, prompt index, prompt ids, sampling params)
         for p, ids in enumerate(prompts):
             limit = oai.answer_tokens(s.max_tokens, len(ids), self.context, self.caps.max_tokens, param)
             copies = s.n if s.temperature == 0 else 1
             try:
-                params = SamplingParams(n=s.n // copies, temperature=s.temperature, top_p=s.top_p, max_tokens=limit,
-                                        stop=list(s.stop), seed=s.seed, presence_penalty=s.presence_penalty,
-                                        frequency_penalty=s.frequency_penalty, output_kind=kind)
+                params = SamplingParams(
+                    n=s.n // copies, temperature=s.temperature, top_p=s.top_p, max_tokens=max(1, limit),
+                    stop=list(s.stop), seed=s.seed, presence_penalty=s.presence_penalty,
+                    frequency_penalty=s.frequency_penalty, output_kind=kind, logprobs=body.logprobs,
+                    prompt_logprobs=body.logprobs if body.echo else None)
             except VLLMClientError as err:
                 raise oai.APIError(400, str(err), param=getattr(err, "parameter", None)) from None
-            requests += [(p * s.n + j, ids, params) for j in range(copies)]
+            requests += [(p * s.n + j, p, ids, params) for j in range(copies)]
         request_id = oai.new_id("chatcmpl" if chat else "cmpl")
-        streams = [self._generate(ids, params, f"{request_id}-{i}") for i, (_, ids, params) in enumerate(requests)]
-        firsts = [first for first, _, _ in requests]
+        streams = [self._generate(ids, params, f"{request_id}-{i}") for i, (_, _, ids, params) in enumerate(requests)]
+        answer = _Answer(self, body, chat, texts, prompt_only)
         prompt_tokens = sum(map(len, prompts))
         if body.stream:
-            events = self._events(request_id, body, streams, firsts, prompt_tokens, chat)
+            events = self._events(request_id, body, streams, requests, prompt_tokens, chat, answer)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             finals = await asyncio.gather(*(_last(stream) for stream in streams))
         except VLLMClientError as err:
             raise oai.APIError(400, str(err), param=getattr(err, "parameter", None)) from None
         choices, completion_tokens = [], 0
-        for first, output in zip(firsts, finals):
+        for (first, p, _, _), output in zip(requests, finals):
             for c in output.outputs:
-                completion_tokens += len(c.token_ids)
-                choices.append({"index": first + c.index, "text": c.text, "finish_reason": c.finish_reason})
+                text, logprobs, tokens = answer.piece(first + c.index, p, output, c)
+                completion_tokens += tokens
+                choices.append({"index": first + c.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": "length" if prompt_only else c.finish_reason})
         choices.sort(key=lambda c: c["index"])
         return oai.completion_body(request_id, self.name, choices, prompt_tokens, completion_tokens, chat)
 
@@ -227,11 +298,25 @@ class PolicyServer:
 
         return self.engine.generate(TokensPrompt(prompt_token_ids=ids), params, request_id)
 
-    async def _events(self, request_id: str, body, streams: list[AsyncIterator], firsts: list[int],
-                      prompt_tokens: int, chat: bool) -> AsyncIterator[str]:
+    def token_logprobs(self, token_ids, steps, top: int) -> list[oai.TokenLogprob]:
+        """Each token of `token_ids` with its log-prob from `steps` (vLLM's per-position
+        {token id: Logprob}; None at a prompt's first token) and the `top` most likely there."""
+        positions = []
+        for token_id, step in zip(token_ids, steps):
+            token = self.tokenizer.decode([token_id])
+            if step is None:
+                positions.append(oai.TokenLogprob(token, None))
+                continue
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in step.items() if lp.rank is not None and lp.rank <= top)
+            positions.append(oai.TokenLogprob(token, step[token_id].logprob,
+                                              tuple((self.tokenizer.decode([t]), lp) for _, t, lp in ranked)))
+        return positions
+
+    async def _events(self, request_id: str, body, streams: list[AsyncIterator], requests: list[tuple],
+                      prompt_tokens: int, chat: bool, answer: "_Answer") -> AsyncIterator[str]:
         """The server-sent events of a streamed answer: the engine requests' outputs as they
-        come (request r's answers are choices firsts[r] + i), each choice's first chunk
-        opening it, then usage (when asked) and [DONE]."""
+        come (request r's answers are choices requests[r][0] + i), each choice's first chunk
+        opening it (with echo, the prompt first), then usage (when asked) and [DONE]."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(r: int, stream: AsyncIterator) -> None:
@@ -257,11 +342,14 @@ class PolicyServer:
                     error = oai.APIError(500, f"Generation failed: {output}", kind="server_error")
                     yield oai.sse(error.body())
                     return
+                first, p = requests[r][0], requests[r][1]
                 for c in output.outputs:
-                    index = firsts[r] + c.index
-                    completion_tokens += len(c.token_ids)
-                    yield oai.sse(oai.chunk_body(request_id, self.name, index, c.text, c.finish_reason, chat,
-                                                 first=index not in opened))
+                    index = first + c.index
+                    text, logprobs, tokens = answer.piece(index, p, output, c)
+                    completion_tokens += tokens
+                    finish = ("length" if c.finish_reason else None) if answer.prompt_only else c.finish_reason
+                    yield oai.sse(oai.chunk_body(request_id, self.name, index, text, finish, chat,
+                                                 first=index not in opened, logprobs=logprobs))
                     opened.add(index)
             if body.include_usage:
                 yield oai.sse(oai.usage_chunk(request_id, self.name, prompt_tokens, completion_tokens, chat))
@@ -299,6 +387,7 @@ def deployment_options(cfg: Config) -> dict:
     return options
 
 
-def build_app(cfg: Config, checkpoint: str, name: str):
-    """The Serve application of the policy at `checkpoint`, served as model `name`."""
-    return PolicyServer.options(**deployment_options(cfg)).bind(cfg, checkpoint, name)
+def build_app(cfg: Config, checkpoint: str, name: str, api_keys: list[str] = ()):
+    """The Serve application of the policy at `checkpoint`, served as model `name`; with
+    `api_keys`, every route but /health asks for one (the replicas get their digests only)."""
+    return PolicyServer.options(**deployment_options(cfg)).bind(cfg, checkpoint, name, keys.digests(list(api_keys)))

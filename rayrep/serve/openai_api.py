@@ -24,14 +24,16 @@ from rayrep.config import ServeConfig
 _IGNORED = frozenset({"user"})
 # Fields this server knows but does not implement: refused unless they carry their default.
 _UNSUPPORTED_DEFAULTS = {
-    "echo": (None, False), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
            "presence_penalty", "frequency_penalty"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for at each position (`logprobs`, `top_logprobs`)."""
 ROLES = ("system", "user", "assistant")
 
 
@@ -70,6 +72,10 @@ class CompletionRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    logprobs: int | None = None
+    """Each token's log-prob and this many alternatives' (0-20); None: no log-probs."""
+    echo: bool = False
+    """The prompt before the answer, with its tokens' log-probs (max_tokens 0: only the prompt)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ class ChatRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    logprobs: int | None = None
+    """Each answer token's log-prob and this many alternatives' (`top_logprobs`); None: `logprobs` off."""
+    echo: bool = False
 
 
 # ---------------------------------------------------------------- checking requests
@@ -116,7 +125,16 @@ def parse_completion(data: dict, caps: ServeConfig) -> CompletionRequest:
         raise APIError(400, f"'prompt' holds {len(prompts)} prompts; this server takes at most {caps.max_prompts} "
                             "per request.", param="prompt")
     stream, include_usage = _stream(data)
-    return CompletionRequest(_model(data), tuple(prompts), _sampling(data, caps, "max_tokens"), stream, include_usage)
+    echo = data.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise _type_error("echo", "a boolean", echo)
+    logprobs = data.get("logprobs")
+    if isinstance(logprobs, bool):  # (some clients send false for "none")
+        logprobs = None if logprobs is False else _integer(data, "logprobs", 0, MAX_TOP_LOGPROBS)
+    else:
+        logprobs = _integer(data, "logprobs", 0, MAX_TOP_LOGPROBS)
+    return CompletionRequest(_model(data), tuple(prompts), _sampling(data, caps, "max_tokens", bool(echo)), stream,
+                             include_usage, logprobs, bool(echo))
 
 
 def parse_chat(data: dict, caps: ServeConfig) -> ChatRequest:
@@ -141,7 +159,14 @@ def parse_chat(data: dict, caps: ServeConfig) -> ChatRequest:
         raise APIError(400, "Set one of 'max_tokens' and 'max_completion_tokens', not both.", param="max_tokens")
     cap_field = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
     stream, include_usage = _stream(data)
-    return ChatRequest(_model(data), tuple(checked), _sampling(data, caps, cap_field), stream, include_usage)
+    wanted = data.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _type_error("logprobs", "a boolean", wanted)
+    top = _integer(data, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise APIError(400, "'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+    return ChatRequest(_model(data), tuple(checked), _sampling(data, caps, cap_field), stream, include_usage,
+                       (top or 0) if wanted else None)
 
 
 def answer_tokens(request_max: int | None, prompt_tokens: int, context: int, cap: int, param: str) -> int:
@@ -234,7 +259,7 @@ def _integer(data: dict, name: str, low: int, high: int | None, cap_note: str = 
     return value
 
 
-def _sampling(data: dict, caps: ServeConfig, max_tokens_field: str) -> Sampling:
+def _sampling(data: dict, caps: ServeConfig, max_tokens_field: str, echo: bool = False) -> Sampling:
     stop = data.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -247,7 +272,8 @@ def _sampling(data: dict, caps: ServeConfig, max_tokens_field: str) -> Sampling:
     if any(not s for s in stops):
         raise APIError(400, "'stop' strings must not be empty.", param="stop", code="invalid_value")
     return Sampling(
-        max_tokens=_integer(data, max_tokens_field, 1, caps.max_tokens, " (the server's cap)"),
+        # 0 with echo: the prompt's log-probs, nothing generated (how harnesses score a text).
+        max_tokens=_integer(data, max_tokens_field, 0 if echo else 1, caps.max_tokens, " (the server's cap)"),
         temperature=_number(data, "temperature", 1.0, 0.0, caps.max_temperature),
         top_p=_number(data, "top_p", 1.0, 0.0, 1.0, open_low=True),
         n=_integer(data, "n", 1, caps.max_n, " (the server's cap)") or 1,
@@ -288,29 +314,73 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position of a text: its token (as text), the policy's log-prob of it (None for a
+    prompt's first token, which nothing precedes), and the most likely tokens there, best
+    first, with theirs."""
+
+    token: str
+    logprob: float | None
+    top: tuple[tuple[str, float], ...] = ()
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # -inf is not JSON; the OpenAI API writes -9999 for it
+
+
+def completion_logprobs(positions: list[TokenLogprob], text_offset: int) -> dict:
+    """The completions API's `logprobs` of `positions`, the first starting at character
+    `text_offset` of the prompt-and-answer text: tokens, their log-probs, at each position the
+    token itself and the `logprobs` most likely ones, and the character offsets."""
+    offsets = []
+    for position in positions:
+        offsets.append(text_offset)
+        text_offset += len(position.token)
+    return {
+        "tokens": [p.token for p in positions],
+        "token_logprobs": [None if p.logprob is None else _finite(p.logprob) for p in positions],
+        "top_logprobs": [None if p.logprob is None else {p.token: _finite(p.logprob), **{t: _finite(lp) for t, lp in p.top}}
+                         for p in positions],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(positions: list[TokenLogprob]) -> dict:
+    """The chat API's `logprobs`: each answer token with its log-prob, its UTF-8 bytes and the
+    `top_logprobs` most likely tokens there."""
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top]}
+                        for p in positions]}
+
+
 def completion_body(request_id: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
                     chat: bool) -> dict:
-    """The whole answer; `choices` hold "index", "text" and "finish_reason"."""
+    """The whole answer; `choices` hold "index", "text", "finish_reason" and, when asked
+    for, "logprobs" (`completion_logprobs` / `chat_logprobs`)."""
     if chat:
-        shaped = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": None,
-                   "finish_reason": c["finish_reason"]} for c in choices]
+        shaped = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                   "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices]
     else:
-        shaped = [{"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
-                  for c in choices]
+        shaped = [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
+                   "finish_reason": c["finish_reason"]} for c in choices]
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": shaped, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk_body(request_id: str, model: str, index: int, text: str | None, finish_reason: str | None, chat: bool,
-               first: bool = False) -> dict:
-    """One streamed piece of choice `index`: new text and/or its finish reason."""
+               first: bool = False, logprobs: dict | None = None) -> dict:
+    """One streamed piece of choice `index`: new text and/or its finish reason, and when asked
+    for, the new tokens' `logprobs`."""
     if chat:
         delta: dict = {"role": "assistant", "content": text or ""} if first else {}
         if text and not first:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
 
