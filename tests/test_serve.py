@@ -191,6 +191,39 @@ def test_logprobs_and_echo_are_the_policys_own(client, tiny_policy):
     assert all(len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode()) for entry in content)
 
 
+def test_metrics_reach_rays_prometheus_endpoint(server, client):
+    """Requests, their statuses and latency, time to first token and tokens in and out, per
+    deployment and route, on the node's metrics endpoint (where Serve's own are)."""
+    import re
+    import time
+
+    import ray
+
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
+    with httpx.Client(base_url=server, timeout=60) as http:
+        assert http.get("/v1/models").status_code == 401
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    endpoint = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    wanted = {
+        "requests": r'rayrep_serve_requests_total\{[^}]*deployment="tiny"[^}]*route="/v1/completions"[^}]*status="200"[^}]*\} (\S+)',
+        "refused": r'rayrep_serve_requests_total\{[^}]*route="/v1/models"[^}]*status="401"[^}]*\} (\S+)',
+        "latency": r'rayrep_serve_request_seconds_count\{[^}]*route="/v1/completions"[^}]*\} (\S+)',
+        "first token": r'rayrep_serve_first_token_seconds_count\{[^}]*route="/v1/completions"[^}]*\} (\S+)',
+        "tokens in": r'rayrep_serve_prompt_tokens_total\{[^}]*route="/v1/completions"[^}]*\} (\S+)',
+        "tokens out": r'rayrep_serve_completion_tokens_total\{[^}]*route="/v1/completions"[^}]*\} (\S+)',
+    }
+    deadline, found = time.monotonic() + 90, {}
+    while time.monotonic() < deadline:  # workers report to the node's agent every few seconds
+        text = httpx.get(endpoint, timeout=30).text
+        found = {name: float(m.group(1)) for name, rule in wanted.items() if (m := re.search(rule, text))}
+        if len(found) == len(wanted) and found["requests"] >= 2 and found["first token"] >= 2:
+            break
+        time.sleep(2)
+    assert set(found) == set(wanted), sorted(set(wanted) - set(found))
+    assert found["refused"] >= 1 and found["tokens in"] >= 2 * len(PROMPT) and found["tokens out"] >= 2
+
+
 def test_streamed_completions_keep_each_prompts_answers_apart(client):
     prompts = [PROMPT, "Q: 63-5=? Answer in \\boxed{}.\nA: "]
     whole = client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=24, temperature=0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException
 from rayrep.config import Config, InputError
 from rayrep.library_output import library_log_env, route_library_output
 from rayrep.serve import openai_api as oai
-from rayrep.serve import keys
+from rayrep.serve import keys, metrics
 
 api = FastAPI(title="rayrep policy server", docs_url=None, redoc_url=None)
 
@@ -54,7 +55,32 @@ class _RequireKey:
         await self.app(scope, receive, send)
 
 
+class _Measured:
+    """Every request counted by route and status, and timed to its last byte, into the
+    replica's metrics (`rayrep.serve.metrics`; outermost, so refusals count too)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        recorder = metrics.held()
+        if scope["type"] != "http" or recorder is None:
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), [500]
+
+        async def measured_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                recorder.answered(scope["path"], status[0], time.perf_counter() - start)
+
+        await self.app(scope, receive, measured_send)
+
+
 api.add_middleware(_RequireKey)
+api.add_middleware(_Measured)  # (added last: outermost)
 
 
 @api.exception_handler(oai.APIError)
@@ -155,6 +181,7 @@ class _Answer:
 class PolicyServer:
     def __init__(self, cfg: Config, checkpoint: str, name: str, key_digests: tuple[bytes, ...] = ()):
         keys.hold(key_digests)  # (one replica per process: the middleware asks for this one's keys)
+        metrics.hold(metrics.ServerMetrics(name))
         route_library_output()  # before the engine process starts: it inherits the file
         from transformers import AutoTokenizer
 
@@ -277,7 +304,8 @@ class PolicyServer:
         answer = _Answer(self, body, chat, texts, prompt_only)
         prompt_tokens = sum(map(len, prompts))
         if body.stream:
-            events = self._events(request_id, body, streams, requests, prompt_tokens, chat, answer)
+            events = self._events(request_id, body, streams, requests, prompt_tokens, chat, answer,
+                                  time.perf_counter())
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             finals = await asyncio.gather(*(_last(stream) for stream in streams))
@@ -291,7 +319,16 @@ class PolicyServer:
                 choices.append({"index": first + c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": "length" if prompt_only else c.finish_reason})
         choices.sort(key=lambda c: c["index"])
+        # The engine's own time to the first token of each request (its stats), the soonest.
+        firsts = [o.metrics.first_token_latency for o in finals if getattr(o.metrics, "first_token_latency", 0)]
+        self._record(chat, prompt_tokens, completion_tokens, min(firsts) if firsts else None)
         return oai.completion_body(request_id, self.name, choices, prompt_tokens, completion_tokens, chat)
+
+    def _record(self, chat: bool, prompt_tokens: int, completion_tokens: int, first_token_s: float | None) -> None:
+        recorder = metrics.held()
+        if recorder is not None:
+            route = "/v1/chat/completions" if chat else "/v1/completions"
+            recorder.generated(route, prompt_tokens, completion_tokens, first_token_s)
 
     def _generate(self, ids: list[int], params, request_id: str) -> AsyncIterator:
         from vllm.inputs import TokensPrompt
@@ -313,7 +350,7 @@ class PolicyServer:
         return positions
 
     async def _events(self, request_id: str, body, streams: list[AsyncIterator], requests: list[tuple],
-                      prompt_tokens: int, chat: bool, answer: "_Answer") -> AsyncIterator[str]:
+                      prompt_tokens: int, chat: bool, answer: "_Answer", started: float) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer: the engine requests' outputs as they
         come (request r's answers are choices requests[r][0] + i), each choice's first chunk
         opening it (with echo, the prompt first), then usage (when asked) and [DONE]."""
@@ -330,7 +367,7 @@ class PolicyServer:
 
         tasks = [asyncio.create_task(pump(r, stream)) for r, stream in enumerate(streams)]
         opened: set[int] = set()
-        completion_tokens = 0
+        completion_tokens, first_token_s = 0, None
         try:
             running = len(tasks)
             while running:
@@ -343,6 +380,8 @@ class PolicyServer:
                     yield oai.sse(error.body())
                     return
                 first, p = requests[r][0], requests[r][1]
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - started
                 for c in output.outputs:
                     index = first + c.index
                     text, logprobs, tokens = answer.piece(index, p, output, c)
@@ -354,6 +393,7 @@ class PolicyServer:
             if body.include_usage:
                 yield oai.sse(oai.usage_chunk(request_id, self.name, prompt_tokens, completion_tokens, chat))
             yield oai.sse("[DONE]")
+            self._record(chat, prompt_tokens, completion_tokens, first_token_s)
         finally:  # a client that went away: stop its generation
             for task in tasks:
                 task.cancel()
