@@ -173,6 +173,10 @@ class _Answer:
         self.offsets[index] += sum(len(p.token) for p in positions)
         return text, logprobs, len(token_ids)
 
+    def finish_reason(self, c) -> str | None:
+        """Piece `c`'s finish reason; a prompt scored without an answer ends at its length."""
+        return ("length" if c.finish_reason else None) if self.prompt_only else c.finish_reason
+
 
 # The class comes after every module-level name its methods use: `serve.ingress` pickles it
 # when it is defined, with the names bound at that moment.
@@ -317,7 +321,7 @@ class PolicyServer:
                 text, logprobs, tokens = answer.piece(first + c.index, p, output, c)
                 completion_tokens += tokens
                 choices.append({"index": first + c.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": "length" if prompt_only else c.finish_reason})
+                                "finish_reason": answer.finish_reason(c)})
         choices.sort(key=lambda c: c["index"])
         # The engine's own time to the first token of each request (its stats), the soonest.
         firsts = [o.metrics.first_token_latency for o in finals if getattr(o.metrics, "first_token_latency", 0)]
@@ -386,8 +390,7 @@ class PolicyServer:
                     index = first + c.index
                     text, logprobs, tokens = answer.piece(index, p, output, c)
                     completion_tokens += tokens
-                    finish = ("length" if c.finish_reason else None) if answer.prompt_only else c.finish_reason
-                    yield oai.sse(oai.chunk_body(request_id, self.name, index, text, finish, chat,
+                    yield oai.sse(oai.chunk_body(request_id, self.name, index, text, answer.finish_reason(c), chat,
                                                  first=index not in opened, logprobs=logprobs))
                     opened.add(index)
             if body.include_usage:

@@ -159,9 +159,12 @@ class Checking:
         if workers:
             self.sent.append(self._submit(len(self.parts) - 1, workers[(len(self.parts) - 1) % len(workers)]))
 
+    def _truths(self, part: PendingRollouts) -> list[str]:
+        return [self.truths[i] for i in part.indices]
+
     def _submit(self, key: int, worker) -> tuple[ray.actor.ActorHandle, ray.ObjectRef]:
         part = self.parts[key]
-        return worker, worker.check.remote(part.ref, [self.truths[i] for i in part.indices], self.majority)
+        return worker, worker.check.remote(part.ref, self._truths(part), self.majority)
 
     def result(self) -> Verdicts:
         """The verdicts of every part sent, in prompt order (waits for the verifiers)."""
@@ -169,8 +172,8 @@ class Checking:
         if not self.pool.workers:
             from rayrep.verifier.math import default_sandbox
 
-            results = [_check(default_sandbox(), ray.get(part.ref), [self.truths[i] for i in part.indices],
-                              self.pool.timeout_s, self.majority) for part in self.parts]
+            results = [_check(default_sandbox(), ray.get(part.ref), self._truths(part), self.pool.timeout_s,
+                              self.majority) for part in self.parts]
         else:
             def submit(key: int, worker) -> ray.ObjectRef:
                 if worker is not self.sent[key][0]:  # its verifier died: the part again, to the replacement
