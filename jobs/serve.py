@@ -2,6 +2,7 @@
 
     python jobs/serve.py --checkpoint runs/rlep-pipeline-x/rlep/checkpoints/final
     python jobs/serve.py                      # the embedded tiny policy (built on first use)
+    python jobs/serve.py --follow runs/rlep-1 # a training run's newest checkpoint, then each new one
     ray job submit --working-dir . -- python jobs/serve.py --checkpoint <folder on the cluster> --detach
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming too),
@@ -12,6 +13,11 @@ keys (`--serve.api_keys_file`, `RAYREP_SERVE_API_KEY`) every route but /health n
 autoscaling, per-replica concurrency and the caps on what a request may ask for are the
 `serve.*` config fields. The job serves until it is interrupted (Ctrl-C, `ray job stop`),
 then shuts Serve down; with --detach it deploys onto a running cluster and returns.
+
+With --follow RUN_DIR the server waits for the run's first complete checkpoint, serves it
+as `<run>/step-<N>` and switches to each newer one as training writes it (every
+`serve.follow_every_s`), in place and without dropping a request; clients that ask for the
+model `<run>` (or --name) always get the newest.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 
 from rayrep.cli import job_parser, parse_job_args, run_job
 from rayrep.config import InputError
@@ -28,7 +35,9 @@ from rayrep.config import InputError
 def main(argv: list[str]) -> None:
     parser = job_parser(__doc__, trains=False, dry_run=False)
     parser.add_argument("--checkpoint", help="policy folder to serve (default: the config's model.path)")
-    parser.add_argument("--name", help="model name clients ask for (default: named after the checkpoint)")
+    parser.add_argument("--follow", metavar="RUN_DIR",
+                        help="serve this training run's newest checkpoint and switch to each new one as it is written")
+    parser.add_argument("--name", help="model name clients ask for (default: named after the checkpoint, or the run)")
     parser.add_argument("--detach", action="store_true",
                         help="deploy onto the running cluster (RAY_ADDRESS) and return, leaving it serving")
     parser.add_argument("--dry-run", action="store_true", help="check the checkpoint, print the deployment, start nothing")
@@ -37,23 +46,40 @@ def main(argv: list[str]) -> None:
     import os
 
     from rayrep.models import resolve_policy
+    from rayrep.run.layout import RunFolder
     from rayrep.serve.app import build_app, check_checkpoint, deployment_options, model_name, served_context
     from rayrep.serve.keys import check_exposure, load_api_keys
 
     keys = load_api_keys(cfg.serve)  # before anything starts, as every other check
     warning = check_exposure(cfg.serve, keys)
-    checkpoint = args.checkpoint or resolve_policy(cfg)
-    check_checkpoint(checkpoint)
-    context = served_context(cfg, checkpoint)
-    name = args.name or ("tiny" if not args.checkpoint and cfg.model.path == "tiny" else model_name(checkpoint))
+    if args.follow:
+        if args.checkpoint:
+            raise InputError("--follow serves a run's checkpoints: give it or --checkpoint, not both")
+        run = RunFolder(Path(args.follow))
+        if not run.path.is_dir():
+            raise InputError(f"--follow {args.follow}: no such run folder")
+        if any(run.path.glob("*.safetensors")):
+            raise InputError(f"--follow {args.follow}: a checkpoint, not a run's folder; serve it with --checkpoint")
+        name = args.name or run.path.name
+    else:
+        checkpoint = args.checkpoint or resolve_policy(cfg)
+        name = args.name or ("tiny" if not args.checkpoint and cfg.model.path == "tiny" else model_name(checkpoint))
     if args.detach and not os.environ.get("RAY_ADDRESS"):
         raise InputError("--detach needs a running cluster to leave the server on (RAY_ADDRESS, as under ray job submit)")
+    if args.follow:
+        checkpoint = first_checkpoint(run, cfg.serve.follow_every_s, waits=not args.dry_run)
+        if checkpoint is None:
+            print(f"would follow {run.path}: no complete checkpoint yet; the server would wait for the first")
+            return
+    check_checkpoint(checkpoint)
+    context = served_context(cfg, checkpoint)
     url = f"http://{cfg.serve.host}:{cfg.serve.port}/v1"
     access = f"{len(keys)} API key(s)" if keys else "no API key"
     if warning:
         print(warning, flush=True)
+    what = f"{checkpoint} as {name!r}" if not args.follow else f"{run.path}'s checkpoints, now {checkpoint}, as {name!r}"
     if args.dry_run:
-        print(f"would serve {checkpoint} as {name!r} at {url} (context {context} tokens, {access})")
+        print(f"would serve {what} at {url} (context {context} tokens, {access})")
         print(f"deployment: {deployment_options(cfg)}")
         return
 
@@ -75,9 +101,11 @@ def main(argv: list[str]) -> None:
     deployed = False
     try:
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-        serve.run(build_app(cfg, checkpoint, name, keys), name="rayrep-policy", route_prefix="/", blocking=False)
+        source = str(run.path) if args.follow else checkpoint
+        serve.run(build_app(cfg, source, name, keys, follow=bool(args.follow)), name="rayrep-policy",
+                  route_prefix="/", blocking=False)
         deployed = True
-        print(f"serving {checkpoint} as {name!r} at {url} (context {context} tokens, {access})", flush=True)
+        print(f"serving {what} at {url} (context {context} tokens, {access})", flush=True)
         auth = " -H 'Authorization: Bearer <key>'" if keys else ""
         print(f"  curl {url}/completions{auth} -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{name}\", \"prompt\": \"Q: 2+3=?\\nA: \", \"max_tokens\": 32}}'", flush=True)
@@ -90,6 +118,18 @@ def main(argv: list[str]) -> None:
             if started_ray:
                 ray.shutdown()
             print("server stopped", flush=True)
+
+
+def first_checkpoint(run, every_s: float, waits: bool) -> str | None:
+    """The run's newest complete checkpoint; if it has none yet, wait for one (`waits`: until
+    interrupted), or give None."""
+    newest = run.newest_checkpoint()
+    if newest is None and waits:
+        print(f"waiting for the first complete checkpoint of {run.path}", flush=True)
+        while newest is None:
+            time.sleep(every_s)
+            newest = run.newest_checkpoint()
+    return None if newest is None else str(newest)
 
 
 if __name__ == "__main__":

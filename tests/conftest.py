@@ -24,16 +24,23 @@ SHORT_RUN = {"run.steps": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 
 
 
 @pytest.fixture(scope="session")
-def short_run(tiny_cfg, tiny_policy, tmp_path_factory) -> list[dict]:
-    """The metrics of `SHORT_RUN` (seed 0, synchronous), trained once for the whole session:
-    on the cluster of the module that first asks (`train` joins the one this process has),
-    or on a local one of its own."""
-    from rayrep.run.log import read_metrics
+def short_run_dir(tiny_cfg, tiny_policy, tmp_path_factory):
+    """The folder of `SHORT_RUN` (seed 0, synchronous; its one checkpoint: step-2), trained
+    once for the whole session: on the cluster of the module that first asks (`train` joins
+    the one this process has), or on a local one of its own. Tests read it, never write it."""
     from rayrep.train import train
 
     cfg = tiny_cfg.replace(**SHORT_RUN, **{"logging.out_dir": str(tmp_path_factory.mktemp("short")),
                                            "logging.run_name": "seed-0"})
-    return read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl")
+    return train(cfg, log=lambda _: None).run_dir
+
+
+@pytest.fixture(scope="session")
+def short_run(short_run_dir) -> list[dict]:
+    """The metrics of `SHORT_RUN`, one record per step."""
+    from rayrep.run.log import read_metrics
+
+    return read_metrics(short_run_dir / "metrics.jsonl")
 
 
 @pytest.fixture(scope="session")

@@ -203,6 +203,7 @@ class ServeConfig:
     max_prompts: int = option(32, "cap on prompts in one /v1/completions request", min=1)
     max_temperature: float = option(2.0, "cap on a request's temperature", min=0.0)
     max_request_bytes: int = option(1_000_000, "larger request bodies get a 413", min=1024)
+    follow_every_s: float = option(5.0, "with jobs/serve.py --follow: how often each replica looks for a newer checkpoint of the run", min=0.1)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from rayrep.config import Config
 from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
 from rayrep.sync.collective import WeightManifest
+from rayrep.sync.vllm_ext import EXTENSION_CLASS
 from rayrep.types import Rollout
 
 
@@ -48,7 +49,7 @@ class GeneratorWorker:
             cfg,
             model_path,
             seed=cfg.seed("generator", worker_index),
-            worker_extension_cls="rayrep.sync.vllm_ext.WeightSyncExtension",
+            worker_extension_cls=EXTENSION_CLASS,
             bundles=bundles,
         )
 

@@ -29,7 +29,7 @@ from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.learner.sharding import compute_dtype
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
-from rayrep.sync.collective import WeightManifest
+from rayrep.sync.collective import TIED_EMBEDDING, WeightManifest
 from rayrep.types import LossSpec, TrainBatch
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class LearnerWorker:
         if cfg.learner.gradient_checkpointing:
             # Keep each layer's input only and recompute the rest in backward.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.tied_embedding = "model.embed_tokens.weight" if model.config.tie_word_embeddings else None
+        self.tied_embedding = TIED_EMBEDDING if model.config.tie_word_embeddings else None
         self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device)
         self.sharding.model.train()
         self.offload()  # colocated GPUs: the engines generate first

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import signal
 from dataclasses import asdict, dataclass, field
@@ -31,13 +30,11 @@ from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.data import PromptSampler
 from rayrep.errors import InputError
-from rayrep.run.layout import RunFolder
+from rayrep.run.layout import STATE_FILE, RunFolder
 from rayrep.run.record import StepRecord
 from rayrep.runtime.system import Runtime
 
 FORMAT = 1
-STATE_FILE = "run_state.json"
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 @dataclass
@@ -75,19 +72,11 @@ def checkpoints_dir(run_dir: Path) -> Path:
 
 def step_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """The complete step checkpoints of a run, oldest first."""
-    folder = checkpoints_dir(run_dir)
-    found = []
-    if folder.is_dir():
-        for entry in folder.iterdir():
-            match = _STEP.match(entry.name)
-            if match and entry.is_dir() and not entry.is_symlink() and (entry / STATE_FILE).is_file():
-                found.append((int(match.group(1)), entry))
-    return sorted(found)
+    return RunFolder(Path(run_dir)).step_checkpoints()
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = step_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    return RunFolder(Path(run_dir)).newest_checkpoint()
 
 
 def read_run_state(checkpoint: Path) -> RunState:

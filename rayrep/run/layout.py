@@ -12,12 +12,17 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rayrep.config import Config
 from rayrep.library_output import LIBRARY_LOG
+
+STATE_FILE = "run_state.json"
+"""Written last into a step checkpoint: the folder is complete once it is there."""
+_STEP = re.compile(r"^step-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,21 @@ class RunFolder:
     @property
     def final(self) -> Path:
         return self.checkpoints / "final"
+
+    def step_checkpoints(self) -> list[tuple[int, Path]]:
+        """The complete step checkpoints (`step-<N>` folders with their run state), oldest first."""
+        found = []
+        if self.checkpoints.is_dir():
+            for entry in self.checkpoints.iterdir():
+                match = _STEP.match(entry.name)
+                if match and entry.is_dir() and not entry.is_symlink() and (entry / STATE_FILE).is_file():
+                    found.append((int(match.group(1)), entry))
+        return sorted(found)
+
+    def newest_checkpoint(self) -> Path | None:
+        """The newest complete step checkpoint, or None before the first."""
+        found = self.step_checkpoints()
+        return found[-1][1] if found else None
 
     @property
     def replay(self) -> Path:

@@ -5,6 +5,16 @@
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
     GET  /health                200 once the engine answers (the one route that needs no API key)
 
+Following a run (`jobs/serve.py --follow RUN_DIR`), each replica serves the run's newest
+complete checkpoint and switches to each new one in place: vLLM pauses new work, lets the
+requests in flight finish on the old weights, reloads the weights from the new folder and
+resumes (`AsyncLLM.pause_generation(mode="wait")`, the worker's `reload_weights` through
+rayrep's worker extension, `resume_generation`: public APIs). Requests that arrive meanwhile wait in the engine; none is dropped. A Serve
+rolling update would instead build a new engine per checkpoint (a minute on a GPU) and stop
+the old replica before its successor is up when there is one replica; `user_config` changes
+are a lightweight update only through Serve's declarative API (its dashboard), where
+`serve.run` gives every deployment a new code version and restarts it.
+
 Each replica owns one vLLM async engine (`AsyncLLMEngine`, vLLM's public API) with its core
 in a process of its own, so that model steps never hold up the replica's event loop. Every
 request is checked in full (`openai_api`) before the engine sees it; a bad one gets its 4xx
@@ -27,8 +37,10 @@ from starlette.exceptions import HTTPException
 
 from rayrep.config import Config, InputError
 from rayrep.library_output import library_log_env, route_library_output
+from rayrep.run.layout import STATE_FILE, RunFolder
 from rayrep.serve import openai_api as oai
 from rayrep.serve import keys, metrics
+from rayrep.sync.vllm_ext import EXTENSION_CLASS
 
 api = FastAPI(title="rayrep policy server", docs_url=None, redoc_url=None)
 
@@ -133,6 +145,35 @@ def check_checkpoint(checkpoint: str) -> None:
         raise InputError(f"checkpoint {checkpoint}: no tokenizer (tokenizer.json) in the folder")
 
 
+def same_tensors(served: str | Path, new: str | Path) -> None:
+    """Refuse (InputError) a checkpoint whose weights differ from the served one's in name or
+    shape: it cannot be loaded in place. Reads the safetensors headers only."""
+    from safetensors import safe_open
+
+    def shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+        found = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as weights:
+                found.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})
+        return found
+
+    before, after = shapes(Path(served)), shapes(Path(new))
+    if before != after:
+        name = next(iter(sorted(set(before) ^ set(after))), None) or next(
+            n for n in sorted(before) if before[n] != after[n])
+        raise InputError(f"checkpoint {new}: tensor {name} is {after.get(name, 'missing')} where the served "
+                         f"checkpoint {served} has {before.get(name, 'none')}; it cannot replace it in place")
+
+
+def checkpoint_version(checkpoint: Path) -> tuple[str, int] | None:
+    """What tells one checkpoint from another: its folder and when its run state was written
+    (a resumed run saves its last step again, whole), or None if it is gone."""
+    try:
+        return str(checkpoint), (checkpoint / STATE_FILE).stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 def model_name(checkpoint: str) -> str:
     """The served model's default name: a run's checkpoint as <run>/<checkpoint>
     (runs/rlep-1/checkpoints/final -> rlep-1/final), any other folder by its own name."""
@@ -183,9 +224,24 @@ class _Answer:
 @serve.deployment
 @serve.ingress(api)
 class PolicyServer:
-    def __init__(self, cfg: Config, checkpoint: str, name: str, key_digests: tuple[bytes, ...] = ()):
+    def __init__(self, cfg: Config, source: str, name: str, key_digests: tuple[bytes, ...] = (),
+                 follow: bool = False):
+        """Serve the checkpoint folder `source` as model `name`; with `follow`, `source` is a
+        run's folder: serve its newest checkpoint as `<name>/<step-N>`, switch to each newer
+        one, and answer to `name` too (whatever checkpoint is current)."""
         keys.hold(key_digests)  # (one replica per process: the middleware asks for this one's keys)
         metrics.hold(metrics.ServerMetrics(name))
+        self.alias = name if follow else None
+        self.version: tuple[str, int] | None = None
+        """The checkpoint served, as `checkpoint_version` tells it (following a run)."""
+        self.broken: str | None = None
+        """Why this replica cannot answer (a weight reload that failed half-way), or None."""
+        checkpoint = source
+        if follow:
+            newest = RunFolder(Path(source)).newest_checkpoint()
+            if newest is None:
+                raise InputError(f"run {source}: no complete checkpoint (checkpoints/step-<N>) to serve")
+            checkpoint, self.version, name = str(newest), checkpoint_version(newest), f"{name}/{newest.name}"
         route_library_output()  # before the engine process starts: it inherits the file
         from transformers import AutoTokenizer
 
@@ -207,11 +263,15 @@ class PolicyServer:
         kwargs = engine_args(cfg, checkpoint, bundles=list(range(1, tp + 1)), max_model_len=self.context)
         # A server keeps its GPU: no sleep mode, no GPU shared with a learner.
         kwargs.pop("enable_sleep_mode", None)
+        kwargs["worker_extension_cls"] = EXTENSION_CLASS  # loads the checkpoints of a run it follows
         # Log-probs as the policy gives them (harnesses score texts with them), not after the
         # request's temperature and top-p as a training run's behaviour log-probs are.
         kwargs["logprobs_mode"] = "raw_logprobs"
         os.environ.pop("VLLM_RAY_PER_WORKER_GPUS", None)
         self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.checkpoint = checkpoint
+        if follow:  # (Serve runs __init__ on the replica's event loop)
+            self.following = asyncio.get_running_loop().create_task(self._follow(RunFolder(Path(source))))
 
     def __del__(self):
         # Serve calls this when it stops the replica: the engine's core process goes with it.
@@ -221,15 +281,26 @@ class PolicyServer:
 
     # ------------------------------------------------------------ routes
 
+    async def check_health(self) -> None:
+        """Serve's health check: a replica whose reload failed is replaced (from the newest checkpoint)."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+        await self.engine.check_health()
+
     @api.get("/health")
     async def health(self) -> dict:
-        await self.engine.check_health()
+        await self.check_health()
         return {"status": "ok"}
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "rayrep",
-                                            "max_model_len": self.context}]}
+        """The checkpoint served; following a run, also the run's name, which always means the
+        newest (its `root` names the checkpoint behind it now)."""
+        model = {"object": "model", "created": 0, "owned_by": "rayrep", "max_model_len": self.context}
+        listed = [{"id": self.name, **model}]
+        if self.alias:
+            listed.append({"id": self.alias, **model, "root": self.name})
+        return {"object": "list", "data": listed}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -261,9 +332,50 @@ class PolicyServer:
         return oai.read_json(await request.body(), limit)
 
     def _check_model(self, model: str) -> None:
-        if model != self.name:
-            raise oai.APIError(404, f"The model '{model}' does not exist; this server serves '{self.name}'.",
+        if self.broken:
+            raise oai.APIError(503, f"This replica cannot answer: {self.broken}", kind="server_error")
+        if model not in (self.name, self.alias):
+            also = f" (and '{self.alias}', the run's newest checkpoint)" if self.alias else ""
+            raise oai.APIError(404, f"The model '{model}' does not exist; this server serves '{self.name}'{also}.",
                                param="model", code="model_not_found")
+
+    # ------------------------------------------------------------ following a run
+
+    async def _follow(self, run: RunFolder) -> None:
+        """Every `serve.follow_every_s`, switch to the run's newest complete checkpoint when it
+        is not the one served. One that cannot replace it (other tensors) is passed over."""
+        passed_over = None
+        while not self.broken:
+            await asyncio.sleep(self.caps.follow_every_s)
+            newest = run.newest_checkpoint()
+            version = None if newest is None else checkpoint_version(newest)
+            if version is None or version in (self.version, passed_over):
+                continue
+            try:
+                check_checkpoint(str(newest))
+                same_tensors(self.checkpoint, newest)
+            except InputError as err:
+                print(f"not switching: {err}", flush=True)
+                passed_over = version
+                continue
+            await self._switch(newest, version)
+
+    async def _switch(self, checkpoint: Path, version: tuple[str, int]) -> None:
+        """Load `checkpoint`'s weights in place: no new request is scheduled meanwhile, the ones
+        in flight finish first (on the weights they started with), the caches are emptied."""
+        started = time.perf_counter()
+        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        try:
+            await self.engine.collective_rpc("rayrep_load_folder", args=(str(checkpoint),))
+        except Exception as err:  # the weights may be part old, part new: answer nothing more
+            self.broken = f"reloading the weights of {checkpoint} failed ({err})"
+            print(self.broken, flush=True)
+        else:
+            self.checkpoint, self.version, self.name = str(checkpoint), version, f"{self.alias}/{checkpoint.name}"
+            print(f"serving {checkpoint} as {self.name!r} (switched in {time.perf_counter() - started:.1f} s)",
+                  flush=True)
+        finally:
+            await self.engine.resume_generation()
 
     def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
         if isinstance(prompt, str):
@@ -430,7 +542,10 @@ def deployment_options(cfg: Config) -> dict:
     return options
 
 
-def build_app(cfg: Config, checkpoint: str, name: str, api_keys: list[str] = ()):
-    """The Serve application of the policy at `checkpoint`, served as model `name`; with
-    `api_keys`, every route but /health asks for one (the replicas get their digests only)."""
-    return PolicyServer.options(**deployment_options(cfg)).bind(cfg, checkpoint, name, keys.digests(list(api_keys)))
+def build_app(cfg: Config, source: str, name: str, api_keys: list[str] = (), follow: bool = False):
+    """The Serve application of the policy at checkpoint folder `source`, served as model
+    `name`; with `follow`, `source` is a run whose newest checkpoint each replica serves (see
+    `PolicyServer`). With `api_keys`, every route but /health asks for one (the replicas get
+    their digests only)."""
+    return PolicyServer.options(**deployment_options(cfg)).bind(cfg, source, name, keys.digests(list(api_keys)),
+                                                                follow)

@@ -64,6 +64,11 @@ class TensorSpec:
         return math.prod(self.shape)
 
 
+TIED_EMBEDDING = "model.embed_tokens.weight"
+"""The input embedding's name in the policies' checkpoints (the Llama/Qwen layout): the output
+head's weights too when `tie_word_embeddings` is set."""
+
+
 @dataclass(frozen=True)
 class WeightManifest:
     """What a sync sends, in order, and how it is packed into buckets (index lists)."""

@@ -3,17 +3,20 @@
 vLLM mixes this class into its worker (`LLM(worker_extension_cls=...)`) and exposes its
 methods through the public `LLM.collective_rpc`. Everything it touches of vLLM's worker is
 the worker's public `reload_weights` and the model config; an upgrade of vLLM that
-changes those touches this file only.
+changes those touches this file only. A training run's generators receive weights through
+it; a server following a run loads each new checkpoint folder through it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from rayrep.sync.collective import WeightManifest
+from rayrep.sync.collective import TIED_EMBEDDING, WeightManifest
 
 
 class _RotaryReloadNotice(logging.Filter):
@@ -29,6 +32,16 @@ class _RotaryReloadNotice(logging.Filter):
 
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadNotice())
+
+
+def with_tied_head(weights: Iterable[tuple[str, torch.Tensor]], tied: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, and after the input embedding `tied` (when the output head shares it) the
+    same tensor again as "lm_head.weight": vLLM keeps a head of its own, which its reload
+    leaves as it was otherwise (a checkpoint has no lm_head tensor when the two are tied)."""
+    for name, tensor in weights:
+        yield name, tensor
+        if name == tied:
+            yield "lm_head.weight", tensor
 
 
 class WeightSyncExtension:
@@ -56,23 +69,41 @@ class WeightSyncExtension:
 
     def rayrep_receive_weights(self, manifest: WeightManifest) -> int:
         """Receive every bucket and load them in one `reload_weights` call; returns tensors loaded."""
-        loaded = 0
+        # One reload over all buckets: reloading per bucket can split a layer's fused q/k/v
+        # projection across calls and leave part of it stale.
+        return self._rayrep_reload(with_tied_head(self._rayrep_channel.receive(manifest), manifest.tied_embedding))
+
+    def rayrep_load_folder(self, folder: str) -> int:
+        """Load a checkpoint folder's weights (its *.safetensors, tensor by tensor) in place;
+        returns tensors loaded. vLLM's own `reload_weights(weights_path=...)` would leave a
+        head tied to the embeddings stale (0.32: "ParallelLMHead: Failed to load weights")."""
+        from safetensors import safe_open
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal loaded
-            # One reload over all buckets: reloading per bucket can split a layer's fused
-            # q/k/v projection across calls and leave part of it stale.
-            for name, tensor in self._rayrep_channel.receive(manifest):
-                loaded += 1
-                yield name, tensor
-                if name == manifest.tied_embedding:
-                    # The learner has no separate lm_head parameter when embeddings are tied,
-                    # but vLLM keeps a head of its own that must receive the same tensor.
-                    loaded += 1
-                    yield "lm_head.weight", tensor
+            for file in sorted(Path(folder).glob("*.safetensors")):
+                with safe_open(str(file), "pt", device="cpu") as tensors:
+                    for name in tensors.keys():
+                        yield name, tensors.get_tensor(name)
 
-        self.reload_weights(weights_iterator=weights())
+        tied = TIED_EMBEDDING if getattr(self.model_config.hf_config, "tie_word_embeddings", False) else None
+        return self._rayrep_reload(with_tied_head(weights(), tied))
+
+    def _rayrep_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """One `reload_weights` call over `weights`; returns how many tensors it was given."""
+        loaded = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal loaded
+            for pair in weights:
+                loaded += 1
+                yield pair
+
+        self.reload_weights(weights_iterator=counted())
         return loaded
 
     def _rayrep_device(self) -> torch.device:
         return torch.device("cpu") if self.device_config.device_type == "cpu" else self.device
+
+
+EXTENSION_CLASS = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
+"""What an engine is given as its `worker_extension_cls`."""
