@@ -548,3 +548,26 @@ def test_the_serve_job_refuses_an_exposed_address_without_a_key_before_starting(
     assert keyed.returncode == 0, keyed.stderr[-2000:]
     assert "would serve" in keyed.stdout and "1 API key(s)" in keyed.stdout
     assert "sk-job-key-123" not in keyed.stdout + keyed.stderr
+
+
+def test_the_serve_job_follows_a_run_folder_and_refuses_a_checkpoint_there(short_run_dir, tiny_policy, tmp_path):
+    """`jobs/serve.py --follow`: a run's folder is served as the run's newest checkpoint under
+    the run's name (a dry run says so); a checkpoint folder given instead is refused in one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def job(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "jobs/serve.py", "--dry-run", *args, "--logging.out_dir", str(tmp_path)],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+
+    followed = job("--follow", str(short_run_dir))
+    assert followed.returncode == 0, followed.stderr[-2000:]
+    assert f"would serve {short_run_dir}'s checkpoints, now {short_run_dir}/checkpoints/step-2, as 'seed-0'" \
+        in followed.stdout
+    refused = job("--follow", tiny_policy)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        f"--follow {tiny_policy}: a checkpoint, not a run's folder; serve it with --checkpoint")
