@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make run    the main job (creates .venv on first use)
-#   make test   the layer contract (lint-imports) and the whole test suite (creates .venv on first use)
+#   make test   the layer contract (lint-imports) and the whole test suite (creates .venv on first use,
+#               and .venv-harness, the evaluation harness the serving tests drive, beside it)
 # EXTRAS=gpu selects the GPU install (vllm, deepspeed) instead of the CPU one.
 
 PYTHON ?= python3
@@ -8,13 +9,15 @@ VENV   ?= .venv
 EXTRAS ?= cpu
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(EXTRAS)
+HARNESS := .venv-harness
+HARNESS_STAMP := $(HARNESS)/.installed
 
 .PHONY: run test venv clean-venv
 
 run: $(STAMP)
 	$(PY) jobs/rlep.py
 
-test: $(STAMP)
+test: $(STAMP) $(HARNESS_STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest --durations=25 tests
 
@@ -36,5 +39,13 @@ endif
 	$(PY) -c "import vllm, torch, ray, math_verify; print('rayrep env ready: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 	touch $@
 
+# The harness's own environment: its packages first, then .venv's (a .pth file names .venv's
+# site-packages), so that it installs only what .venv lacks (requirements/harness.txt says why).
+$(HARNESS_STAMP): $(STAMP) requirements/harness.txt
+	test -x $(HARNESS)/bin/python || $(PYTHON) -m venv $(HARNESS)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$($(HARNESS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/rayrep-venv.pth"
+	$(HARNESS)/bin/python -m pip install -q -c requirements/cpu-constraints.txt -r requirements/harness.txt
+	touch $@
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(HARNESS)

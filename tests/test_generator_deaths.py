@@ -27,6 +27,10 @@ from rayrep.runtime.system import Runtime
 from rayrep.types import LossSpec
 
 
+SHARE = 16
+"""Prompts each of two generators answers in the death test's calls."""
+
+
 def two_generators(cfg):
     return cfg.replace(**{"generator.num_workers": 2, "placement.cpus_per_bundle": 1, "placement.threads": 1,
                           "verifier.num_workers": 0})
@@ -76,7 +80,7 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
     placement = Placement(make_plan(cfg, learners=False))
     generators = GeneratorPool.create(cfg, tiny_policy, placement)
     try:
-        prompt_ids = questions(cfg, tiny_policy, 48)
+        prompt_ids = questions(cfg, tiny_policy, 2 * SHARE)
         seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
         sample(generators, prompt_ids, cfg.sampling_seeds("warm-up", len(prompt_ids)))  # the engines' first call
         counts = Counter()
@@ -91,8 +95,8 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
         start = time.monotonic()
         recovered = sample(generators, prompt_ids, seeds, counts, kill_after_s=undisturbed_s / 3)
         assert time.monotonic() - start > undisturbed_s / 3  # the call was still running when it died
-        assert counts == {"replaced": 1, "retried_prompts": 24}  # generator 1's share: prompts 24..47
-        assert [len(rollouts) for rollouts in recovered] == [8] * 48
+        assert counts == {"replaced": 1, "retried_prompts": SHARE}  # generator 1's share: the second half
+        assert [len(rollouts) for rollouts in recovered] == [8] * (2 * SHARE)
         assert recovered == undisturbed  # the same tokens, log-probs and texts: the seeds decide them
         replacement = generators.workers[1]
         assert replacement is not dead and ray.get(replacement.pid.remote()) != dead_pid
@@ -107,7 +111,7 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
         victim, first = ray.get(generators.workers[1].pid.remote()), []
 
         def kill_on_first_part(part):
-            if min(part.indices) >= 24 and not first:  # generator 1's share: prompts 24..47
+            if min(part.indices) >= SHARE and not first:  # generator 1's share
                 first.append(list(part.indices))
                 os.kill(victim, signal.SIGKILL)
 
@@ -115,8 +119,8 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
         shares = generators.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds, parts=8)
         parts, recovered = generators.complete(shares, counts, kill_on_first_part)
         assert recovered == undisturbed
-        assert sorted(i for part in parts for i in part.indices) == list(range(48))  # none answered twice
-        assert counts["replaced"] == 1 and 0 < counts["retried_prompts"] <= 24 - len(first[0])
+        assert sorted(i for part in parts for i in part.indices) == list(range(2 * SHARE))  # none answered twice
+        assert counts["replaced"] == 1 and 0 < counts["retried_prompts"] <= SHARE - len(first[0])
     finally:
         for worker in generators.workers:
             ray.kill(worker)

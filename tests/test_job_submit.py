@@ -95,18 +95,34 @@ def test_grpo_runs_through_ray_job_submit(submitted_run):
     assert "WARNING" in (run_dir / "libraries.log").read_text()
 
 
-def test_the_trained_policy_is_served_by_a_submitted_job_and_stopped_cleanly(ray_head, submitted_run):
+def test_a_submitted_server_follows_the_run_as_it_trains_on_and_stops_cleanly(ray_head, submitted_run):
+    """`jobs/serve.py --follow` submitted to the cluster serves the finished run's checkpoint;
+    while a client keeps asking for the run by name, a submitted resume of the run writes two
+    more checkpoints. Every request is answered, the checkpoint named in the answers moves on
+    from the first to the last, never back, and after the switch the served log-probs are the
+    last checkpoint's own (transformers on its folder), not the first's. `ray job stop` then
+    shuts the server down."""
+    import threading
+
+    import httpx
     import openai
+    from transformers import AutoTokenizer
+
+    from test_serve import PROMPT, policy_logprobs
 
     submit, run_dir = submitted_run
     assert submit.returncode == 0, "the training job failed: see the test above"
+    first = run_dir / "checkpoints" / "step-2"
+    ids = AutoTokenizer.from_pretrained(str(first)).encode(PROMPT, add_special_tokens=False)
+    before = policy_logprobs(str(first), ids)
     port = free_port()
     job = f"serve-{port}"
     # `ray job stop` waits RAY_JOB_STOP_WAIT_TIME_S (3 s by default) before it kills the job:
-    # the server needs a few more to shut Serve down.
+    # the server needs a few more to shut Serve down. Half a CPU for the replica: the head's
+    # two hold it and the resumed run's 1.5.
     runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}})
-    started = submit_job(ray_head, ["jobs/serve.py", "--checkpoint", str(run_dir / "checkpoints" / "final"),
-                                    "--serve.port", str(port)], ENV,
+    started = submit_job(ray_head, ["jobs/serve.py", "--follow", str(run_dir), "--serve.port", str(port),
+                                    "--serve.cpus_per_replica", "0.5", "--serve.follow_every_s", "0.5"], ENV,
                          ["--no-wait", "--submission-id", job, "--runtime-env-json", runtime_env])
     assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
 
@@ -114,6 +130,15 @@ def test_the_trained_policy_is_served_by_a_submitted_job_and_stopped_cleanly(ray
         done = subprocess.run([RAY, "job", *args, "--address", ray_head, job], capture_output=True, text=True,
                               env=ENV, timeout=300)
         return done.stdout + done.stderr
+
+    answers, stop = [], threading.Event()
+
+    def keep_asking(http: httpx.Client) -> None:
+        while not stop.is_set():
+            response = http.post("/v1/completions", json={"model": "submitted", "prompt": PROMPT, "max_tokens": 8,
+                                                          "temperature": 0})
+            answers.append((response.status_code, response.json().get("model")))
+            stop.wait(0.25)  # a steady client, not one that takes both cores from the training run
 
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -126,12 +151,36 @@ def test_the_trained_policy_is_served_by_a_submitted_job_and_stopped_cleanly(ray
                 status = job_cli("status")
                 assert "FAILED" not in status and time.monotonic() < deadline, status + job_cli("logs")[-3000:]
                 time.sleep(2)
-        assert [m.id for m in models] == ["submitted/final"]  # named after the run and the checkpoint
-        answer = client.completions.create(model="submitted/final", prompt="Q: 2+5=? Answer in \\boxed{}.\nA: ",
-                                           max_tokens=24)
-        assert answer.choices[0].text and answer.usage.completion_tokens > 0
+        # Named after the run and its newest checkpoint; the run's name always means the newest.
+        assert [m.id for m in models] == ["submitted/step-2", "submitted"]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            asking = threading.Thread(target=keep_asking, args=(http,))
+            asking.start()
+            try:
+                resumed = submit_job(ray_head, ["jobs/train.py", "--resume", str(run_dir), "--run.steps", "4",
+                                                "--run.save_every", "1"], ENV)
+                assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and (not answers or answers[-1][1] != "submitted/step-4"):
+                    time.sleep(0.2)
+            finally:
+                stop.set()
+                asking.join()
+            listed = http.get("/v1/models").json()["data"]
+            scored = http.post("/v1/completions", json={"model": "submitted", "prompt": PROMPT, "max_tokens": 0,
+                                                        "echo": True, "logprobs": 0}).json()
     finally:
         job_cli("stop")
+    assert len(answers) > 10 and {status for status, _ in answers} == {200}, answers
+    names = [name for i, (_, name) in enumerate(answers) if i == 0 or name != answers[i - 1][1]]
+    assert names[0] == "submitted/step-2" and names[-1] == "submitted/step-4" and names == sorted(names), names
+    assert [m["id"] for m in listed] == ["submitted/step-4", "submitted"] and listed[1]["root"] == "submitted/step-4"
+    served = scored["choices"][0]["logprobs"]["token_logprobs"][1:]
+    after = policy_logprobs(str(run_dir / "checkpoints" / "step-4"), ids)
+    expected = [float(after[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert served == pytest.approx(expected, abs=2e-3)
+    assert served != pytest.approx([float(before[i - 1, ids[i]]) for i in range(1, len(ids))], abs=2e-3)
+
     logs = job_cli("logs")
     assert "was stopped" in job_cli("status")
     assert "shutting down the server" in logs and "server stopped" in logs, logs[-3000:]
