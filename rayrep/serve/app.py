@@ -9,11 +9,12 @@ Following a run (`jobs/serve.py --follow RUN_DIR`), each replica serves the run'
 complete checkpoint and switches to each new one in place: vLLM pauses new work, lets the
 requests in flight finish on the old weights, reloads the weights from the new folder and
 resumes (`AsyncLLM.pause_generation(mode="wait")`, the worker's `reload_weights` through
-rayrep's worker extension, `resume_generation`: public APIs). Requests that arrive meanwhile wait in the engine; none is dropped. A Serve
-rolling update would instead build a new engine per checkpoint (a minute on a GPU) and stop
-the old replica before its successor is up when there is one replica; `user_config` changes
-are a lightweight update only through Serve's declarative API (its dashboard), where
-`serve.run` gives every deployment a new code version and restarts it.
+rayrep's worker extension, `resume_generation`: public APIs). Requests that arrive meanwhile
+wait in the engine; none is dropped. A Serve rolling update would instead build a new engine
+per checkpoint (a minute on a GPU) and stop the old replica before its successor is up when
+there is one replica; `user_config` changes are a lightweight update only through Serve's
+declarative API (its dashboard), where `serve.run` gives every deployment a new code version
+and restarts it.
 
 Each replica owns one vLLM async engine (`AsyncLLMEngine`, vLLM's public API) with its core
 in a process of its own, so that model steps never hold up the replica's event loop. Every
@@ -241,7 +242,7 @@ class PolicyServer:
             newest = RunFolder(Path(source)).newest_checkpoint()
             if newest is None:
                 raise InputError(f"run {source}: no complete checkpoint (checkpoints/step-<N>) to serve")
-            checkpoint, self.version, name = str(newest), checkpoint_version(newest), f"{name}/{newest.name}"
+            checkpoint, self.version, name = str(newest), checkpoint_version(newest), self._following_name(newest)
         route_library_output()  # before the engine process starts: it inherits the file
         from transformers import AutoTokenizer
 
@@ -341,6 +342,10 @@ class PolicyServer:
 
     # ------------------------------------------------------------ following a run
 
+    def _following_name(self, checkpoint: Path) -> str:
+        """The model name of a followed run's checkpoint: `<run's name>/step-<N>`."""
+        return f"{self.alias}/{checkpoint.name}"
+
     async def _follow(self, run: RunFolder) -> None:
         """Every `serve.follow_every_s`, switch to the run's newest complete checkpoint when it
         is not the one served. One that cannot replace it (other tensors) is passed over."""
@@ -371,7 +376,7 @@ class PolicyServer:
             self.broken = f"reloading the weights of {checkpoint} failed ({err})"
             print(self.broken, flush=True)
         else:
-            self.checkpoint, self.version, self.name = str(checkpoint), version, f"{self.alias}/{checkpoint.name}"
+            self.checkpoint, self.version, self.name = str(checkpoint), version, self._following_name(checkpoint)
             print(f"serving {checkpoint} as {self.name!r} (switched in {time.perf_counter() - started:.1f} s)",
                   flush=True)
         finally:
