@@ -24,7 +24,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
     complete checkpoint (`rayrep.run.checkpoints`), as if it had never stopped."""
     run = Run.open(cfg, resume, log)  # every input checked; nothing started yet
     with run.supervised() as runtime:
-        algorithm = make_algorithm(cfg, run.inputs, runtime.buffer, runtime.learners)
+        algorithm = make_algorithm(cfg, run.inputs, runtime.buffer, runtime.learners, run.sampler)
         rollouts = Rollouts(cfg, runtime, algorithm, run.sampler, run.inputs.prompt_ids)
         run.begin(runtime, algorithm)  # step 0's evaluation, or the checkpoint restored
         for step in run.steps():
@@ -36,7 +36,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                 groups, chosen = algorithm.join_replays(groups)  # ExGRPO's entropy choice, on the learners
                 record.add(chosen)
                 with record.timed("build"):
-                    step_batch = algorithm.build(groups, dropped)
+                    step_batch = algorithm.build(groups, dropped, step)
                 rollouts.start_ahead(step)  # asynchronous rollouts sample on these weights meanwhile
                 with record.timed("update"):
                     record.add(runtime.learners.update(step_batch.batch, step_batch.loss))

@@ -2,6 +2,7 @@
 dynamic sampling (no actors: an in-process replay buffer)."""
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -69,17 +70,47 @@ def test_rewards_follow_the_style_and_overlong_shaping():
 def test_grpo_batch_has_one_row_per_rollout_with_group_advantages():
     algo = GRPO(base_cfg())
     groups = [fresh_group(prompt("a"), [[1, 2], [3]], [True, False]), fresh_group(prompt("b"), [[4], [5]], [False, False])]
-    step = algo.build(groups)
+    step = algo.build(groups, step=3)
     batch = step.batch
+    a, b = (order := [g.prompt.uid for g in step.groups]).index("a"), order.index("b")  # the groups, shuffled
     std = math.sqrt(2.0)  # unbiased std of (+1, -1)
-    assert batch.advantages.tolist() == pytest.approx([1 / (std + 1e-6), -1 / (std + 1e-6), 0.0, 0.0], abs=1e-5)
-    assert batch.prompt_index.tolist() == [0, 0, 1, 1]
-    assert batch.response_mask.sum(1).tolist() == [2, 1, 1, 1]
-    assert batch.old_logprobs[0][batch.response_mask[0]].tolist() == [-0.5, -0.5]
+    assert batch.advantages[batch.prompt_index == a].tolist() == pytest.approx([1 / (std + 1e-6), -1 / (std + 1e-6)])
+    assert batch.advantages[batch.prompt_index == b].tolist() == [0.0, 0.0]
+    assert sorted(batch.prompt_index.tolist()) == [0, 0, 1, 1]
+    assert batch.response_mask[batch.prompt_index == a].sum(1).tolist() == [2, 1]
+    first_a = int(torch.nonzero(batch.prompt_index == a)[0])
+    assert batch.old_logprobs[first_a][batch.response_mask[first_a]].tolist() == [-0.5, -0.5]
     assert batch.recompute_old.all() and not batch.replay_mask.any()
-    assert [g.rewards for g in step.groups] == [(1.0, -1.0), (-1.0, -1.0)]
+    assert [step.groups[a].rewards, step.groups[b].rewards] == [(1.0, -1.0), (-1.0, -1.0)]
     assert step.metrics["groups_all_equal"] == 0.5 and step.metrics["reward_mean"] == -0.5
     assert step.loss == algo.loss and step.metrics["replay_share"] == 0
+
+
+def test_no_mini_batch_is_all_replay_and_the_order_is_drawn_per_step():
+    """The plans list replayed questions first (ExGRPO's 32 of 64 would be the whole first
+    mini-batch); the batch is built in a seeded order per step with the replayed groups spread
+    evenly, each group whole."""
+    algo = GRPO(base_cfg(**{"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 2}))
+    replayed = [fresh_group(prompt(f"r{i}"), [[1], [2]], [True, False]).with_replays([rollout([9])]) for i in range(4)]
+    planned = replayed + [fresh_group(prompt(f"f{i}"), [[1], [2], [3]], [True, False, False]) for i in range(4)]
+    orders = set()
+    for step_number in range(40):
+        built = algo.build(planned, step=step_number)
+        batch, groups = built.batch, built.groups
+        assert sorted(g.prompt.uid for g in groups) == sorted(g.prompt.uid for g in planned)
+        for part in mini_batches(batch.num_prompts, 2):  # as the learner splits it
+            in_part = (batch.prompt_index >= part.start) & (batch.prompt_index < part.stop)
+            assert int(batch.replay_mask[in_part].sum()) == 1  # one replayed group of two, every time
+        # Whole groups, each group's rows together and in the groups' order.
+        assert batch.prompt_index.tolist() == [i for i, g in enumerate(groups) for _ in g.rollouts]
+        assert batch.replay_mask.tolist() == [r for g in groups for r in g.replayed]
+        orders.add(tuple(g.prompt.uid for g in groups))
+    assert len(orders) > 30  # drawn anew each step ...
+    again = [g.prompt.uid for g in algo.build(planned, step=7).groups]
+    assert again == [g.prompt.uid for g in GRPO(algo.cfg).build(planned, step=7).groups]  # ... the same on a resume
+    other_seed = GRPO(algo.cfg.replace(**{"run.seed": 1}))
+    assert any([g.prompt.uid for g in other_seed.build(planned, step=s).groups] !=
+               [g.prompt.uid for g in algo.build(planned, step=s).groups] for s in range(3))
 
 
 def test_grpo_plan_is_a_value_that_leaves_out_excluded_questions():
@@ -167,11 +198,12 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
                 assert ok and r.logprobs == [-0.25] * len(r.response_ids) and r.version == 3
                 assert r.prompt_ids == PROMPT_IDS
     step = algo.build(groups)
+    position = {g.prompt.uid: i for i, g in enumerate(step.groups)}  # the batch's own order
     # Advantages over all G' rollouts: q1 has 4 failures and 1 success.
-    q1 = step.batch.advantages[step.batch.prompt_index == 1]
+    q1 = step.batch.advantages[step.batch.prompt_index == position["q1"]]
     rewards = torch.tensor([-1.0, -1, -1, -1, 1])
     assert q1.tolist() == pytest.approx(((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist(), abs=1e-5)
-    assert step.batch.advantages[step.batch.prompt_index == 0].abs().max() == 0  # all fresh failures, nothing added
+    assert step.batch.advantages[step.batch.prompt_index == position["q0"]].abs().max() == 0  # all fresh failures
     assert step.metrics["replay_questions_short"] == 2 and step.metrics["replay_share"] == pytest.approx(3 / 15)
     assert step.metrics["replayed_questions"] == 2 and step.batch.replay_mask.sum() == 3
 
@@ -269,15 +301,17 @@ def exgrpo(**changes):
     cfg = base_cfg(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.prompts_per_step": 8,
                       "learner.mini_batch_prompts": 8, **changes})
     prompts = [prompt(f"q{i}") for i in range(40)]
-    # No learners: these tests keep replay_ratio at 0 where a plan would need the entropy
-    # pass; tests/test_replay_runs.py runs ExGRPO with a real learner group.
-    return ExGRPO(cfg, prompts, {p.uid: PROMPT_IDS for p in prompts}, ReplayBuffer(0, 64, seed=0), learners=None)
+    # No learners: these tests do not join replays (the entropy pass);
+    # tests/test_replay_runs.py runs ExGRPO with a real learner group. The training set: q0-q7.
+    return ExGRPO(cfg, prompts, {p.uid: PROMPT_IDS for p in prompts}, ReplayBuffer(0, 64, seed=0), learners=None,
+                  sampler=sampler_of(prompts[:8]))
 
 
-def step(algo, step_number, marks_by_uid, start=0):
-    """Plan, roll out by hand with the given marks, build, and remember."""
-    plan = algo.plan(sampler_of(prompt(f"q{i}") for i in range(start, start + 8)), 8)
-    built = algo.build(roll_out(plan, marks_by_uid))
+def step(algo, step_number, marks_by_uid, sampler=None):
+    """Plan (from the run's training set unless another sampler is given), roll out by hand
+    with the given marks, build, and remember."""
+    plan = algo.plan(sampler or algo.sampler, 8)
+    built = algo.build(roll_out(plan, marks_by_uid), step=step_number)
     return plan, built, algo.after_update(step_number, built)
 
 
@@ -286,43 +320,97 @@ def test_exgrpo_needs_the_mean_only_advantage():
         check_inputs(base_cfg(**{"algorithm.name": "exgrpo"}), [], {})
 
 
-def test_exgrpo_collects_nothing_before_the_pass_rate_switch():
-    algo = exgrpo(**{"algorithm.exgrpo.replay_ratio": 0.0, "algorithm.exgrpo.start_pass_rate": 0.35})  # the paper's
+def test_exgrpo_collects_from_the_step_after_the_switch_and_replays_from_the_one_after():
+    """As the public code: the step whose pass rate first exceeds the threshold flips the
+    switch and stores nothing; the next collects; the one after is the first to replay."""
+    algo = exgrpo(**{"algorithm.exgrpo.replay_ratio": 0.5, "algorithm.exgrpo.start_pass_rate": 0.35})  # the paper's
     _, _, metrics = step(algo, 1, lambda uid, n: [True] + [False] * (n - 1))  # pass rate 0.25 < 0.35
-    assert metrics["exgrpo_collecting"] == 0.0 and algo.buffer.stats()["questions"] == 0
-    # 0.5 > 0.35: the switch flips and this step's groups are stored.
+    assert metrics == {"exgrpo_collecting": 0.0, "exgrpo_epoch_questions": 8.0}
+    # 0.5 > 0.35: the switch flips; this step's own groups are not stored.
     _, _, metrics = step(algo, 2, lambda uid, n: [True, True] + [False] * (n - 2))
-    assert metrics["exgrpo_collecting"] == 1.0
+    assert metrics["exgrpo_collecting"] == 1.0 and algo.buffer.stats()["questions"] == 0
+    # The next step collects (and trains with the mixed loss) with nothing to replay yet.
+    plan, built, metrics = step(algo, 3, lambda uid, n: [True, True] + [False] * (n - 2))
+    assert plan.choose == () and all(n == 4 for _, n in plan.requests) and built.loss.replay_loss == "shaped"
     assert metrics["buffer_questions"] == 8 and metrics["buffer_answers"] == 8 * 2
     assert metrics["buffer_bucket_2"] == 8
+    # The one after replays: half its questions come from the buffer, with K - 1 fresh rollouts.
+    plan = algo.plan(sampler_of(prompt(f"q{i}") for i in range(8, 16)), 8)
+    assert len(plan.choose) == 4 and sorted(n for _, n in plan.requests) == [3] * 4 + [4] * 4
     # One-way: a bad batch later does not switch it off.
-    _, _, metrics = step(algo, 3, lambda uid, n: [False] * n, start=8)
+    _, _, metrics = step(algo, 4, lambda uid, n: [False] * n, sampler=sampler_of(prompt(f"q{i}") for i in range(8, 16)))
     assert metrics["exgrpo_collecting"] == 1.0
 
 
 def test_exgrpo_retires_all_correct_questions_and_dedups_answers():
     algo = exgrpo(**{"algorithm.exgrpo.start_pass_rate": 0.0, "algorithm.exgrpo.replay_ratio": 0.0})
-    step(algo, 1, lambda uid, n: [True, True, False, False])
+    step(algo, 1, lambda uid, n: [True, True, False, False])  # flips the switch, stores nothing
+    step(algo, 2, lambda uid, n: [True, True, False, False])
     assert algo.buffer.stats()["answers"] == 16
     # The same questions again: the same two correct answers (dedup by token ids) plus a new one.
-    _, _, metrics = step(algo, 2, lambda uid, n: [True, True, True, False])
+    _, _, metrics = step(algo, 3, lambda uid, n: [True, True, True, False])
     assert metrics["buffer_stored"] == 8 and metrics["buffer_answers"] == 24 and metrics["buffer_bucket_3"] == 8
     # All K correct: retired, answers gone, never stored again.
-    _, _, metrics = step(algo, 3, lambda uid, n: [True] * n)
+    _, _, metrics = step(algo, 4, lambda uid, n: [True] * n)
     assert metrics["buffer_retired"] == 8 and metrics["buffer_questions"] == 0
-    _, _, metrics = step(algo, 4, lambda uid, n: [True, False, False, False])
+    _, _, metrics = step(algo, 5, lambda uid, n: [True, False, False, False])
     assert metrics["buffer_questions"] == 0 and metrics["buffer_stored"] == 0
+
+
+def test_a_retired_question_leaves_the_training_set_at_the_next_epoch_in_both_phases():
+    """The public code's scope (the default): an all-correct question is retired at every
+    step, before the switch too, and is not drawn again as fresh once the epoch under way
+    ends; `retire_from: buffer` (rayrep's earlier behaviour) retires it from the buffer only,
+    and only once collecting."""
+    algo = exgrpo(**{"algorithm.prompts_per_step": 2, "learner.mini_batch_prompts": 2,
+                     "algorithm.exgrpo.replay_ratio": 0.0, "algorithm.exgrpo.start_pass_rate": 0.9})
+    sampler = algo.sampler  # q0-q7, 4 steps of 2 an epoch
+    first = [p.uid for p in sampler.next(2)]
+    built = algo.build(roll_out(StepPlan(tuple((prompt(uid), 4) for uid in first)),
+                                lambda uid, n: [True] * n if uid == first[0] else [True, False, False, False]))
+    metrics = algo.after_update(1, built)  # pass rate 5/8 < 0.9: before the switch
+    assert metrics["exgrpo_collecting"] == 0.0 and metrics["buffer_retired"] == 1 and sampler.retired == {first[0]}
+    rest_of_epoch = [p.uid for p in sampler.next(6)]
+    assert metrics["exgrpo_epoch_questions"] == 8 and sorted(first + rest_of_epoch) == [f"q{i}" for i in range(8)]
+    later = [p.uid for p in sampler.next(7 * 5)]  # five epochs of the seven left
+    assert first[0] not in later and sorted(set(later)) == sorted(set(rest_of_epoch + first[1:]))
+    assert sampler.active == 7
+    # A resumed run's sampler goes on with the same draws.
+    resumed = sampler_of(prompt(f"q{i}") for i in range(8))
+    resumed.restore(json.loads(json.dumps(sampler.state())))
+    assert [p.uid for p in resumed.next(20)] == [p.uid for p in sampler.next(20)]
+
+    old = exgrpo(**{"algorithm.exgrpo.retire_from": "buffer", "algorithm.exgrpo.replay_ratio": 0.0,
+                    "algorithm.exgrpo.start_pass_rate": 0.9})
+    _, _, metrics = step(old, 1, lambda uid, n: [True] * n if uid == "q0" else [False] * n)
+    assert old.sampler.retired == set() and "buffer_retired" not in metrics  # before the switch: nothing
+    old.collecting = True
+    _, _, metrics = step(old, 2, lambda uid, n: [True] * n if uid == "q0" else [True, False, False, False])
+    assert metrics["buffer_retired"] == 1 and old.sampler.retired == set()
+    assert "q0" in [p.uid for p in old.sampler.next(8 * 3)]  # still drawn as fresh
+
+
+def test_the_training_set_stops_shrinking_at_one_batch():
+    sampler = PromptSampler([prompt(f"q{i}") for i in range(6)], seed=3, keep_at_least=4)
+    sampler.next(6)
+    sampler.retire(["q0", "q1"])
+    assert sorted(p.uid for p in sampler.next(4)) == ["q2", "q3", "q4", "q5"]  # 4 left: enough for a batch
+    sampler.next(4)
+    sampler.retire(["q2"])  # 3 would be left: the set stays at the 4
+    assert sorted(p.uid for p in sampler.next(4)) == ["q2", "q3", "q4", "q5"]
 
 
 def test_exgrpo_bookkeeping_sees_groups_that_dynamic_sampling_dropped():
     algo = exgrpo(**{"algorithm.exgrpo.start_pass_rate": 0.0, "algorithm.exgrpo.replay_ratio": 0.0})
-    plan = algo.plan(sampler_of(prompt(f"q{i}") for i in range(8)), 8)
+    step(algo, 1, lambda uid, n: [True, False, False, False])  # flips the switch
+    plan = algo.plan(algo.sampler, 8)
     groups = roll_out(plan, lambda uid, n: [True] * n if uid in ("q0", "q1") else [True, False, False, False])
     kept, dropped, _ = keep_informative(groups, 8, more=lambda taken: [])
-    built = algo.build(kept, dropped)
+    built = algo.build(kept, dropped, step=2)
     assert len(built.groups) == 6 and len(built.dropped) == 2
-    metrics = algo.after_update(1, built)
+    metrics = algo.after_update(2, built)
     assert metrics["buffer_retired"] == 2 and metrics["buffer_questions"] == 6  # the all-correct ones retire
+    assert algo.sampler.retired == {"q0", "q1"}
 
 
 def test_exgrpo_switches_to_the_mixed_policy_loss_for_good_once_collection_starts():

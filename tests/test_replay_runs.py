@@ -9,6 +9,7 @@ from rayrep.buffer.answers import Answer
 from rayrep.buffer.files import read_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.cluster.placement import Placement, make_plan
+from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
 from rayrep.pipelines.collect import collect_pool
 from rayrep.run.log import read_metrics
@@ -64,12 +65,13 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
     })
     run = train(cfg, log=lambda _: None)
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
-    assert records[0]["exgrpo_collecting"] == 1.0 and records[0]["replayed_questions"] == 0
-    assert records[0]["buffer_questions"] > 0
-    later = records[1:]
+    # As the public code: step 1 flips the switch and stores nothing, step 2 collects, step 3 replays.
+    assert records[0]["exgrpo_collecting"] == 1.0 and records[0].get("buffer_questions", 0) == 0
+    assert records[1]["buffer_questions"] > 0 and records[0]["replayed_questions"] == records[1]["replayed_questions"] == 0
+    later = records[2:]
     assert all(r["replayed_questions"] > 0 and r["replay_tokens"] > 0 for r in later)
     assert all(r["time_select"] > 0 and r["exgrpo_selected_entropy"] > 0 for r in later)  # its own phase
-    assert all(r["fresh_clip_frac"] == 0 for r in later)  # fresh tokens unclipped in the mixed phase
+    assert all(r["fresh_clip_frac"] == 0 for r in records[1:])  # fresh tokens unclipped in the mixed phase
     assert all(r["optimizer_steps"] == 2 and r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in records)
     assert [r["policy_version"] for r in records] == [1, 2, 3]  # each step synced new weights
     assert (run.run_dir / "checkpoints" / "final" / "buffer" / "answers.parquet").exists()
@@ -129,7 +131,8 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
     tokenizer = AutoTokenizer.from_pretrained(tiny_policy)
     encoded = encode_prompts(tokenizer, prompts, 80)
     # two shard actors: the answers travel by ref
-    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)}, ReplayBuffer(2, 64), learners)
+    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)}, ReplayBuffer(2, 64), learners,
+                  PromptSampler(prompts))
     rng = np.random.default_rng(0)
     expected, lowest = {}, []
     for prompt, ids in zip(prompts, encoded):
@@ -163,18 +166,18 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     drawn only to be thrown away (the sampler's position moves by exactly that many)."""
     from transformers import AutoTokenizer
 
-    from rayrep.data import PromptSampler, encode_prompts, load_split
+    from rayrep.data import encode_prompts, load_split
 
     cfg = tiny_cfg.replace(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False})
     K = cfg.algorithm.group_size
     prompts = load_split(cfg.data, "train")[:40]
     encoded = encode_prompts(AutoTokenizer.from_pretrained(tiny_policy), prompts, 80)
-    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)}, ReplayBuffer(0, 0), learners)
+    sampler = PromptSampler(prompts[10:], seed=0)
+    algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)}, ReplayBuffer(0, 0), learners, sampler)
     stored = prompts[:10]
     algo.buffer.apply([(p.uid, np.array(ids, np.int32), [Answer(np.array([5, 6, 1], np.int32), np.zeros(3, np.float32), 1.0)])
                        for p, ids in zip(stored, encoded)], buckets={p.uid: 3 for p in stored})
     algo.collecting = True  # the switch, as after_update flips it
-    sampler = PromptSampler(prompts[10:], seed=0)
     plan = algo.plan(sampler, 8)
     replayed = [p.uid for p, n in plan.requests if n == K - 1]
     assert len(replayed) == 4 and set(replayed) <= {p.uid for p in stored}

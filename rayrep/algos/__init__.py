@@ -12,6 +12,7 @@ from rayrep.algos.interface import Algorithm
 from rayrep.algos.rlep import RLEP, ExperiencePool, load_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
+from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
 from rayrep.types import Prompt
 
@@ -38,13 +39,14 @@ def check_inputs(cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[
 
 
 def make_algorithm(cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None,
-                   learners: LearnerGroup | None) -> Algorithm:
-    """The algorithm, whole: RLEP's pool goes into the buffer's shards now."""
+                   learners: LearnerGroup | None, sampler: PromptSampler) -> Algorithm:
+    """The algorithm, whole: RLEP's pool goes into the buffer's shards now; ExGRPO retires
+    questions from `sampler`, the run's training set."""
     name = cfg.algorithm.name
     if name == "grpo":
         return GRPO(cfg)
     if name == "rlep":
         return RLEP(cfg, inputs.prompt_ids, inputs.pool, buffer)
     if name == "exgrpo":
-        return ExGRPO(cfg, inputs.prompts, inputs.prompt_ids, buffer, learners)
+        return ExGRPO(cfg, inputs.prompts, inputs.prompt_ids, buffer, learners, sampler)
     raise ValueError(f"unknown algorithm {name!r}")

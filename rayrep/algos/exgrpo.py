@@ -1,10 +1,15 @@
 """ExGRPO: learn from the run's own experience, kept in a difficulty-bucketed buffer.
 
-- Collection starts the first time a batch's share of correct rollouts exceeds
-  `start_pass_rate` (0.35) and never stops; nothing is stored before.
-- After each update, per question with k of its K answers correct: 1 <= k < K stores the
-  new correct fresh answers (deduplicated by token ids) with their behaviour log-probs, and
-  puts the question in bucket k; k = K retires it from the buffer forever.
+- The switch flips after the first step whose share of correct rollouts exceeds
+  `start_pass_rate` (0.35), for good. As in the public code, that step's own groups are not
+  stored: the next step is the first to collect (and trains with the mixed loss, with
+  nothing to replay yet), and the one after it the first to replay.
+- After each update, per question with k of its K answers correct: once collecting,
+  1 <= k < K stores the new correct fresh answers (deduplicated by token ids) with their
+  behaviour log-probs and puts the question in bucket k. k = K retires the question: out
+  of the buffer forever and, from the next epoch on, out of the training set, at every
+  step from the first (the public code); `retire_from: buffer` retires it from the buffer
+  only, and only once collecting.
 - Once the buffer holds questions, each batch takes min(floor(rho * B), |buffer|) of its B
   questions from the buffer (bucket chosen with Gaussian weights, question uniform within
   the bucket, without replacement) and the rest from the prompt sampler. Such a question
@@ -12,7 +17,7 @@
   current policy: one batched forward pass on the learners over the sampled questions'
   stored answers only, each answer's entropy averaged over its own response tokens, once
   the rollouts are in and the learners hold the GPUs (`join_replays`).
-- From the step after collection starts (one-way), replayed tokens train with f(w) * A,
+- From the step after the switch (one-way), replayed tokens train with f(w) * A,
   f(w) = w / (w + beta), w = pi_theta / pi_recorded, and fresh tokens are unclipped (the
   public code) or clipped (the paper's eq. 4), as configured. Advantages: group mean
   subtracted, no std scaling.
@@ -48,12 +53,13 @@ class ExGRPO(GRPO):
     replay_old_logprobs = "recorded"
 
     def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]], buffer: ReplayBuffer,
-                 learners: LearnerGroup | None):
+                 learners: LearnerGroup | None, sampler: PromptSampler):
         """`learners`: where the entropy pass that chooses replayed answers runs (None only
-        where no step replays: tests of the buffer's bookkeeping)."""
+        where no step replays: tests of the buffer's bookkeeping); `sampler`: the run's
+        training set, which retired questions leave."""
         check_exgrpo_settings(cfg)
         super().__init__(cfg)
-        self.buffer, self.learners = buffer, learners
+        self.buffer, self.learners, self.sampler = buffer, learners, sampler
         self.prompts = {p.uid: p for p in prompts}
         self.prompt_ids = prompt_ids
         self.collecting = False
@@ -125,30 +131,40 @@ class ExGRPO(GRPO):
                                    replay_beta=exgrpo.beta)
 
     def after_update(self, step: int, batch: StepBatch) -> dict[str, float]:
-        """Every verified group of the step (trained or dropped) updates the buffer."""
+        """Every verified group of the step (trained or dropped) updates the buffer and the
+        training set; the switch flips last, so that the step that flips it stores nothing."""
         K = self.cfg.algorithm.group_size
+        exgrpo = self.cfg.algorithm.exgrpo
         seen = batch.seen
+        retire = [g.prompt.uid for g in seen if sum(g.correct) == K]
+        items, buckets = [], {}
+        if self.collecting:
+            for group in seen:
+                if 1 <= (k := sum(group.correct)) < K:
+                    uid = group.prompt.uid
+                    buckets[uid] = k
+                    items.append((uid, np.array(group.rollouts[0].prompt_ids, np.int32),
+                                  Answer.fresh_successes(group, step)))
+        if exgrpo.retire_from == "training-set":
+            self.sampler.retire(retire)
+        elif not self.collecting:
+            retire = []
+        metrics = {}
+        if items or retire or self.collecting:
+            metrics = self.buffer_metrics(self.buffer.apply(items, dedup=True, buckets=buckets, retire=retire))
         fresh_marks = [ok for g in seen for ok, replayed in zip(g.correct, g.replayed) if not replayed]
-        pass_rate = sum(fresh_marks) / max(1, len(fresh_marks))
-        if not self.collecting and pass_rate > self.cfg.algorithm.exgrpo.start_pass_rate:
-            self.collecting = True  # one-way
-        metrics = {"exgrpo_collecting": float(self.collecting)}
-        if not self.collecting:
-            return metrics
-        items, buckets, retire = [], {}, []
-        for group in seen:
-            k = sum(group.correct)
-            uid = group.prompt.uid
-            if k == K:
-                retire.append(uid)
-            elif k >= 1:
-                buckets[uid] = k
-                items.append((uid, np.array(group.rollouts[0].prompt_ids, np.int32), Answer.fresh_successes(group, step)))
-        stats = self.buffer.apply(items, dedup=True, buckets=buckets, retire=retire)
-        metrics.update({
+        if not self.collecting and sum(fresh_marks) / max(1, len(fresh_marks)) > exgrpo.start_pass_rate:
+            self.collecting = True  # one-way; the next step collects, the one after replays
+        metrics["exgrpo_collecting"] = float(self.collecting)
+        metrics["exgrpo_epoch_questions"] = float(self.sampler.active)  # the training set this epoch
+        return metrics
+
+    @staticmethod
+    def buffer_metrics(stats: dict) -> dict[str, float]:
+        metrics = {
             "buffer_questions": stats["questions"], "buffer_answers": stats["answers"],
             "buffer_retired": stats["retired"], "buffer_bytes": stats["bytes"], "buffer_stored": stats["stored"],
-        })
+        }
         metrics.update({f"buffer_bucket_{k}": n for k, n in sorted(stats["buckets"].items())})
         return metrics
 

@@ -12,11 +12,12 @@ matter of rounds: `rayrep.rollouts.keep_informative`.
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 from typing import Literal
 
 from rayrep.algos.advantages import group_advantages
-from rayrep.config import Config
+from rayrep.config import Config, derive_seed
 from rayrep.data import PromptSampler
 from rayrep.types import TOKEN_SUM_AGGREGATIONS, Group, LossSpec, StepBatch, StepPlan, TrainBatch
 from rayrep.verifier.reward import rewards
@@ -63,11 +64,12 @@ class GRPO:
         RLEP plan theirs whole: nothing to choose."""
         return list(groups), {}
 
-    def build(self, groups: Sequence[Group], dropped: Sequence[Group] = ()) -> StepBatch:
+    def build(self, groups: Sequence[Group], dropped: Sequence[Group] = (), step: int = 0) -> StepBatch:
         """Score the groups, take advantages over each whole group (fresh and replayed
-        rollouts together), and collate the learner's batch. `dropped`: groups verified but
-        not trained on (dynamic sampling), scored for the record."""
-        trained = [self.score(g) for g in groups]
+        rollouts together), and collate the learner's batch, its questions in an order drawn
+        for `step` (`mini_batch_order`). `dropped`: groups verified but not trained on
+        (dynamic sampling), scored for the record."""
+        trained = [self.score(g) for g in mini_batch_order(groups, self.cfg.seed("data"), step)]
         left_out = [self.score(g) for g in dropped]
         algo = self.cfg.algorithm
         index = [i for i, g in enumerate(trained) for _ in g.rollouts]
@@ -128,3 +130,23 @@ class GRPO:
             "group_size_max": max((g.size for g in trained), default=0),
         }
 
+
+def mini_batch_order(groups: Sequence[Group], data_seed: int, step: int) -> list[Group]:
+    """The step's groups, whole, in a random order drawn from the data seed and the step (the
+    same on a resumed run), with the groups that carry replayed answers spread evenly over it.
+
+    The plans list replayed questions first; the learner splits the batch into mini-batches in
+    order, so that the first optimizer step would be all replay and the last all fresh. The
+    public ExGRPO code shuffles its questions (unseeded), which makes a mini-batch's replay
+    share vary, and on small batches now and then all replay. Here the replayed and the fresh
+    groups are shuffled apart and interleaved at their ratio: any run of m consecutive groups
+    holds floor or ceil of m x (replayed share) replayed ones, so no mini-batch is all replay
+    while fresh groups remain to mix in (at most half replayed: never)."""
+    rng = random.Random(derive_seed(data_seed, "mini-batch order", step))
+    replayed = [g for g in groups if any(g.replayed)]
+    fresh = [g for g in groups if not any(g.replayed)]
+    rng.shuffle(replayed)
+    rng.shuffle(fresh)
+    total, share = len(groups), len(replayed)
+    # Position i holds a replayed group when floor((i + 1) r / n) steps up: r of the n positions, evenly spaced.
+    return [replayed.pop() if (i + 1) * share // total > i * share // total else fresh.pop() for i in range(total)]

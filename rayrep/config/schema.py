@@ -100,6 +100,7 @@ class ExGRPOConfig:
     bucket_sigma: Literal["code", "paper"] = option("code", "bucket weight N(k/K; 0.5, sigma): sigma = 1 in counts (the code) or in accuracy units (the paper)")
     beta: float = option(0.1, "replay shaping f(w) = w / (w + beta)", min=1e-6)
     clip_fresh_in_mixed: bool = option(False, "clip fresh tokens in the mixed phase (paper eq. 4) instead of leaving them unclipped (the code)")
+    retire_from: Literal["training-set", "buffer"] = option("training-set", "where a question whose K answers were all right goes: out of the buffer and, from the next epoch, out of the training set, at every step (the code); or out of the buffer only, once collecting")
 
 
 @dataclass

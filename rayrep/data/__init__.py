@@ -51,28 +51,56 @@ def encode_prompts(tokenizer, prompts: list[Prompt], max_tokens: int) -> list[li
 
 
 class PromptSampler:
-    """Training questions in epochs, each epoch in a fresh seeded order."""
+    """Training questions in epochs, each epoch in a fresh seeded order.
 
-    def __init__(self, prompts: list[Prompt], seed: int = 0):
+    Questions can be retired (ExGRPO: every answer right): they stay in the epoch under way
+    and are left out of the following ones, unless that would leave fewer than
+    `keep_at_least` questions (one step's batch), in which case the set stops shrinking (the
+    public ExGRPO code stops filtering near one batch too)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int = 0, keep_at_least: int = 1):
         if not prompts:
             raise ValueError("the training prompt set is empty")
-        self.prompts, self.seed = prompts, seed
+        self.prompts, self.seed, self.keep_at_least = prompts, seed, keep_at_least
+        self.retired: set[str] = set()
+        self.left_out: frozenset[str] = frozenset()
+        """The retired questions this epoch's order leaves out (those retired by its start)."""
         self.epoch, self.order, self.position = 0, [], 0
         self._shuffle()
 
     def _shuffle(self) -> None:
         import random
 
-        self.order = list(range(len(self.prompts)))
-        random.Random(f"{self.seed}-{self.epoch}").shuffle(self.order)
+        order = list(range(len(self.prompts)))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        self.order = [i for i in order if self.prompts[i].uid not in self.left_out]
         self.position = 0
 
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        if len(self.prompts) - len(self.retired) >= self.keep_at_least:
+            self.left_out = frozenset(self.retired)
+        self._shuffle()
+
+    def retire(self, uids) -> None:
+        """Leave `uids` out of every epoch that starts from now on."""
+        self.retired.update(uids)
+
+    @property
+    def active(self) -> int:
+        """How many questions the epoch under way visits."""
+        return len(self.order)
+
     def state(self) -> dict:
-        """Where the sampler is (the order of an epoch follows from the seed and the epoch)."""
-        return {"epoch": self.epoch, "position": self.position}
+        """Where the sampler is (the order of an epoch follows from the seed, the epoch and the
+        questions it leaves out)."""
+        return {"epoch": self.epoch, "position": self.position, "retired": sorted(self.retired),
+                "left_out": sorted(self.left_out)}
 
     def restore(self, state: dict) -> None:
         self.epoch = state["epoch"]
+        self.retired = set(state.get("retired", ()))  # absent from checkpoints written before retirement
+        self.left_out = frozenset(state.get("left_out", ()))
         self._shuffle()
         self.position = state["position"]
 
@@ -80,8 +108,7 @@ class PromptSampler:
         batch = []
         while len(batch) < count:
             if self.position == len(self.order):
-                self.epoch += 1
-                self._shuffle()
+                self._next_epoch()
             batch.append(self.prompts[self.order[self.position]])
             self.position += 1
         return batch
