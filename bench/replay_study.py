@@ -31,8 +31,11 @@ Arms: `baseline`, `rlep`, `exgrpo` (its Dr.GRPO advantage, as its paper; the bas
 the std-normalised one: one difference between the arms besides replay), and the variants
 `rlep-adaptive` (replay only into groups with at most 2 fresh successes), `rlep-is`
 (replayed answers weighted by truncated importance ratios to their recorded behaviour
-log-probs, cap 2), `rlep-grow` (the pool grows with each step's fresh successes), and
-`baseline-drgrpo` (the baseline without std scaling: ExGRPO's own on-policy baseline).
+log-probs, cap 2), `rlep-grow` (the pool grows with each step's fresh successes),
+`baseline-drgrpo` (the baseline without std scaling: ExGRPO's own on-policy baseline), and
+the ExGRPO ablations `exgrpo-fullfresh` (the baseline's 64 fresh questions plus 32 replayed),
+`baseline-half` (the baseline on 32 questions a step) and `exgrpo-paper-sigma` (the paper's
+bucket weighting instead of the code's).
 """
 
 from __future__ import annotations
@@ -60,6 +63,17 @@ ARMS: dict[str, dict] = {
     "rlep-is": {"algorithm.name": "rlep", "learner.behaviour_cap": 2.0},
     "rlep-grow": {"algorithm.name": "rlep", "algorithm.rlep.grow_pool": True},
     "baseline-drgrpo": {"algorithm.name": "grpo", "algorithm.std_normalize": False},
+    # Why ExGRPO trails the baseline on the tiny presets: its batches hold half as many fresh
+    # questions. `exgrpo-fullfresh` keeps the baseline's fresh stream and adds the replays on
+    # top: 96 questions, floor(96 x 0.34) = 32 of them replayed once the buffer runs (1/3
+    # gives 31), mini-batches of 48 (two optimizer steps a step, as every arm). `baseline-half`
+    # is what halving the fresh stream costs alone: 32 questions, mini-batches of 16.
+    "exgrpo-fullfresh": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False,
+                         "algorithm.prompts_per_step": 96, "learner.mini_batch_prompts": 48,
+                         "algorithm.exgrpo.replay_ratio": 0.34},
+    "baseline-half": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16},
+    "exgrpo-paper-sigma": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False,
+                           "algorithm.exgrpo.bucket_sigma": "paper"},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 
