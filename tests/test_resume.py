@@ -1,8 +1,9 @@
-"""Checkpoints and resume, with real failures: a run SIGKILLed while it saves a checkpoint
-resumes from the one before and repeats the uninterrupted run exactly; a run resumes on
-another number of learners; a run whose generator, replay shard and learner are killed in
-turn (`--auto-resume`) ends as the uninterrupted run ends, with each death counted. One
-uninterrupted run and one killed run serve every test."""
+"""Checkpoints and resume, with real failures, in one job as a long run meets them: its
+generator, a replay shard and its learner are killed in turn (`--auto-resume` restarts it
+from step 2 after the learner's death), then the driver is SIGKILLed while it saves step 4.
+The job leaves the checkpoint before current, ends as the uninterrupted run ends once
+resumed, with each death counted; a run also resumes on another number of learners. One
+uninterrupted run and this one serve every test."""
 
 import json
 import os
@@ -46,48 +47,61 @@ def comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith("time_") and k not in CLOCK}
 
 
+def without_recovery(record: dict) -> dict:
+    """`comparable`, less the counts of replaced actors (the killed run's steps 1 and 2)."""
+    return {k: v for k, v in comparable(record).items() if not k.startswith(("generator_", "replay_shard_"))}
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_policy, tmp_path_factory):
-    """An uninterrupted run, and the same run SIGKILLed while it saves its step-4 checkpoint
-    (the driver kills itself with the checkpoint written but not yet renamed into place; then
-    the rest of the job, its local Ray cluster and every actor), then resumed. What the killed
-    run left is noted before the resume."""
+    """An uninterrupted run, and the same run with its actors killed in turn (`kill_in_turn`)
+    and then SIGKILLed while it saves its step-4 checkpoint (the driver kills itself with the
+    checkpoint written but not yet renamed into place; then the rest of the job, its local Ray
+    cluster and every actor), then resumed. What the killed run left is noted before the resume."""
     out = tmp_path_factory.mktemp("runs")
     finish(job(out, "whole"))
 
-    killed = job(out, "killed", env=dict(os.environ, RAYREP_FAILPOINT="save-4"))
-    output, _ = killed.communicate(timeout=900)
+    run = out / "killed"
+    killed = job(out, "killed", "--auto-resume", env=dict(os.environ, RAYREP_FAILPOINT="save-4"))
+    stop, deaths = threading.Event(), []
+    watcher = threading.Thread(target=kill_in_turn, args=(killed, run, stop, deaths))
+    watcher.start()
+    try:
+        output, _ = killed.communicate(timeout=900)
+    finally:
+        stop.set()
+        watcher.join()
     assert killed.returncode == -signal.SIGKILL, output[-3000:]
     try:
         os.killpg(killed.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    run = out / "killed"
+    (out / "killed.log").write_text(output)
     left = {"checkpoints": [step for step, _ in step_checkpoints(run)],
             "partial": (run / "checkpoints" / ".step-4.partial" / "run_state.json").exists(),
             "logged": [r["step"] for r in read_metrics(run / "metrics.jsonl")]}
     resumed_output = finish(subprocess.Popen(
         [sys.executable, "jobs/train.py", "--resume", str(run)], cwd=REPO, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return out, left, resumed_output
+    return out, left, resumed_output, (deaths, output)
 
 
 def test_a_job_killed_while_saving_leaves_the_checkpoint_before_it_current(runs):
-    _, left, _ = runs
+    _, left, _, _ = runs
     # Steps 3 and 4 were logged (a record goes to the log before its checkpoint); the step-4
     # checkpoint is complete but not current.
     assert left == {"checkpoints": [2], "partial": True, "logged": [0, 1, 2, 3, 4]}
 
 
 def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
-    out, _, output = runs
+    out, _, output, _ = runs
     assert "resumed" in output and "at step 2" in output
     whole = read_metrics(out / "whole" / "metrics.jsonl")
     resumed = read_metrics(out / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # what the killed run logged after step 2 is gone
     # The resumed run repeats the uninterrupted one step for step: one run.seed repeats a run.
     for mine, theirs in zip(resumed, whole):
-        assert comparable(mine) == comparable(theirs), mine["step"]
+        assert without_recovery(mine) == without_recovery(theirs), mine["step"]
     assert resumed[-1]["buffer_answers"] > 0 and resumed[-1]["exgrpo_collecting"] == 1.0
 
     # The last checkpoints hold the same buffer, sampler position and policy version.
@@ -102,7 +116,7 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
 
 
 def test_a_run_resumes_on_another_number_of_learners(runs, tmp_path):
-    out, _, _ = runs
+    out, _, _, _ = runs
     # A copy of the interrupted run's step-2 checkpoint, resumed by two learners instead of one.
     run = tmp_path / "two"
     (run / "checkpoints").mkdir(parents=True)
@@ -150,23 +164,13 @@ def kill_in_turn(job: subprocess.Popen, run: Path, stop: threading.Event, killed
 
 
 def test_a_run_whose_actors_die_in_turn_ends_as_the_uninterrupted_one(runs):
-    out, _, _ = runs
-    job_process = job(out, "deaths", "--auto-resume")
-    stop, killed = threading.Event(), []
-    watcher = threading.Thread(target=kill_in_turn, args=(job_process, out / "deaths", stop, killed))
-    watcher.start()
-    try:
-        output = finish(job_process)
-    finally:
-        stop.set()
-        watcher.join()
-    (out / "deaths.log").write_text(output)
+    out, _, _, (killed, output) = runs
     assert killed == ["ray::GeneratorWorker.generate", "ray::ReplayShard", "ray::LearnerWorker.update"]
     # The learner's death stopped the run in step 3, said so, and the job went on from step 2.
     assert "learner rank 0 died" in output and "the run stopped in step 3" in output, output[-3000:]
     assert "restart 1 of 3: from step-2" in output and "at step 2" in output
 
-    records = read_metrics(out / "deaths" / "metrics.jsonl")
+    records = read_metrics(out / "killed" / "metrics.jsonl")  # after the resume
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     # Step 1: the generator was replaced and the prompts whose answers had not arrived (all 16,
     # unless a first part came before the kill) sampled again; step 2: the shard was restored
@@ -179,6 +183,3 @@ def test_a_run_whose_actors_die_in_turn_ends_as_the_uninterrupted_one(runs):
     for mine, theirs in zip(records, whole):
         assert without_recovery(mine) == without_recovery(theirs), mine["step"]
 
-
-def without_recovery(record: dict) -> dict:
-    return {k: v for k, v in comparable(record).items() if not k.startswith(("generator_", "replay_shard_"))}
