@@ -78,7 +78,7 @@ class PromptSampler:
 
     def _next_epoch(self) -> None:
         self.epoch += 1
-        if len(self.prompts) - len(self.retired) >= self.keep_at_least:
+        if sum(p.uid not in self.retired for p in self.prompts) >= self.keep_at_least:
             self.left_out = frozenset(self.retired)
         self._shuffle()
 
