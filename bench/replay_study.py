@@ -65,9 +65,11 @@ ARMS: dict[str, dict] = {
     "baseline-drgrpo": {"algorithm.name": "grpo", "algorithm.std_normalize": False},
     # Why ExGRPO trails the baseline on the tiny presets: its batches hold half as many fresh
     # questions. `exgrpo-fullfresh` keeps the baseline's fresh stream and adds the replays on
-    # top: 96 questions, floor(96 x 0.34) = 32 of them replayed once the buffer runs (1/3
-    # gives 31), mini-batches of 48 (two optimizer steps a step, as every arm). `baseline-half`
-    # is what halving the fresh stream costs alone: 32 questions, mini-batches of 16.
+    # top once the buffer runs: 96 questions, floor(96 x 0.34) = 32 of them replayed (1/3
+    # gives 31), mini-batches of 48 (two optimizer steps a step, as every arm); until the
+    # buffer holds 32 questions (the on-policy start and the first collecting step) its
+    # batches are 96 fresh questions. `baseline-half` is what halving the fresh stream costs
+    # alone: 32 questions, mini-batches of 16.
     "exgrpo-fullfresh": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False,
                          "algorithm.prompts_per_step": 96, "learner.mini_batch_prompts": 48,
                          "algorithm.exgrpo.replay_ratio": 0.34},

@@ -36,7 +36,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                 groups, chosen = algorithm.join_replays(groups)  # ExGRPO's entropy choice, on the learners
                 record.add(chosen)
                 with record.timed("build"):
-                    step_batch = algorithm.build(groups, dropped, step)
+                    step_batch = algorithm.build(groups, dropped, step=step)
                 rollouts.start_ahead(step)  # asynchronous rollouts sample on these weights meanwhile
                 with record.timed("update"):
                     record.add(runtime.learners.update(step_batch.batch, step_batch.loss))

@@ -109,7 +109,8 @@ class StepPlan:
     """
 
     requests: tuple[tuple[Prompt, int], ...]
-    """(question, number of fresh rollouts to sample for it), in batch order."""
+    """(question, number of fresh rollouts to sample for it), in plan order (`build` draws the
+    batch's own: `rayrep.algos.grpo.mini_batch_order`)."""
     replays: Mapping[str, tuple[Rollout, ...]] = field(default_factory=dict)
     """Question id -> stored answers that join its group after generation (RLEP, ExGRPO)."""
     metrics: Mapping[str, float] = field(default_factory=dict)

@@ -1,6 +1,7 @@
 """GRPO, RLEP and ExGRPO as step functions: plans, scoring, batches, replay bookkeeping,
 dynamic sampling (no actors: an in-process replay buffer)."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -106,6 +107,11 @@ def test_no_mini_batch_is_all_replay_and_the_order_is_drawn_per_step():
         assert batch.replay_mask.tolist() == [r for g in groups for r in g.replayed]
         orders.add(tuple(g.prompt.uid for g in groups))
     assert len(orders) > 30  # drawn anew each step ...
+    # A batch that is not a multiple of the mini-batch size (a stale group dropped, refills
+    # run out): its short last mini-batch is a fresh group.
+    for step_number in range(10):
+        built = algo.build(planned[:2] + planned[4:7], step=step_number)  # 2 replayed of 5
+        assert [any(g.replayed) for g in built.groups] == [True, False, True, False, False]
     again = [g.prompt.uid for g in algo.build(planned, step=7).groups]
     assert again == [g.prompt.uid for g in GRPO(algo.cfg).build(planned, step=7).groups]  # ... the same on a resume
     other_seed = GRPO(algo.cfg.replace(**{"run.seed": 1}))
@@ -197,7 +203,7 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
             if rep:
                 assert ok and r.logprobs == [-0.25] * len(r.response_ids) and r.version == 3
                 assert r.prompt_ids == PROMPT_IDS
-    step = algo.build(groups)
+    step = algo.build(groups, step=1)
     position = {g.prompt.uid: i for i, g in enumerate(step.groups)}  # the batch's own order
     # Advantages over all G' rollouts: q1 has 4 failures and 1 success.
     q1 = step.batch.advantages[step.batch.prompt_index == position["q1"]]
@@ -211,7 +217,7 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
 def test_rlep_old_logprob_modes(pool_file):
     for mode, expected in (("recompute", [True] * 6), ("recorded", [True] * 4 + [False] * 2)):
         algo = rlep(pool_file, **{"algorithm.rlep.old_logprobs": mode})
-        step = algo.build(roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1)))
+        step = algo.build(roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1)), step=1)
         assert step.batch.recompute_old.tolist() == expected
 
 
@@ -223,7 +229,7 @@ def test_rlep_optimizer_steps_do_not_depend_on_replays(pool_file, replays):
     algo = rlep(pool_file, **{"algorithm.rlep.replays_per_group": replays, "algorithm.prompts_per_step": 6,
                               "learner.mini_batch_prompts": 2})
     sampler = sampler_of(prompt(f"q{i}") for i in range(3))  # 6 questions: two epochs of 3
-    step = algo.build(roll_out(algo.plan(sampler, 6), lambda uid, n: [True, False] + [False] * (n - 2)))
+    step = algo.build(roll_out(algo.plan(sampler, 6), lambda uid, n: [True, False] + [False] * (n - 2)), step=1)
     batch = step.batch
     steps = mini_batches(batch.num_prompts, algo.cfg.learner.mini_batch_prompts)
     assert len(steps) == 6 // 2
@@ -256,7 +262,7 @@ def test_adaptive_replay_adds_stored_successes_only_to_groups_that_need_them(poo
         assert len(plan.replays["q2"]) == 2 and plan.replay_if_at_most == 1  # drawn before generation
         (group,) = roll_out(plan, lambda uid, n: [True] * right + [False] * (n - right))
         assert (group.size, sum(group.replayed)) == (4 + replayed, replayed)
-        step = algo.build([group])
+        step = algo.build([group], step=1)
         assert step.batch.replay_mask.sum() == replayed and len(step.batch.prompt_index) == 4 + replayed
     always = rlep(pool_file)
     assert always.plan(sampler_of([prompt("q2")]), 1).replay_if_at_most is None  # the paper: always
@@ -267,7 +273,7 @@ def test_importance_corrected_replay_trains_replays_against_their_recorded_log_p
     the recorded ones travel in the batch as the behaviour policy's, replays included."""
     algo = rlep(pool_file, **{"learner.behaviour_cap": 2.0})
     assert algo.loss.behaviour_cap == 2.0
-    step = algo.build(roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1)))
+    step = algo.build(roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1)), step=1)
     batch = step.batch
     assert batch.replay_mask.tolist() == [False] * 4 + [True] * 2
     for row in range(6):
@@ -282,16 +288,16 @@ def test_a_growing_pool_takes_each_steps_fresh_successes_once(pool_file):
     sampler = sampler_of([prompt("q0")])
     plan = algo.plan(sampler, 1)
     assert plan.replays == {}  # q0 has nothing stored
-    step = algo.build(roll_out(plan, lambda uid, n: [True, True] + [False] * (n - 2)))
+    step = algo.build(roll_out(plan, lambda uid, n: [True, True] + [False] * (n - 2)), step=1)
     metrics = algo.after_update(1, step)
     assert metrics["pool_stored"] == 2 and metrics["pool_questions"] == 3  # q1, q2 from the file, q0 now
     drawn = algo.plan(sampler, 1).replays["q0"]
     assert sorted(r.response_ids for r in drawn) == [[100, 0], [101, 0]] and all(r.version == 0 for r in drawn)
     # The same successes again, and the replayed ones: nothing new is stored.
-    again = algo.build(roll_out(algo.plan(sampler, 1), lambda uid, n: [True, True] + [False] * (n - 2)))
+    again = algo.build(roll_out(algo.plan(sampler, 1), lambda uid, n: [True, True] + [False] * (n - 2)), step=1)
     assert sum(again.groups[0].replayed) == 2 and algo.after_update(2, again)["pool_stored"] == 0
     fixed = rlep(pool_file)  # the paper's pool does not grow
-    assert fixed.after_update(1, fixed.build(roll_out(fixed.plan(sampler, 1), lambda uid, n: [True] * n))) == {}
+    assert fixed.after_update(1, fixed.build(roll_out(fixed.plan(sampler, 1), lambda uid, n: [True] * n), step=1)) == {}
 
 
 # ---------------------------------------------------------------------- ExGRPO
@@ -303,8 +309,9 @@ def exgrpo(**changes):
     prompts = [prompt(f"q{i}") for i in range(40)]
     # No learners: these tests do not join replays (the entropy pass);
     # tests/test_replay_runs.py runs ExGRPO with a real learner group. The training set: q0-q7.
+    training_set = PromptSampler(prompts[:8], seed=0, keep_at_least=cfg.algorithm.prompts_per_step)  # as a run's
     return ExGRPO(cfg, prompts, {p.uid: PROMPT_IDS for p in prompts}, ReplayBuffer(0, 64, seed=0), learners=None,
-                  sampler=sampler_of(prompts[:8]))
+                  sampler=training_set)
 
 
 def step(algo, step_number, marks_by_uid, sampler=None):
@@ -325,7 +332,7 @@ def test_exgrpo_collects_from_the_step_after_the_switch_and_replays_from_the_one
     switch and stores nothing; the next collects; the one after is the first to replay."""
     algo = exgrpo(**{"algorithm.exgrpo.replay_ratio": 0.5, "algorithm.exgrpo.start_pass_rate": 0.35})  # the paper's
     _, _, metrics = step(algo, 1, lambda uid, n: [True] + [False] * (n - 1))  # pass rate 0.25 < 0.35
-    assert metrics == {"exgrpo_collecting": 0.0, "exgrpo_epoch_questions": 8.0}
+    assert metrics["exgrpo_collecting"] == 0.0 and metrics["buffer_questions"] == metrics["buffer_stored"] == 0
     # 0.5 > 0.35: the switch flips; this step's own groups are not stored.
     _, _, metrics = step(algo, 2, lambda uid, n: [True, True] + [False] * (n - 2))
     assert metrics["exgrpo_collecting"] == 1.0 and algo.buffer.stats()["questions"] == 0
@@ -365,9 +372,10 @@ def test_a_retired_question_leaves_the_training_set_at_the_next_epoch_in_both_ph
     algo = exgrpo(**{"algorithm.prompts_per_step": 2, "learner.mini_batch_prompts": 2,
                      "algorithm.exgrpo.replay_ratio": 0.0, "algorithm.exgrpo.start_pass_rate": 0.9})
     sampler = algo.sampler  # q0-q7, 4 steps of 2 an epoch
-    first = [p.uid for p in sampler.next(2)]
-    built = algo.build(roll_out(StepPlan(tuple((prompt(uid), 4) for uid in first)),
-                                lambda uid, n: [True] * n if uid == first[0] else [True, False, False, False]))
+    plan = algo.plan(sampler, 2)
+    first = [p.uid for p, _ in plan.requests]
+    built = algo.build(roll_out(plan, lambda uid, n: [True] * n if uid == first[0] else [True, False, False, False]),
+                       step=1)
     metrics = algo.after_update(1, built)  # pass rate 5/8 < 0.9: before the switch
     assert metrics["exgrpo_collecting"] == 0.0 and metrics["buffer_retired"] == 1 and sampler.retired == {first[0]}
     rest_of_epoch = [p.uid for p in sampler.next(6)]
@@ -375,10 +383,16 @@ def test_a_retired_question_leaves_the_training_set_at_the_next_epoch_in_both_ph
     later = [p.uid for p in sampler.next(7 * 5)]  # five epochs of the seven left
     assert first[0] not in later and sorted(set(later)) == sorted(set(rest_of_epoch + first[1:]))
     assert sampler.active == 7
-    # A resumed run's sampler goes on with the same draws.
-    resumed = sampler_of(prompt(f"q{i}") for i in range(8))
+    # Retired in the middle of an epoch: still drawn in it, and a resumed run's sampler goes
+    # on with the same draws (the epoch's order keeps what it kept when it began).
+    sampler.next(3)
+    upcoming = copy.deepcopy(sampler).next(1)[0].uid
+    sampler.retire([upcoming])
+    resumed = PromptSampler(list(sampler.prompts), seed=0, keep_at_least=2)
     resumed.restore(json.loads(json.dumps(sampler.state())))
-    assert [p.uid for p in resumed.next(20)] == [p.uid for p in sampler.next(20)]
+    draws = [p.uid for p in sampler.next(20)]
+    assert [p.uid for p in resumed.next(20)] == draws
+    assert draws[0] == upcoming and upcoming not in draws[4:] and first[0] not in draws  # 4: the epoch's rest
 
     old = exgrpo(**{"algorithm.exgrpo.retire_from": "buffer", "algorithm.exgrpo.replay_ratio": 0.0,
                     "algorithm.exgrpo.start_pass_rate": 0.9})
@@ -416,13 +430,13 @@ def test_exgrpo_bookkeeping_sees_groups_that_dynamic_sampling_dropped():
 def test_exgrpo_switches_to_the_mixed_policy_loss_for_good_once_collection_starts():
     algo = exgrpo(**{"algorithm.exgrpo.replay_ratio": 0.0})
     fresh = [fresh_group(prompt("q0"), [[1], [2]], [True, False])]
-    assert algo.build(fresh).loss == algo.loss  # before collection: the clipped PPO loss
+    assert algo.build(fresh, step=1).loss == algo.loss  # before collection: the clipped PPO loss
     step(algo, 1, lambda uid, n: [True, True] + [False] * (n - 2))  # pass rate 0.5: collection starts
     # From then on every step trains with the mixed loss, with or without replayed questions.
     for groups in (fresh, [fresh[0].with_replays([rollout([3])])]):
-        mixed = algo.build(groups)
+        mixed = algo.build(groups, step=1)
         assert (mixed.loss.replay_loss, mixed.loss.clip_fresh, mixed.loss.replay_beta) == ("shaped", False, 0.1)
     assert mixed.batch.recompute_old.tolist() == [True, True, False]  # w = pi_theta / pi_recorded
     paper = exgrpo(**{"algorithm.exgrpo.clip_fresh_in_mixed": True, "algorithm.exgrpo.replay_ratio": 0.0})
     step(paper, 1, lambda uid, n: [True] * (n - 1) + [False])
-    assert paper.build(fresh).loss.clip_fresh is True
+    assert paper.build(fresh, step=1).loss.clip_fresh is True

@@ -66,7 +66,7 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
     run = train(cfg, log=lambda _: None)
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
     # As the public code: step 1 flips the switch and stores nothing, step 2 collects, step 3 replays.
-    assert records[0]["exgrpo_collecting"] == 1.0 and records[0].get("buffer_questions", 0) == 0
+    assert records[0]["exgrpo_collecting"] == 1.0 and records[0]["buffer_questions"] == 0
     assert records[1]["buffer_questions"] > 0 and records[0]["replayed_questions"] == records[1]["replayed_questions"] == 0
     later = records[2:]
     assert all(r["replayed_questions"] > 0 and r["replay_tokens"] > 0 for r in later)

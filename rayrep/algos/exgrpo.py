@@ -56,7 +56,7 @@ class ExGRPO(GRPO):
                  learners: LearnerGroup | None, sampler: PromptSampler):
         """`learners`: where the entropy pass that chooses replayed answers runs (None only
         where no step replays: tests of the buffer's bookkeeping); `sampler`: the run's
-        training set, which retired questions leave."""
+        training set, which retired questions leave (the one the loop plans from)."""
         check_exgrpo_settings(cfg)
         super().__init__(cfg)
         self.buffer, self.learners, self.sampler = buffer, learners, sampler
@@ -136,22 +136,19 @@ class ExGRPO(GRPO):
         K = self.cfg.algorithm.group_size
         exgrpo = self.cfg.algorithm.exgrpo
         seen = batch.seen
-        retire = [g.prompt.uid for g in seen if sum(g.correct) == K]
-        items, buckets = [], {}
-        if self.collecting:
-            for group in seen:
-                if 1 <= (k := sum(group.correct)) < K:
-                    uid = group.prompt.uid
-                    buckets[uid] = k
-                    items.append((uid, np.array(group.rollouts[0].prompt_ids, np.int32),
-                                  Answer.fresh_successes(group, step)))
-        if exgrpo.retire_from == "training-set":
-            self.sampler.retire(retire)
-        elif not self.collecting:
-            retire = []
+        all_right = [g.prompt.uid for g in seen if sum(g.correct) == K]
         metrics = {}
-        if items or retire or self.collecting:
-            metrics = self.buffer_metrics(self.buffer.apply(items, dedup=True, buckets=buckets, retire=retire))
+        if exgrpo.retire_from == "training-set":
+            self.sampler.retire(all_right)  # left out of the training set from the next epoch on
+        if self.collecting or exgrpo.retire_from == "training-set":
+            items, buckets = [], {}
+            for group in seen if self.collecting else ():
+                if 1 <= (k := sum(group.correct)) < K:
+                    buckets[group.prompt.uid] = k
+                    items.append((group.prompt.uid, np.array(group.rollouts[0].prompt_ids, np.int32),
+                                  Answer.fresh_successes(group, step)))
+            stats = self.buffer.apply(items, dedup=True, buckets=buckets, retire=all_right)
+            metrics.update(self.buffer_metrics(stats))
         fresh_marks = [ok for g in seen for ok, replayed in zip(g.correct, g.replayed) if not replayed]
         if not self.collecting and sum(fresh_marks) / max(1, len(fresh_marks)) > exgrpo.start_pass_rate:
             self.collecting = True  # one-way; the next step collects, the one after replays

@@ -64,7 +64,7 @@ class GRPO:
         RLEP plan theirs whole: nothing to choose."""
         return list(groups), {}
 
-    def build(self, groups: Sequence[Group], dropped: Sequence[Group] = (), step: int = 0) -> StepBatch:
+    def build(self, groups: Sequence[Group], dropped: Sequence[Group] = (), *, step: int) -> StepBatch:
         """Score the groups, take advantages over each whole group (fresh and replayed
         rollouts together), and collate the learner's batch, its questions in an order drawn
         for `step` (`mini_batch_order`). `dropped`: groups verified but not trained on
@@ -140,13 +140,16 @@ def mini_batch_order(groups: Sequence[Group], data_seed: int, step: int) -> list
     public ExGRPO code shuffles its questions (unseeded), which makes a mini-batch's replay
     share vary, and on small batches now and then all replay. Here the replayed and the fresh
     groups are shuffled apart and interleaved at their ratio: any run of m consecutive groups
-    holds floor or ceil of m x (replayed share) replayed ones, so no mini-batch is all replay
-    while fresh groups remain to mix in (at most half replayed: never)."""
+    holds floor or ceil of m x (replayed share) replayed ones, the first group is a replayed
+    one and the last a fresh one (a short last mini-batch, left by a batch that is not a
+    multiple of the mini-batch size, starts from the fresh end). So no mini-batch is all
+    replay while at most half the groups are."""
     rng = random.Random(derive_seed(data_seed, "mini-batch order", step))
     replayed = [g for g in groups if any(g.replayed)]
     fresh = [g for g in groups if not any(g.replayed)]
     rng.shuffle(replayed)
     rng.shuffle(fresh)
-    total, share = len(groups), len(replayed)
-    # Position i holds a replayed group when floor((i + 1) r / n) steps up: r of the n positions, evenly spaced.
-    return [replayed.pop() if (i + 1) * share // total > i * share // total else fresh.pop() for i in range(total)]
+    n, r = len(groups), len(replayed)
+    # Position i holds a replayed group where ceil((i + 1) r / n) steps up from ceil(i r / n):
+    # r of the n positions, evenly spaced, the first among them.
+    return [replayed.pop() if -(-(i + 1) * r // n) > -(-i * r // n) else fresh.pop() for i in range(n)]

@@ -4,8 +4,9 @@
   fresh rollouts each, and which stored answers join which group (or are left to choose);
 - `join_replays(groups) -> (groups, metrics)`: once the learners hold the GPUs, the answers
   left to choose join their groups;
-- `build(groups, dropped) -> StepBatch`: the verified groups scored, their advantages, the
-  learner's batch and the loss to train it with (pure);
+- `build(groups, dropped, step=) -> StepBatch`: the verified groups scored, their
+  advantages, the learner's batch (in the step's own order) and the loss to train it with
+  (pure);
 - `after_update(step, batch) -> metrics`: what enters and leaves the replay buffer;
 - `state()` / `load_state(state)`: what a resumed run needs besides the buffer (JSON values).
 
@@ -29,7 +30,7 @@ class Algorithm(Protocol):
 
     def join_replays(self, groups: Sequence[Group]) -> tuple[list[Group], dict[str, float]]: ...
 
-    def build(self, groups: Sequence[Group], dropped: Sequence[Group] = (), step: int = 0) -> StepBatch: ...
+    def build(self, groups: Sequence[Group], dropped: Sequence[Group] = (), *, step: int) -> StepBatch: ...
 
     def after_update(self, step: int, batch: StepBatch) -> dict[str, float]: ...
 

@@ -44,7 +44,8 @@ class RunState:
     step: int
     policy_version: int
     sampler: dict
-    """`PromptSampler.state()`: epoch and position."""
+    """`PromptSampler.state()`: epoch, position, and the retired questions (those the epoch
+    under way leaves out, and all)."""
     buffer_rng: list | None
     """The replay buffer client's random state (`random.Random.getstate()` as JSON), or None."""
     algorithm: dict
