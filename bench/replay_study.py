@@ -34,7 +34,8 @@ the std-normalised one: one difference between the arms besides replay), and the
 log-probs, cap 2), `rlep-grow` (the pool grows with each step's fresh successes),
 `baseline-drgrpo` (the baseline without std scaling: ExGRPO's own on-policy baseline), and
 the ExGRPO ablations `exgrpo-fullfresh` (the baseline's 64 fresh questions plus 32 replayed),
-`baseline-half` (the baseline on 32 questions a step) and `exgrpo-paper-sigma` (the paper's
+`baseline-half` (the baseline on 32 questions a step), `baseline-96` (the baseline on
+`exgrpo-fullfresh`'s 96 questions a step, all fresh) and `exgrpo-paper-sigma` (the paper's
 bucket weighting instead of the code's).
 """
 
@@ -74,6 +75,9 @@ ARMS: dict[str, dict] = {
                          "algorithm.prompts_per_step": 96, "learner.mini_batch_prompts": 48,
                          "algorithm.exgrpo.replay_ratio": 0.34},
     "baseline-half": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16},
+    # What `exgrpo-fullfresh` gains from its larger batches alone (96 questions, mini-batches
+    # of 48), all fresh: the control that tells a gain from replay from one of batch size.
+    "baseline-96": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 96, "learner.mini_batch_prompts": 48},
     "exgrpo-paper-sigma": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False,
                            "algorithm.exgrpo.bucket_sigma": "paper"},
 }
