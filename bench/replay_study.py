@@ -4,6 +4,7 @@ seeds on the same budget, and what they reach, with standard errors.
     python bench/replay_study.py [--preset tiny-cpu-hard] [--seeds 0 1 2]
                                  [--arms baseline rlep exgrpo] [--out runs/study-<preset>]
                                  [--eval-questions 2000] [--eval-samples 4] [--report-only]
+                                 [--record bench/results/study-<preset>]
                                  [--<config field> VALUE ...]
 
 For each seed (it changes the data order and every sampling draw, never the base policy):
@@ -23,9 +24,13 @@ in final pass@1 and in the mean over evaluations after step 0.
 Restarted with the same `--out`, it reuses every finished run and pool, continues a stopped
 run from its latest checkpoint, and runs only what is missing; a finished run that ran with
 other settings than asked for now (another preset value, another option) is refused, naming
-the field, before anything runs. The table is rewritten after every run, so a partial study
-shows what it has; its `replayed %` column says how much of each arm's training was replay
-(an arm that never replayed measured something else).
+the field, before anything runs. With `--record DIR` each finished run's settings,
+evaluations and step records, and each seed's RLEP pool, are copied to DIR, and a run
+recorded there stands for the run (reported, checked, not run again) on a machine without
+its folder: the docs' tables come from `bench/results/study-tiny-cpu-hard`. The table is
+rewritten after every run, so a partial study shows what it has; its `replayed %` column
+says how much of each arm's training was replay (an arm that never replayed measured
+something else).
 
 Arms: `baseline`, `rlep`, `exgrpo` (its Dr.GRPO advantage, as its paper; the baseline keeps
 the std-normalised one: one difference between the arms besides replay), and the variants
@@ -43,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,9 +57,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rayrep.config import Config, parse_cli# noqa: E402
-from rayrep.plots import load_run_metrics, plot_study
-from rayrep.eval.study import study_table, summarize_study# noqa: E402
+from rayrep.config import Config, ConfigError, parse_cli  # noqa: E402
+from rayrep.eval.study import study_table, summarize_study  # noqa: E402
+from rayrep.plots import load_run_metrics, plot_study  # noqa: E402
 from rayrep.pipelines.compare import check_finished_run, run_stage  # noqa: E402
 from rayrep.run.layout import RunFolder  # noqa: E402
 
@@ -84,6 +91,36 @@ ARMS: dict[str, dict] = {
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 
 
+# A study's record (`--record DIR`): what its finished runs leave for the report (settings,
+# evaluations, step records; tens of kilobytes a run) and each seed's RLEP pool, copied there
+# as they finish. Run folders hold checkpoints (megabytes each) and stay in `runs/`; a record
+# is small enough to keep in the repository, so the docs' tables can be rebuilt, and a study
+# continued, on a machine that holds none of the run folders. A run recorded there is not
+# run again; its record stands for it (checked against the settings asked for, as a
+# finished run folder is).
+RECORD_FILES = ("config.json", "metrics.jsonl", "evals.json")  # evals.json last: it marks a whole record
+POOL_FILES = ("pool.parquet", "pool.json")  # pool.json last, as collect_seed_pool writes them
+
+
+def copy_files(names: tuple[str, ...], source: Path, target: Path) -> None:
+    """Copy `names` from `source` to `target` in order, each through a temporary file, so
+    that a copy cut off leaves no file that looks whole (the last name marks the whole)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        partial = target / f".{name}.partial"
+        shutil.copyfile(source / name, partial)
+        os.replace(partial, target / name)
+
+
+def finished_run(out: Path, record: Path | None, seed: int, arm: str) -> Path | None:
+    """Where a finished run of `arm` for `seed` is: its run folder, else its record, else None."""
+    run_dir = out / f"seed-{seed}" / arm
+    if RunFolder(run_dir).finished():
+        return run_dir
+    kept = record / f"seed-{seed}" / arm if record is not None else None
+    return kept if kept is not None and (kept / RECORD_FILES[-1]).is_file() else None
+
+
 def seed_config(cfg: Config, out: Path, seed: int) -> Config:
     return cfg.replace(**{"run.seed": seed, "logging.out_dir": str(out / f"seed-{seed}")})
 
@@ -97,29 +134,34 @@ def collect_seed_pool(seeded: Config, seed_dir: Path, baseline_checkpoint: str, 
     (seed_dir / "pool.json").write_text(json.dumps(stats, indent=2))
 
 
-def arm_config(seeded: Config, arm: str, seed_dir: Path) -> Config:
+def arm_config(seeded: Config, arm: str, seed_dir: Path, baseline_dir: Path | None = None) -> Config:
     """One arm's run config for one seed: RLEP arms replay the seed's pool; the arms after
     the baseline take its step-0 evaluation (the same base policy, test set and evaluation
-    seeds: the same answers) instead of repeating it."""
+    seeds: the same answers) instead of repeating it, from `baseline_dir` (its run folder
+    or its record; by default its run folder)."""
     changes = {**ARMS[arm], "logging.run_name": arm}
     if changes["algorithm.name"] == "rlep":
         changes["algorithm.rlep.pool"] = str(seed_dir / "pool.parquet")
     if arm != "baseline":
-        changes["run.start_eval"] = str(seed_dir / "baseline")
+        changes["run.start_eval"] = str(baseline_dir or seed_dir / "baseline")
     return seeded.replace(**changes)
 
 
-def finished_curves(out: Path, arms: list[str], seeds: list[int]) -> tuple[dict[str, list[list[dict]]], dict[str, list[int]]]:
-    """The eval curves of every finished run, by arm, in seed order, and their seeds."""
+def finished_curves(out: Path, arms: list[str], seeds: list[int], record: Path | None = None
+                    ) -> tuple[dict[str, list[list[dict]]], dict[str, list[int]], dict[str, list[Path]]]:
+    """The eval curves of every finished run (run folder or record), by arm, in seed order,
+    their seeds and where they are."""
     curves: dict[str, list[list[dict]]] = {}
     found: dict[str, list[int]] = {}
+    where: dict[str, list[Path]] = {}
     for arm in arms:
         for seed in seeds:
-            run_dir = out / f"seed-{seed}" / arm
-            if RunFolder(run_dir).finished():
+            run_dir = finished_run(out, record, seed, arm)
+            if run_dir is not None:
                 curves.setdefault(arm, []).append(json.loads(RunFolder(run_dir).evals.read_text()))
                 found.setdefault(arm, []).append(seed)
-    return curves, found
+                where.setdefault(arm, []).append(run_dir)
+    return curves, found, where
 
 
 def mean_replay_share(run_dir: Path) -> float:
@@ -128,17 +170,18 @@ def mean_replay_share(run_dir: Path) -> float:
     return sum(r.get("replay_share", 0.0) for r in steps) / len(steps) if steps else 0.0
 
 
-def report(out: Path, arms: list[str], seeds: list[int], preset: str, log) -> dict | None:
-    curves, found = finished_curves(out, arms, seeds)
+def report(out: Path, arms: list[str], seeds: list[int], preset: str, log, record: Path | None = None) -> dict | None:
+    curves, found, where = finished_curves(out, arms, seeds, record)
     if "baseline" not in curves:
         return None
     summary = summarize_study(curves, seeds=found)
     summary.update({"preset": preset, "seeds": seeds, "runs": found})
-    for arm, arm_seeds in found.items():
+    for arm, run_dirs in where.items():
         # How much each arm replayed: an arm that never replayed (say, ExGRPO whose batches
         # never reach its start pass rate) measured something else than replay.
-        shares = [mean_replay_share(out / f"seed-{seed}" / arm) for seed in arm_seeds]
+        shares = [mean_replay_share(run_dir) for run_dir in run_dirs]
         summary["arms"][arm]["replay_share"] = sum(shares) / len(shares)
+    out.mkdir(parents=True, exist_ok=True)
     plot = plot_study(curves, out / "study.png", title=f"test pass@1 on {preset}: mean +/- SE over seeds")
     (out / "study.json").write_text(json.dumps(summary, indent=2))
     log(study_table(summary))
@@ -158,6 +201,8 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--eval-questions", type=int, default=2000, help="test questions of every evaluation")
     parser.add_argument("--eval-samples", type=int, default=4, help="answers per test question (T = 1)")
     parser.add_argument("--report-only", action="store_true", help="only the table and plot of the runs finished so far")
+    parser.add_argument("--record", help="the study's record: finished runs' settings, evaluations and step records and "
+                                         "each seed's RLEP pool are copied there; a run recorded there is not run again")
     args, overrides = parser.parse_known_args(argv)
     if "baseline" not in args.arms:
         args.arms.insert(0, "baseline")  # every other arm is measured against it, and RLEP's pool comes from it
@@ -166,36 +211,62 @@ def main(argv=None) -> dict | None:
     for arm in args.arms:  # every arm's config is checked before anything runs
         cfg.replace(**ARMS[arm])
     out = Path(args.out or REPO / "runs" / f"study-{args.preset}").resolve()
+    record = Path(args.record).resolve() if args.record else None
     if args.report_only:
-        return report(out, args.arms, args.seeds, args.preset, print)
-    # A finished run is reused only if it is the run asked for (a changed preset or option
-    # would otherwise be compared under the old settings): checked before anything runs.
+        return report(out, args.arms, args.seeds, args.preset, print, record)
+    # A finished run (or its record) is reused only if it is the run asked for (a changed
+    # preset or option would otherwise be compared under the old settings), and an RLEP arm
+    # still to run needs its seed's pool or the baseline's checkpoint to collect it: both
+    # checked before anything runs.
     for seed in args.seeds:
+        seed_dir = out / f"seed-{seed}"
         for arm in args.arms:
-            run_dir = out / f"seed-{seed}" / arm
-            if RunFolder(run_dir).finished():
-                check_finished_run(arm_config(seed_config(cfg, out, seed), arm, out / f"seed-{seed}"), run_dir)
+            run_dir = finished_run(out, record, seed, arm)
+            if run_dir is not None:
+                check_finished_run(arm_config(seed_config(cfg, out, seed), arm, seed_dir), run_dir)
+        rlep_to_run = [arm for arm in args.arms if ARMS[arm]["algorithm.name"] == "rlep" and finished_run(out, record, seed, arm) is None]
+        pool_kept = (seed_dir / POOL_FILES[-1]).is_file() or (record is not None and (record / seed_dir.name / POOL_FILES[-1]).is_file())
+        baseline = finished_run(out, record, seed, "baseline")
+        if rlep_to_run and not pool_kept and baseline is not None and baseline.parent != seed_dir:
+            raise ConfigError(f"{rlep_to_run[0]} for seed {seed}: its baseline is only recorded ({baseline}), without "
+                              f"its checkpoint or the seed's pool ({record / seed_dir.name / POOL_FILES[0]}): remove "
+                              "that record to run the seed's baseline again")
     out.mkdir(parents=True, exist_ok=True)
     (out / "study-args.json").write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:]}, indent=2))
 
     def log(line: str) -> None:
         print(line, flush=True)
 
+    def run(seeded: Config, seed: int, arm: str) -> None:
+        """Run one arm for one seed (continuing a stopped run), unless it is recorded; keep its record."""
+        seed_dir = out / f"seed-{seed}"
+        if finished_run(out, record, seed, arm) not in (None, seed_dir / arm):
+            log(f"== seed {seed}: {arm} is recorded in {record} ==")
+            return
+        log(f"== seed {seed}: {arm} ==")
+        run_stage(arm_config(seeded, arm, seed_dir, finished_run(out, record, seed, "baseline")), resume=True, log=log)
+        if record is not None:
+            copy_files(RECORD_FILES, seed_dir / arm, record / seed_dir.name / arm)
+
     start = time.monotonic()
     for seed in args.seeds:
         seeded, seed_dir = seed_config(cfg, out, seed), out / f"seed-{seed}"
-        log(f"== seed {seed}: baseline ==")
-        baseline = run_stage(arm_config(seeded, "baseline", seed_dir), resume=True, log=log)
+        run(seeded, seed, "baseline")
         for arm in args.arms:
             if arm == "baseline":
                 continue
-            if ARMS[arm]["algorithm.name"] == "rlep" and not (seed_dir / "pool.json").is_file():
-                log(f"== seed {seed}: experience pool from {baseline.final_checkpoint} ==")
-                collect_seed_pool(seeded, seed_dir, baseline.final_checkpoint, log)
-            log(f"== seed {seed}: {arm} ==")
-            run_stage(arm_config(seeded, arm, seed_dir), resume=True, log=log)
-            report(out, args.arms, args.seeds, args.preset, log)
-    summary = report(out, args.arms, args.seeds, args.preset, log)
+            if ARMS[arm]["algorithm.name"] == "rlep" and not (seed_dir / POOL_FILES[-1]).is_file():
+                if record is not None and (record / seed_dir.name / POOL_FILES[-1]).is_file():
+                    copy_files(POOL_FILES, record / seed_dir.name, seed_dir)
+                elif finished_run(out, record, seed, arm) is None:
+                    final = RunFolder(seed_dir / "baseline").final
+                    log(f"== seed {seed}: experience pool from {final} ==")
+                    collect_seed_pool(seeded, seed_dir, str(final), log)
+                    if record is not None:
+                        copy_files(POOL_FILES, seed_dir, record / seed_dir.name)
+            run(seeded, seed, arm)
+            report(out, args.arms, args.seeds, args.preset, log, record)
+    summary = report(out, args.arms, args.seeds, args.preset, log, record)
     log(f"study folder: {out} ({(time.monotonic() - start) / 60:.1f} min this time)")
     return summary
 

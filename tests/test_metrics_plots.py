@@ -1,8 +1,11 @@
 """metrics.jsonl mirrored to an offline wandb run, and a run's learning curves as PNGs (the
 `python -m rayrep.plots plot` command, run as a subprocess)."""
 
+import contextlib
+import io
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -289,14 +292,19 @@ def test_study_plot_is_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
-    """bench/replay_study.py's report: finished runs only (a final checkpoint and evals.json),
-    by arm in seed order, into study.json and study.png."""
+def load_study_script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("replay_study", Path(__file__).resolve().parents[1] / "bench" / "replay_study.py")
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
+    return study
+
+
+def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
+    """bench/replay_study.py's report: finished runs only (a final checkpoint and evals.json),
+    by arm in seed order, into study.json and study.png."""
+    study = load_study_script()
 
     def finished(seed, arm, values, replayed=(0.0, 0.0)):
         run = tmp_path / f"seed-{seed}" / arm
@@ -341,3 +349,42 @@ def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
     with pytest.raises(ConfigError, match="seed-1/rlep finished with algorithm.rlep.replays_per_group = 2, not the 3"):
         study.main(["--out", str(tmp_path), "--seeds", "1", "--arms", "rlep", "--algorithm.rlep.replays_per_group", "3"])
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_study_keeps_a_record_that_stands_for_its_runs(tmp_path):
+    """`--record`: a finished run's settings, evaluations and step records are copied there;
+    on a machine without the run folder (a fresh clone) the record stands for the run: it is
+    reported, checked against the settings asked for, and not run again."""
+    from rayrep.config import ConfigError, parse_cli
+
+    study = load_study_script()
+    out, record = tmp_path / "runs", tmp_path / "record"
+    cfg = parse_cli(["--preset", "tiny-cpu-hard", "--data.arithmetic_test_size", "2000", "--generator.eval_samples", "4"])
+    run = out / "seed-0" / "baseline"
+    (run / "checkpoints" / "final").mkdir(parents=True)
+    (run / "config.json").write_text(study.arm_config(study.seed_config(cfg, out, 0), "baseline", out / "seed-0").to_json())
+    (run / "evals.json").write_text(json.dumps(curve([0.2, 0.3])))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "accuracy": 0.3, "replay_share": 0.0}) + "\n")
+    study.copy_files(study.RECORD_FILES, run, record / "seed-0" / "baseline")
+    assert sorted(p.name for p in (record / "seed-0" / "baseline").iterdir()) == sorted(study.RECORD_FILES)  # nothing partial left
+    shutil.rmtree(out)  # the run folder is gone: its record stands for it
+    assert study.finished_run(out, None, 0, "baseline") is None
+    assert study.finished_run(out, record, 0, "baseline") == record / "seed-0" / "baseline"
+    args = ["--out", str(out), "--record", str(record), "--seeds", "0"]
+    # checked against the settings asked for, as a run folder is, before anything runs
+    with pytest.raises(ConfigError, match="record/seed-0/baseline finished with learner.lr = 0.0001, not the 0.0003"):
+        study.main([*args, "--arms", "baseline", "--learner.lr", "3e-4"])
+    # an RLEP arm still to run needs the seed's pool, which a record-only baseline cannot sample
+    with pytest.raises(ConfigError, match="rlep for seed 0: its baseline is only recorded .* remove that record"):
+        study.main([*args, "--arms", "rlep"])
+    assert not out.exists()
+    summary = study.main([*args, "--arms", "baseline", "--report-only"])
+    assert summary["runs"] == {"baseline": [0]} and summary["baseline_mean_peak"] == pytest.approx(0.3)
+    # a recorded run is not run again (no Ray, no training here: the study only reports)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        summary = study.main([*args, "--arms", "baseline"])
+    assert summary["runs"] == {"baseline": [0]} and "seed 0: baseline is recorded in" in printed.getvalue()
+    assert not (out / "seed-0" / "baseline").exists()
+    # a record cut off before its evals.json is not a finished run
+    (record / "seed-0" / "baseline" / "evals.json").unlink()
+    assert study.finished_run(out, record, 0, "baseline") is None
