@@ -1,5 +1,7 @@
 """RLEP and ExGRPO on a real local Ray cluster: real learners, vLLM generators, buffer shard actors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -194,3 +196,13 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     assert [sum(g.replayed) for g in joined] == [int(p.uid in replayed) for p, _ in plan.requests]
     assert all(g.size == K and not g.pending_replays for g in joined)
     assert metrics["exgrpo_replays_gone"] == 0 and metrics["exgrpo_selected_entropy"] > 0
+    # How often the same questions come back: none before the first replaying step; here the
+    # next step replays two of these four again and two others (a checkpoint keeps the last set).
+    assert metrics["exgrpo_replayed_again"] == 0
+    others = [q for q in stored if q.uid not in replayed][:2]
+    again = [g for g in groups if g.pending_replays][:2] + [
+        dataclasses.replace(Group(q, fresh[0].rollouts[:K - 1], (False,) * (K - 1), (False,) * (K - 1)), pending_replays=1)
+        for q in others]
+    restored = ExGRPO(cfg, prompts, algo.prompt_ids, algo.buffer, learners, sampler)
+    restored.load_state(algo.state())
+    assert restored.join_replays(again)[1]["exgrpo_replayed_again"] == 0.5

@@ -64,6 +64,8 @@ class ExGRPO(GRPO):
         self.prompt_ids = prompt_ids
         self.collecting = False
         """The one-way switch; with the buffer, the only state that lives across steps."""
+        self.replayed_last: frozenset[str] = frozenset()
+        """The questions the last replaying step replayed (for `exgrpo_replayed_again` only)."""
 
     # ------------------------------------------------------------------ the step
 
@@ -93,8 +95,14 @@ class ExGRPO(GRPO):
             return list(groups), {}
         start = time.perf_counter()
         chosen, entropy = self.lowest_entropy_answers(uids)
+        # How often the same questions come back: the code's narrow bucket weights draw the
+        # middle buckets first, and when those hold few questions the same ones are replayed
+        # step after step (the share of this step's replayed questions that the last
+        # replaying step replayed too).
+        again = len(self.replayed_last.intersection(uids)) / len(uids)
+        self.replayed_last = frozenset(uids)
         metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy,
-                   "exgrpo_replays_gone": float(len(uids) - len(chosen))}
+                   "exgrpo_replays_gone": float(len(uids) - len(chosen)), "exgrpo_replayed_again": again}
         joined = [g.with_replays((chosen[g.prompt.uid].rollout(self.prompt_ids[g.prompt.uid]),)
                                  if g.prompt.uid in chosen else ()) if g.pending_replays else g for g in groups]
         return joined, metrics
@@ -166,7 +174,8 @@ class ExGRPO(GRPO):
         return metrics
 
     def state(self) -> dict:
-        return {"collecting": self.collecting}
+        return {"collecting": self.collecting, "replayed_last": sorted(self.replayed_last)}
 
     def load_state(self, state: dict) -> None:
         self.collecting = bool(state["collecting"])
+        self.replayed_last = frozenset(state.get("replayed_last", ()))  # absent from older checkpoints
