@@ -19,7 +19,8 @@ of +/- one standard error over seeds): per arm the mean +/- standard error over 
 the peak and final test pass@1, and of the step at which a seed first reaches the
 baseline's mean peak (with how many seeds do); and, paired with the same seed's baseline
 (same data order, same evaluation draws), the mean +/- standard error of the difference
-in final pass@1 and in the mean over evaluations after step 0.
+in final pass@1 and in the mean over evaluations after step 0; and the same paired
+differences between the ablations and their controls (`CONTRASTS`, below).
 
 Restarted with the same `--out`, it reuses every finished run and pool, continues a stopped
 run from its latest checkpoint, and runs only what is missing; a finished run that ran with
@@ -89,6 +90,15 @@ ARMS: dict[str, dict] = {
                            "algorithm.exgrpo.bucket_sigma": "paper"},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
+# Paired by seed, a - b, beside every arm against the baseline: what each ablation isolates.
+CONTRASTS = (
+    ("exgrpo-fullfresh", "baseline-96"),  # 32 replayed questions against 32 fresh ones, on 64 fresh and one batch size
+    ("exgrpo", "baseline-half"),  # 32 replayed questions on top of 32 fresh ones (twice the batch)
+    ("exgrpo-fullfresh", "exgrpo"),  # ExGRPO given the baseline's fresh stream back
+    ("exgrpo-paper-sigma", "exgrpo"),  # the paper's bucket weights against the code's
+    ("exgrpo", "baseline-drgrpo"),  # ExGRPO against its own on-policy baseline (the same advantage)
+    ("rlep-adaptive", "rlep"), ("rlep-is", "rlep"), ("rlep-grow", "rlep"),  # the variants against the paper's RLEP
+)
 
 
 # A study's record (`--record DIR`): what its finished runs leave for the report (settings,
@@ -174,7 +184,7 @@ def report(out: Path, arms: list[str], seeds: list[int], preset: str, log, recor
     curves, found, where = finished_curves(out, arms, seeds, record)
     if "baseline" not in curves:
         return None
-    summary = summarize_study(curves, seeds=found)
+    summary = summarize_study(curves, seeds=found, contrasts=CONTRASTS)
     summary.update({"preset": preset, "seeds": seeds, "runs": found})
     for arm, run_dirs in where.items():
         # How much each arm replayed: an arm that never replayed (say, ExGRPO whose batches

@@ -282,6 +282,17 @@ def test_study_summary_of_made_up_curves():
     assert [step for step, _, _ in mean_curve([curve([0.2, 0.3, 0.4]), curve([0.2, 0.5])])] == [0, 10]
     with pytest.raises(ValueError, match="no finished 'baseline' run"):
         summarize_study({"rlep": curves["rlep"]})
+    # Contrasts pair two other arms by seed, over the seeds both ran: here an ablation of two
+    # seeds (1 and 2) against RLEP's three; final differences 0.34 - 0.32 and 0.29 - 0.31.
+    ablation = [curve([0.2, 0.31, 0.34]), curve([0.2, 0.27, 0.29])]
+    summary = summarize_study({**curves, "ablation": ablation}, seeds={"ablation": [1, 2]},
+                              contrasts=[("ablation", "rlep"), ("missing", "rlep")])
+    assert list(summary["contrasts"]) == ["ablation - rlep"]
+    contrast = summary["contrasts"]["ablation - rlep"]
+    assert contrast["paired_seeds"] == 2 and contrast["final_gains"] == pytest.approx([0.02, -0.02])
+    assert contrast["final_gain"][0] == pytest.approx(0.0) and contrast["final_gain"][1] == pytest.approx(0.02)
+    assert contrast["curve_gain"][0] == pytest.approx(((0.325 - 0.31) + (0.28 - 0.28)) / 2)
+    assert "ablation - rlep" in study_table(summary) and "+2.0, -2.0" in study_table(summary)
 
 
 def test_study_plot_is_a_png(tmp_path):

@@ -43,7 +43,7 @@ def first_step_reaching(points: Sequence[tuple[int, float]], level: float) -> in
 
 
 def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseline", metric: str = "test_pass@1",
-                    seeds: dict[str, list[int]] | None = None) -> dict:
+                    seeds: dict[str, list[int]] | None = None, contrasts: Sequence[tuple[str, str]] = ()) -> dict:
     """Per arm, over its seeds' eval curves (`curves[arm][i]`: the records of seed
     `seeds[arm][i]`; without `seeds`, of seed i):
 
@@ -56,7 +56,9 @@ def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseli
       evaluation draws: the seed-to-seed spread they share cancels): `final_gain`, the mean
       and standard error of (final - the baseline's final), and `curve_gain`, of (the mean
       over evaluations after the first - the baseline's, at the steps both evaluated), over
-      `paired_seeds` seeds.
+      `paired_seeds` seeds (`final_gains`: each seed's);
+    - `contrasts`: the same paired differences between two other arms, `(a, b)` for a - b,
+      where both have runs of one seed at least (say, an ablation against its control).
     The baseline arm's mean peak is the level every arm is measured against."""
     if baseline not in curves or not curves[baseline]:
         raise ValueError(f"the study has no finished {baseline!r} run to compare with")
@@ -81,12 +83,24 @@ def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseli
             "eval_se": sum(errors) / len(errors) if errors else None,
             "curve": mean_curve(curves[arm], metric),
         }
-        paired = [(by_seed[arm][s], by_seed[baseline][s]) for s in seeds[arm] if s in by_seed[baseline]]
-        if arm != baseline and paired:
-            row["paired_seeds"] = len(paired)
-            row["final_gain"] = mean_and_se([run[-1][1] - base[-1][1] for run, base in paired])
-            row["curve_gain"] = mean_and_se([_curve_mean(run, base) - _curve_mean(base, run) for run, base in paired])
+        if arm != baseline:
+            row.update(paired_differences(by_seed[arm], by_seed[baseline]))
+    pairs = {f"{a} - {b}": paired_differences(by_seed[a], by_seed[b]) for a, b in contrasts if a in by_seed and b in by_seed}
+    summary["contrasts"] = {name: c for name, c in pairs.items() if c}
     return summary
+
+
+def paired_differences(runs: dict[int, list[tuple[int, float]]], others: dict[int, list[tuple[int, float]]]) -> dict:
+    """One arm's eval curves against another's, by seed (`{seed: [(step, value)]}`), over the
+    seeds both have: the mean and standard error of the differences in final value
+    (`final_gain`; each seed's in `final_gains`) and in the mean over evaluations after the
+    first (`curve_gain`, at the steps both evaluated); empty without a shared seed."""
+    paired = [(runs[s], others[s]) for s in runs if s in others]
+    if not paired:
+        return {}
+    finals = [run[-1][1] - other[-1][1] for run, other in paired]
+    return {"paired_seeds": len(paired), "final_gain": mean_and_se(finals), "final_gains": finals,
+            "curve_gain": mean_and_se([_curve_mean(run, other) - _curve_mean(other, run) for run, other in paired])}
 
 
 def _curve_mean(run: list[tuple[int, float]], other: list[tuple[int, float]]) -> float:
@@ -124,6 +138,12 @@ def study_table(summary: dict) -> str:
                  "replayed: the share of trained answers that were replayed, mean over steps and seeds; "
                  "final/curve - base: points above the same seed's baseline, mean +/- SE over seeds "
                  "(curve: the mean of the evaluations after step 0)")
+    if summary.get("contrasts"):
+        lines += ["", "paired differences between arms, points, mean +/- SE over the seeds both ran (each seed's final)",
+                  f"{'a - b':<40}{'seeds':>6}{'final':>16}{'curve':>16}   each seed's final"]
+        for name, c in summary["contrasts"].items():
+            each = ", ".join(f"{100 * d:+.1f}" for d in c["final_gains"])
+            lines.append(f"{name:<40}{c['paired_seeds']:>6}{gain(c, 'final_gain'):>16}{gain(c, 'curve_gain'):>16}   {each}")
     steps = sorted({step for row in summary["arms"].values() for step, _, _ in row["curve"]})
     lines += ["", f"mean {summary['metric']} (%) by step, +/- SE over seeds",
               f"{'arm':<18}" + "".join(f"{step:>14}" for step in steps)]
