@@ -144,6 +144,21 @@ def collect_seed_pool(seeded: Config, seed_dir: Path, baseline_checkpoint: str, 
     (seed_dir / "pool.json").write_text(json.dumps(stats, indent=2))
 
 
+def seed_pool(seeded: Config, seed_dir: Path, record: Path | None, log) -> None:
+    """The seed's RLEP pool in `seed_dir`: there already, else copied from the record, else
+    collected from the baseline's final checkpoint; then recorded, if it is not."""
+    kept = record / seed_dir.name if record is not None else None
+    if not (seed_dir / POOL_FILES[-1]).is_file():
+        if kept is not None and (kept / POOL_FILES[-1]).is_file():
+            copy_files(POOL_FILES, kept, seed_dir)
+        else:
+            final = RunFolder(seed_dir / "baseline").final
+            log(f"== {seed_dir.name}: experience pool from {final} ==")
+            collect_seed_pool(seeded, seed_dir, str(final), log)
+    if kept is not None and not (kept / POOL_FILES[-1]).is_file():
+        copy_files(POOL_FILES, seed_dir, kept)
+
+
 def arm_config(seeded: Config, arm: str, seed_dir: Path, baseline_dir: Path | None = None) -> Config:
     """One arm's run config for one seed: RLEP arms replay the seed's pool; the arms after
     the baseline take its step-0 evaluation (the same base policy, test set and evaluation
@@ -265,15 +280,8 @@ def main(argv=None) -> dict | None:
         for arm in args.arms:
             if arm == "baseline":
                 continue
-            if ARMS[arm]["algorithm.name"] == "rlep" and not (seed_dir / POOL_FILES[-1]).is_file():
-                if record is not None and (record / seed_dir.name / POOL_FILES[-1]).is_file():
-                    copy_files(POOL_FILES, record / seed_dir.name, seed_dir)
-                elif finished_run(out, record, seed, arm) is None:
-                    final = RunFolder(seed_dir / "baseline").final
-                    log(f"== seed {seed}: experience pool from {final} ==")
-                    collect_seed_pool(seeded, seed_dir, str(final), log)
-                    if record is not None:
-                        copy_files(POOL_FILES, seed_dir, record / seed_dir.name)
+            if ARMS[arm]["algorithm.name"] == "rlep" and finished_run(out, record, seed, arm) is None:
+                seed_pool(seeded, seed_dir, record, log)
             run(seeded, seed, arm)
             report(out, args.arms, args.seeds, args.preset, log, record)
     summary = report(out, args.arms, args.seeds, args.preset, log, record)

@@ -396,6 +396,17 @@ def test_the_study_keeps_a_record_that_stands_for_its_runs(tmp_path):
         summary = study.main([*args, "--arms", "baseline"])
     assert summary["runs"] == {"baseline": [0]} and "seed 0: baseline is recorded in" in printed.getvalue()
     assert not (out / "seed-0" / "baseline").exists()
+    # a seed's RLEP pool: copied from the record to a seed folder without one, and recorded
+    # from a seed folder that has one (nothing collected either way)
+    (record / "seed-0" / "pool.parquet").write_bytes(b"PAR1 pool")
+    (record / "seed-0" / "pool.json").write_text("{}")
+    study.seed_pool(None, out / "seed-0", record, print)
+    assert (out / "seed-0" / "pool.parquet").read_bytes() == b"PAR1 pool" and (out / "seed-0" / "pool.json").is_file()
+    (out / "seed-1").mkdir()
+    for name in study.POOL_FILES:
+        shutil.copyfile(out / "seed-0" / name, out / "seed-1" / name)
+    study.seed_pool(None, out / "seed-1", record, print)
+    assert sorted(p.name for p in (record / "seed-1").iterdir()) == sorted(study.POOL_FILES)
     # a record cut off before its evals.json is not a finished run
     (record / "seed-0" / "baseline" / "evals.json").unlink()
     assert study.finished_run(out, record, 0, "baseline") is None
