@@ -94,6 +94,7 @@ DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 CONTRASTS = (
     ("exgrpo-fullfresh", "baseline-96"),  # 32 replayed questions against 32 fresh ones, on 64 fresh and one batch size
     ("exgrpo", "baseline-half"),  # 32 replayed questions on top of 32 fresh ones (twice the batch)
+    ("exgrpo-paper-sigma", "baseline-half"),  # the same, replayed by the paper's bucket weights
     ("exgrpo-fullfresh", "exgrpo"),  # ExGRPO given the baseline's fresh stream back
     ("exgrpo-paper-sigma", "exgrpo"),  # the paper's bucket weights against the code's
     ("exgrpo", "baseline-drgrpo"),  # ExGRPO against its own on-policy baseline (the same advantage)
