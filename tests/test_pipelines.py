@@ -66,13 +66,3 @@ def test_a_finished_run_is_reused_only_under_the_settings_it_ran_with(tmp_path, 
     (run / "config.json").write_text(rlep.to_json())
     with pytest.raises(ConfigError, match="algorithm.rlep.replays_per_group = 2, not the 4"):
         run_stage(rlep.replace(**{"algorithm.rlep.replays_per_group": 4}), resume=True, log=lambda _: None)
-    # A field added since the run saved its config counts as its default (new fields keep the
-    # behaviour before them): an ExGRPO run saved before `retire_from` existed is reused under
-    # the default and refused under the other scope.
-    exgrpo = cfg.replace(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False})
-    saved = json.loads(exgrpo.to_json())
-    del saved["algorithm"]["exgrpo"]["retire_from"]
-    (run / "config.json").write_text(json.dumps(saved))
-    assert run_stage(exgrpo, resume=True, log=lambda _: None).run_dir == run
-    with pytest.raises(ConfigError, match="algorithm.exgrpo.retire_from = 'training-set', not the 'buffer'"):
-        run_stage(exgrpo.replace(**{"algorithm.exgrpo.retire_from": "buffer"}), resume=True, log=lambda _: None)

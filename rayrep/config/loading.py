@@ -134,11 +134,8 @@ def differing_fields(
     theirs: dict, ours: dict, keep: Callable[[str], bool] = lambda name: True
 ) -> list[tuple[str, Any, Any]]:
     """`(section.field, their value, our value)` for every field where two configs as
-    `Config.to_json` writes them (a run's `config.json`, `theirs`, against this one's,
-    `ours`) differ, by name; only the names `keep` accepts. A field `theirs` lacks counts as
-    its default (a run that saved its config before the field existed ran as its default
-    does: new fields default to the behaviour before them); a field `ours` lacks (one since
-    removed), as None."""
+    `Config.to_json` writes them (a run's `config.json`) differ, by name; only the names
+    `keep` accepts. A field one of them lacks counts as None."""
 
     def flat(data: dict, prefix: str = "") -> dict:
         fields = {}
@@ -149,6 +146,6 @@ def differing_fields(
                 fields[f"{prefix}{key}"] = value
         return fields
 
-    a, b = flat(merge(Config().to_dict(), theirs)), flat(ours)
+    a, b = flat(theirs), flat(ours)
     return [(name, a.get(name), b.get(name)) for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
 
