@@ -103,8 +103,8 @@ CONTRASTS = (
 
 
 # A study's record (`--record DIR`): what its finished runs leave for the report (settings,
-# evaluations, step records; tens of kilobytes a run) and each seed's RLEP pool, copied there
-# as they finish. Run folders hold checkpoints (megabytes each) and stay in `runs/`; a record
+# evaluations, step records; about 100 KB a run) and each seed's RLEP pool, copied there as
+# they finish. Run folders hold checkpoints (megabytes each) and stay in `runs/`; a record
 # is small enough to keep in the repository, so the docs' tables can be rebuilt, and a study
 # continued, on a machine that holds none of the run folders. A run recorded there is not
 # run again; its record stands for it (checked against the settings asked for, as a
@@ -121,6 +121,13 @@ def copy_files(names: tuple[str, ...], source: Path, target: Path) -> None:
         partial = target / f".{name}.partial"
         shutil.copyfile(source / name, partial)
         os.replace(partial, target / name)
+
+
+def keep_record(names: tuple[str, ...], source: Path, target: Path) -> None:
+    """Record `names` from `source` in `target` unless the record is whole already (its last
+    name there): a recorded run or pool is never rewritten, and one cut off is copied again."""
+    if not (target / names[-1]).is_file():
+        copy_files(names, source, target)
 
 
 def finished_run(out: Path, record: Path | None, seed: int, arm: str) -> Path | None:
@@ -156,8 +163,23 @@ def seed_pool(seeded: Config, seed_dir: Path, record: Path | None, log) -> None:
             final = RunFolder(seed_dir / "baseline").final
             log(f"== {seed_dir.name}: experience pool from {final} ==")
             collect_seed_pool(seeded, seed_dir, str(final), log)
-    if kept is not None and not (kept / POOL_FILES[-1]).is_file():
-        copy_files(POOL_FILES, seed_dir, kept)
+    if kept is not None:
+        keep_record(POOL_FILES, seed_dir, kept)
+
+
+def check_reuse(cfg: Config, out: Path, seed: int, arm: str, run_dir: Path) -> None:
+    """Refuse a finished run or record of `arm` that ran otherwise than asked for now, naming
+    the field (`check_finished_run`). A recorded RLEP run names the pool it replayed by its
+    path where it ran (another checkout, another `--out`); that pool is its seed's, recorded
+    beside it, so the path itself is not compared."""
+    expected = arm_config(seed_config(cfg, out, seed), arm, out / f"seed-{seed}")
+    if expected.algorithm.name == "rlep" and run_dir != out / f"seed-{seed}" / arm:
+        try:
+            pool = json.loads(RunFolder(run_dir).config.read_text())["algorithm"]["rlep"]["pool"]
+            expected = expected.replace(**{"algorithm.rlep.pool": pool})
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # check_finished_run names what is wrong with it
+    check_finished_run(expected, run_dir)
 
 
 def arm_config(seeded: Config, arm: str, seed_dir: Path, baseline_dir: Path | None = None) -> Config:
@@ -249,7 +271,7 @@ def main(argv=None) -> dict | None:
         for arm in args.arms:
             run_dir = finished_run(out, record, seed, arm)
             if run_dir is not None:
-                check_finished_run(arm_config(seed_config(cfg, out, seed), arm, seed_dir), run_dir)
+                check_reuse(cfg, out, seed, arm, run_dir)
         rlep_to_run = [arm for arm in args.arms if ARMS[arm]["algorithm.name"] == "rlep" and finished_run(out, record, seed, arm) is None]
         pool_kept = (seed_dir / POOL_FILES[-1]).is_file() or (record is not None and (record / seed_dir.name / POOL_FILES[-1]).is_file())
         baseline = finished_run(out, record, seed, "baseline")
@@ -272,7 +294,7 @@ def main(argv=None) -> dict | None:
         log(f"== seed {seed}: {arm} ==")
         run_stage(arm_config(seeded, arm, seed_dir, finished_run(out, record, seed, "baseline")), resume=True, log=log)
         if record is not None:
-            copy_files(RECORD_FILES, seed_dir / arm, record / seed_dir.name / arm)
+            keep_record(RECORD_FILES, seed_dir / arm, record / seed_dir.name / arm)
 
     start = time.monotonic()
     for seed in args.seeds:
@@ -285,6 +307,8 @@ def main(argv=None) -> dict | None:
                 seed_pool(seeded, seed_dir, record, log)
             run(seeded, seed, arm)
             report(out, args.arms, args.seeds, args.preset, log, record)
+        if record is not None and (seed_dir / POOL_FILES[-1]).is_file():
+            keep_record(POOL_FILES, seed_dir, record / seed_dir.name)  # for arms still to come, elsewhere
     summary = report(out, args.arms, args.seeds, args.preset, log, record)
     log(f"study folder: {out} ({(time.monotonic() - start) / 60:.1f} min this time)")
     return summary

@@ -396,6 +396,29 @@ def test_the_study_keeps_a_record_that_stands_for_its_runs(tmp_path):
         summary = study.main([*args, "--arms", "baseline"])
     assert summary["runs"] == {"baseline": [0]} and "seed 0: baseline is recorded in" in printed.getvalue()
     assert not (out / "seed-0" / "baseline").exists()
+    # A recorded RLEP run names its pool by the path it had where it ran (another checkout or
+    # --out): the record still stands for the run, and other RLEP settings are still refused.
+    elsewhere = tmp_path / "elsewhere"
+    rlep = study.arm_config(study.seed_config(cfg, elsewhere, 0), "rlep", elsewhere / "seed-0")
+    (record / "seed-0" / "rlep").mkdir()
+    (record / "seed-0" / "rlep" / "config.json").write_text(rlep.to_json())
+    (record / "seed-0" / "rlep" / "metrics.jsonl").write_text(json.dumps({"step": 1, "accuracy": 0.3, "replay_share": 0.1}) + "\n")
+    (record / "seed-0" / "rlep" / "evals.json").write_text(json.dumps(curve([0.2, 0.35])))
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = study.main([*args, "--arms", "rlep"])
+    assert summary["runs"] == {"baseline": [0], "rlep": [0]}
+    with pytest.raises(ConfigError, match="record/seed-0/rlep finished with algorithm.rlep.replays_per_group = 2, not the 3"):
+        study.main([*args, "--arms", "rlep", "--algorithm.rlep.replays_per_group", "3"])
+    # a whole record is never rewritten; one cut off before its last file is copied again
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in study.RECORD_FILES:
+        (source / name).write_text("new")
+    study.keep_record(study.RECORD_FILES, source, record / "seed-0" / "rlep")
+    assert (record / "seed-0" / "rlep" / "evals.json").read_text() != "new"
+    (record / "seed-0" / "rlep" / "evals.json").unlink()
+    study.keep_record(study.RECORD_FILES, source, record / "seed-0" / "rlep")
+    assert all((record / "seed-0" / "rlep" / name).read_text() == "new" for name in study.RECORD_FILES)
     # a seed's RLEP pool: copied from the record to a seed folder without one, and recorded
     # from a seed folder that has one (nothing collected either way)
     (record / "seed-0" / "pool.parquet").write_bytes(b"PAR1 pool")

@@ -97,10 +97,12 @@ class ExGRPO(GRPO):
         chosen, entropy = self.lowest_entropy_answers(uids)
         # How often the same questions come back: the code's narrow bucket weights draw the
         # middle buckets first, and when those hold few questions the same ones are replayed
-        # step after step (the share of this step's replayed questions that the last
-        # replaying step replayed too).
-        again = len(self.replayed_last.intersection(uids)) / len(uids)
-        self.replayed_last = frozenset(uids)
+        # step after step (the share of this step's replayed questions, those that got a
+        # stored answer, that the last replaying step replayed too).
+        replayed = frozenset(chosen)
+        again = len(self.replayed_last & replayed) / len(replayed) if replayed else 0.0
+        if replayed:  # a step whose sampled questions all left the buffer replayed nothing
+            self.replayed_last = replayed
         metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy,
                    "exgrpo_replays_gone": float(len(uids) - len(chosen)), "exgrpo_replayed_again": again}
         joined = [g.with_replays((chosen[g.prompt.uid].rollout(self.prompt_ids[g.prompt.uid]),)
