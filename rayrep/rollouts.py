@@ -72,7 +72,7 @@ class Rollouts:
         sampling the planned fresh rollouts, each prompt with its own seed (the step and round
         decide it). Returns at once."""
         start = time.perf_counter()
-        plan = self.algorithm.plan(self.sampler, self.cfg.algorithm.prompts_per_step, exclude)
+        plan = self.algorithm.plan(self.sampler, self.cfg.algorithm.prompts_per_step, exclude, self.runtime.version)
         plan_seconds = time.perf_counter() - start
         gen = self.cfg.generator
         shares = self.runtime.generators.generate(

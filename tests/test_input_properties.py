@@ -432,7 +432,8 @@ def test_buffer_snapshots_read_or_fail_naming_the_file(answers, questions, meta)
         pq.write_table(_with_meta(answers, meta), directory / "answers.parquet")
         pq.write_table(_with_meta(questions, meta), directory / "questions.parquet")
         try:
-            entries, retired, evicted = read_snapshot(directory)
+            snapshot = read_snapshot(directory)
+            entries, retired, evicted = snapshot.questions, snapshot.retired, snapshot.evicted
         except BufferFileError as err:
             check_buffer_error(err, directory / "answers.parquet", directory / "questions.parquet")
             return
@@ -442,7 +443,7 @@ def test_buffer_snapshots_read_or_fail_naming_the_file(answers, questions, meta)
         assert isinstance(entry.bucket, int)
         assert len(entry.offsets) == len(entry) + 1 and entry.offsets[-1] == len(entry.tokens)
         _valid_answer_arrays(uid, entry.prompt_ids, entry.tokens, entry.logprobs)
-        assert set(entry.sources.tolist()) <= set(range(len(SOURCES)))
+        assert set(entry.facts["source"].tolist()) <= set(range(len(SOURCES)))
 
 
 # ----------------------------------------------------------------------------- verifier

@@ -76,7 +76,7 @@ def stored_of(buffer: ReplayBuffer, uids: list[str]) -> dict[str, tuple[np.ndarr
     found = {}
     for index, answers in buffer.stored_answers(uids):
         packed = ray.get(answers) if isinstance(answers, ray.ObjectRef) else answers
-        assert [uid for uid, _ in index] == packed.uids and [n for _, n in index] == packed.counts.tolist()
+        assert [uid for uid, _ in index] == packed.uids and [len(serials) for _, serials in index] == packed.counts.tolist()
         for q, (uid, answers) in enumerate(packed.unpack().items()):
             found[uid] = (packed.prompt(q), answers)
     return found
@@ -451,7 +451,7 @@ def test_a_shards_bucket_index_follows_its_questions_and_draws_as_a_sorted_scan(
         if round_ == 2:  # a restored shard indexes what it restored
             exported = shard.export()
             shard = ReplayShard(CAP, seed=3)
-            shard.restore(exported["questions"], exported["retired"], exported["evicted"])
+            shard.restore(exported)
         exclude = rng.sample(sorted(shard.questions) + ["not-held"], 20)
         members = scan(exclude)
         assert shard.bucket_sizes(exclude) == {k: len(v) for k, v in members.items()}
@@ -520,15 +520,21 @@ def test_sample_questions_leaves_out_excluded_questions(buffers, shards):
 
 
 @pytest.mark.parametrize("shards", [0, 2])
-def test_answers_at_returns_the_chosen_stored_answers(buffers, shards):
+def test_answers_by_serial_returns_the_chosen_stored_answers_even_after_other_writes(buffers, shards):
     buffer = buffers(shards)
     contents = {f"p{q}": answers_of(q, 3 + q % 2) for q in range(6)}
     buffer.add([(uid, prompt(q), answers) for q, (uid, answers) in enumerate(contents.items())])
-    picks = {"p0": 2, "p1": 0, "p3": 3, "p4": 1}
-    got = buffer.answers_at(picks)
-    assert got.keys() == picks.keys()
-    for uid, position in picks.items():
-        assert_same_answer(got[uid], contents[uid][position])
+    serials = {uid: own for index, _ in buffer.stored_answers(list(contents)) for uid, own in index}
+    positions = {"p0": 2, "p1": 0, "p3": 3, "p4": 1}
+    picks = {uid: serials[uid][position] for uid, position in positions.items()}
+    # Writes between the read and the pick (another run's, on a shared pool) move rows and
+    # retire a picked question: the picks still name the same answers, or none.
+    buffer.add([(f"x{q}", prompt(q), answers_of(q, 50)) for q in range(40)])
+    buffer.apply(retire=["p4"])
+    got = buffer.answers_by_serial(picks)
+    assert got.keys() == {"p0", "p1", "p3"}
+    for uid in got:
+        assert_same_answer(got[uid], contents[uid][positions[uid]])
 
 
 # ---------------------------------------------------------------------- stats
@@ -536,11 +542,11 @@ def test_answers_at_returns_the_chosen_stored_answers(buffers, shards):
 
 def raw_nbytes(prompt_ids, answers) -> int:
     """What one question's storage holds: prompt, tokens, log-probs, and per answer an int64
-    start, int64 length, float32 reward, int32 version, int8 source, int32 step and its
-    int64 row number."""
+    start, int64 length, int64 serial, its facts (float32 reward, int32 version, int8 source,
+    int32 step, float32 temperature, int8 verdict, int64 origin) and its int64 row number."""
     tokens = sum(len(a.response_ids) for a in answers)
     n = len(answers)
-    return 4 * len(prompt_ids) + 4 * tokens + 4 * tokens + (8 + 8 + 4 + 4 + 1 + 4 + 8) * n
+    return 4 * len(prompt_ids) + 4 * tokens + 4 * tokens + (8 + 8 + 8 + (4 + 4 + 1 + 4 + 4 + 1 + 8) + 8) * n
 
 
 def test_stats_count_questions_answers_bytes_buckets_and_age(buffers):
@@ -620,9 +626,10 @@ def test_snapshot_round_trip_is_byte_identical_across_shard_counts(buffers, tmp_
     original.add([("s01", prompt(1), answers_of(1, 1))])
     original.snapshot(tmp_path / "one")
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["answers.parquet", "questions.parquet"]
-    questions, retired, evicted = read_snapshot(tmp_path / "one")
-    assert (len(questions), retired, evicted) == (23, ["never-stored", "s03", "s07"], reference[2]["evicted"])
-    assert len(dict(questions)["s01"]) == 3
+    snapshot = read_snapshot(tmp_path / "one")
+    assert (len(snapshot.questions), snapshot.retired, snapshot.evicted) == (23, ["never-stored", "s03", "s07"],
+                                                                           reference[2]["evicted"])
+    assert len(dict(snapshot.questions)["s01"]) == 3
 
 
 def test_large_files_are_written_and_read_in_row_groups(monkeypatch, tmp_path):
@@ -688,7 +695,7 @@ def rewrite_metadata(path, **changes):
     "change, message",
     [
         ({"rayrep_kind": "experience-pool"}, "not a rayrep buffer-snapshot file"),
-        ({"rayrep_schema_version": "2"}, "schema version 2, this rayrep reads version 1"),
+        ({"rayrep_schema_version": "3"}, "schema version 3, this rayrep reads versions 1 to 2"),
         ({"rayrep_schema_version": "one"}, "is not a number"),
         ({"rayrep_schema_version": None}, "no rayrep.schema_version"),
     ],
@@ -876,7 +883,7 @@ def test_stats_bytes_stay_close_to_the_raw_arrays():
         buffer.add([(f"m{q}", np.arange(prompt_length, dtype=np.int32), long_answers(q, answers, length, rng))])
     raw = questions * answers * length * (4 + 4)
     held = buffer.stats()["bytes"]
-    per_question = 4 * prompt_length + (8 + 8 + 4 + 4 + 1 + 4 + 8) * answers
+    per_question = 4 * prompt_length + (8 + 8 + 8 + (4 + 4 + 1 + 4 + 4 + 1 + 8) + 8) * answers
     assert held == raw + questions * per_question
     assert held <= 1.2 * raw + questions * 2048
 

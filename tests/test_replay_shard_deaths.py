@@ -3,7 +3,7 @@
 The shard's process is SIGKILLed between calls and in the middle of a write. The next call
 that reaches it starts a replacement, restores the dead shard's questions from the last
 snapshot and asks the replacement again; the writes it lost since that snapshot are counted
-(`take_recovery`), and nothing else changes: the buffer then holds what an undisturbed
+(`take_counts`), and nothing else changes: the buffer then holds what an undisturbed
 buffer given the same writes up to that snapshot holds.
 """
 
@@ -54,7 +54,7 @@ def two_shards(ray_cluster):
 
 def test_a_shard_killed_between_calls_comes_back_from_the_last_snapshot(two_shards, tmp_path):
     buffer = two_shards
-    assert buffer.take_recovery() == {}
+    assert buffer.take_counts() == {}
     buffer.apply(items(range(20), 3), buckets={f"q{q}": 1 + q % 7 for q in range(20)})
     buffer.snapshot(tmp_path / "snapshot")
     at_snapshot = content(buffer)
@@ -68,9 +68,9 @@ def test_a_shard_killed_between_calls_comes_back_from_the_last_snapshot(two_shar
     dead = kill(buffer, 1)
     stats = buffer.stats()  # the first call to reach the dead shard restores it
     assert ray.get(buffer.shards[1].pid.remote()) != dead
-    assert buffer.take_recovery() == {"replay_shard_replaced": 1, "replay_shard_lost_answers": lost_on_1,
+    assert buffer.take_counts() == {"replay_shard_replaced": 1, "replay_shard_lost_answers": lost_on_1,
                                       "replay_shard_lost_question_updates": updates_on_1}
-    assert buffer.take_recovery() == {}  # counted once
+    assert buffer.take_counts() == {}  # counted once
     assert stats["answers"] == 60 + 20 - lost_on_1
     # Shard 1 is as it was at the snapshot; shard 0 kept everything.
     now = content(buffer)
@@ -97,7 +97,7 @@ def test_a_shard_killed_before_a_write_takes_the_write_after_its_restore(two_sha
     final = items(range(12, 24), 1, first=50)
     stored = buffer.apply(final, buckets={f"q{q}": 4 for q in range(12, 24)})["stored"]
     undisturbed.apply(final, buckets={f"q{q}": 4 for q in range(12, 24)})
-    assert buffer.take_recovery() == {"replay_shard_replaced": 1, "replay_shard_lost_answers": 0, "replay_shard_lost_question_updates": 0}
+    assert buffer.take_counts() == {"replay_shard_replaced": 1, "replay_shard_lost_answers": 0, "replay_shard_lost_question_updates": 0}
     assert stored == 12
     assert content(buffer)["answers"] == content(undisturbed)["answers"]
     merged = {}
@@ -115,5 +115,5 @@ def test_a_shard_that_dies_before_any_snapshot_comes_back_empty_and_says_what_it
     on_0 = sum(4 for q in range(12) if shard_of(f"q{q}", 2) == 0)
     kill(buffer, 0)
     assert buffer.sample_answers([(f"q{q}", 2) for q in range(12)]) is not None
-    assert buffer.take_recovery() == {"replay_shard_replaced": 1, "replay_shard_lost_answers": on_0, "replay_shard_lost_question_updates": 0}
+    assert buffer.take_counts() == {"replay_shard_replaced": 1, "replay_shard_lost_answers": on_0, "replay_shard_lost_question_updates": 0}
     assert buffer.stats()["answers"] == 48 - on_0

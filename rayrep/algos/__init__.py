@@ -10,6 +10,7 @@ from rayrep.algos.exgrpo import ExGRPO, check_exgrpo_settings
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import Algorithm
 from rayrep.algos.rlep import RLEP, ExperiencePool, load_pool
+from rayrep.buffer.answers import Origin
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.data import PromptSampler
@@ -20,22 +21,25 @@ from rayrep.types import Prompt
 @dataclass(frozen=True)
 class AlgorithmInputs:
     """An algorithm's inputs, read and checked: the training questions, their prompt tokens,
-    and RLEP's experience pool."""
+    RLEP's experience pool (none where the run attaches to a shared pool), and who samples
+    the run's answers (`Origin`: what they carry into a replay buffer)."""
 
     prompts: list[Prompt]
     prompt_ids: dict[str, list[int]]
     pool: ExperiencePool | None = None
+    origin: Origin = Origin()
 
 
-def check_inputs(cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]]) -> AlgorithmInputs:
+def check_inputs(cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]],
+                 origin: Origin = Origin()) -> AlgorithmInputs:
     """Read and check what the algorithm named by `algorithm.name` is built from (RLEP's pool
     against this run's prompt tokens, ExGRPO's settings): an InputError before anything starts."""
     name = cfg.algorithm.name
-    if name == "rlep":
-        return AlgorithmInputs(prompts, prompt_ids, load_pool(cfg, prompt_ids))
+    if name == "rlep" and not cfg.replay.pool:
+        return AlgorithmInputs(prompts, prompt_ids, load_pool(cfg, prompt_ids), origin)
     if name == "exgrpo":
         check_exgrpo_settings(cfg)
-    return AlgorithmInputs(prompts, prompt_ids)
+    return AlgorithmInputs(prompts, prompt_ids, origin=origin)
 
 
 def make_algorithm(cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None,
@@ -46,7 +50,7 @@ def make_algorithm(cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | 
     if name == "grpo":
         return GRPO(cfg)
     if name == "rlep":
-        return RLEP(cfg, inputs.prompt_ids, inputs.pool, buffer)
+        return RLEP(cfg, inputs.prompt_ids, inputs.pool, buffer, inputs.origin)
     if name == "exgrpo":
-        return ExGRPO(cfg, inputs.prompts, inputs.prompt_ids, buffer, learners, sampler)
+        return ExGRPO(cfg, inputs.prompts, inputs.prompt_ids, buffer, learners, sampler, inputs.origin)
     raise ValueError(f"unknown algorithm {name!r}")

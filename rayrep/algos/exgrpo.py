@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
-from rayrep.buffer.answers import Answer
+from rayrep.buffer.answers import Answer, Origin
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
@@ -53,12 +53,12 @@ class ExGRPO(GRPO):
     replay_old_logprobs = "recorded"
 
     def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]], buffer: ReplayBuffer,
-                 learners: LearnerGroup | None, sampler: PromptSampler):
+                 learners: LearnerGroup | None, sampler: PromptSampler, origin: Origin = Origin()):
         """`learners`: where the entropy pass that chooses replayed answers runs (None only
         where no step replays: tests of the buffer's bookkeeping); `sampler`: the run's
         training set, which retired questions leave (the one the loop plans from)."""
         check_exgrpo_settings(cfg)
-        super().__init__(cfg)
+        super().__init__(cfg, origin)
         self.buffer, self.learners, self.sampler = buffer, learners, sampler
         self.prompts = {p.uid: p for p in prompts}
         self.prompt_ids = prompt_ids
@@ -66,15 +66,19 @@ class ExGRPO(GRPO):
         """The one-way switch; with the buffer, the only state that lives across steps."""
         self.replayed_last: frozenset[str] = frozenset()
         """The questions the last replaying step replayed (for `exgrpo_replayed_again` only)."""
+        self.version = 0
+        """The policy version the step being planned samples (its draw limit counts from it)."""
 
     # ------------------------------------------------------------------ the step
 
-    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset()) -> StepPlan:
+    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset(),
+             version: int = 0) -> StepPlan:
         """rho x B questions from the buffer (K - 1 fresh rollouts plus their chosen stored
         answer each), then B minus those from the sampler with K rollouts each: no fresh
         question is drawn only to be discarded."""
         algo = self.cfg.algorithm
         K, B = algo.group_size, questions
+        self.version = version
         count = math.floor(algo.exgrpo.replay_ratio * B) if self.collecting else 0
         uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma, exclude=exclude) if count else []
         taken = exclude | set(uids)
@@ -117,18 +121,19 @@ class ExGRPO(GRPO):
         rank reduces its rows to one mean per answer over the answer's own response tokens,
         and only the chosen answers come back here.
         """
-        parts = self.buffer.stored_answers(uids)
+        parts = self.buffer.stored_answers(uids, self.draw_limit(self.version))
         means = self.learners.mean_entropies([ref for _, ref in parts])
         picks: dict[str, int] = {}
         lowest: list[float] = []
         for (index, _), values in zip(parts, means):
             row = 0
-            for uid, count in index:
-                own = values[row : row + count]
-                picks[uid] = int(own.argmin())  # the first (oldest) on a tie
-                lowest.append(float(own[picks[uid]]))
-                row += count
-        return self.buffer.answers_at(picks), sum(lowest) / max(1, len(lowest))
+            for uid, serials in index:
+                own = values[row : row + len(serials)]
+                pick = int(own.argmin())  # the first (oldest) on a tie
+                picks[uid] = serials[pick]
+                lowest.append(float(own[pick]))
+                row += len(serials)
+        return self.buffer.answers_by_serial(picks), sum(lowest) / max(1, len(lowest))
 
     def loss_spec(self, groups: Sequence[Group]) -> LossSpec:
         """The mixed-policy loss from the step after collection starts, for good (a one-way
@@ -156,7 +161,7 @@ class ExGRPO(GRPO):
                 if 1 <= (k := sum(group.correct)) < K:
                     buckets[group.prompt.uid] = k
                     items.append((group.prompt.uid, np.array(group.rollouts[0].prompt_ids, np.int32),
-                                  Answer.fresh_successes(group, step)))
+                                  Answer.fresh_successes(group, step, self.origin)))
             stats = self.buffer.apply(items, dedup=True, buckets=buckets, retire=all_right)
             metrics.update(self.buffer_metrics(stats))
         fresh_marks = [ok for g in seen for ok, replayed in zip(g.correct, g.replayed) if not replayed]

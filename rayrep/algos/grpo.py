@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from rayrep.algos.advantages import group_advantages
+from rayrep.buffer.answers import DrawLimit, Origin
 from rayrep.config import Config, derive_seed
 from rayrep.data import PromptSampler
 from rayrep.types import TOKEN_SUM_AGGREGATIONS, Group, LossSpec, StepBatch, StepPlan, TrainBatch
@@ -29,8 +30,11 @@ class GRPO:
     """Replayed rollouts' old log-probs: recomputed by the learner (ratio starts at 1) or the
     recorded behaviour ones. Fresh rollouts are always recomputed."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, origin: Origin = Origin()):
+        """`origin`: the run and checkpoint that sample its answers (what the answers it
+        stores in a replay buffer carry)."""
         self.cfg = cfg
+        self.origin = origin
         learner = cfg.learner
         # Built (and so checked) now, before any actor starts.
         self.loss = LossSpec(
@@ -52,11 +56,20 @@ class GRPO:
 
     # ------------------------------------------------------------------ the step
 
-    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset()) -> StepPlan:
+    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset(),
+             version: int = 0) -> StepPlan:
         """`questions` fresh questions from the sampler with G rollouts each, leaving out those
-        in `exclude` (questions already in this step)."""
+        in `exclude` (questions already in this step). `version`: the policy version that
+        samples them (what a replay method's draw limit counts from)."""
         group_size = self.cfg.algorithm.group_size
         return StepPlan(tuple((p, group_size) for p in sampler.next(questions) if p.uid not in exclude))
+
+    def draw_limit(self, version: int) -> DrawLimit | None:
+        """Which stored answers a replay method may draw at policy version `version`
+        (`replay.max_version_lag`, `replay.others_only`); None: any."""
+        replay = self.cfg.replay
+        limit = DrawLimit(version, replay.max_version_lag, self.origin.run, replay.others_only)
+        return limit if limit.limits else None
 
     def join_replays(self, groups: Sequence[Group]) -> tuple[list[Group], dict[str, float]]:
         """The groups with the stored answers the plan left to choose (`StepPlan.choose`),

@@ -1,7 +1,8 @@
 """What the loop asks of an algorithm: a few step functions over values, and its own state.
 
-- `plan(sampler, questions, exclude) -> StepPlan`: which questions to roll out, how many
-  fresh rollouts each, and which stored answers join which group (or are left to choose);
+- `plan(sampler, questions, exclude, version) -> StepPlan`: which questions to roll out, how
+  many fresh rollouts each, and which stored answers join which group (or are left to
+  choose), at the generators' policy version;
 - `join_replays(groups) -> (groups, metrics)`: once the learners hold the GPUs, the answers
   left to choose join their groups;
 - `build(groups, dropped, step=) -> StepBatch`: the verified groups scored, their
@@ -26,7 +27,8 @@ from rayrep.types import Group, StepBatch, StepPlan
 class Algorithm(Protocol):
     name: str
 
-    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset()) -> StepPlan: ...
+    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset(),
+             version: int = 0) -> StepPlan: ...
 
     def join_replays(self, groups: Sequence[Group]) -> tuple[list[Group], dict[str, float]]: ...
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
-from rayrep.buffer.answers import Answer
+from rayrep.buffer.answers import Answer, Origin
 from rayrep.buffer.files import BufferFileError, read_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config, ConfigError
@@ -46,19 +46,25 @@ ExperiencePool = dict[str, tuple[np.ndarray, list[Answer]]]
 class RLEP(GRPO):
     name = "rlep"
 
-    def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]], pool: ExperiencePool, buffer: ReplayBuffer):
-        """`pool`: from `load_pool`, checked against `prompt_ids`; it goes into `buffer`'s shards now."""
-        super().__init__(cfg)
+    def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]], pool: ExperiencePool | None, buffer: ReplayBuffer,
+                 origin: Origin = Origin()):
+        """`pool`: from `load_pool`, checked against `prompt_ids`; it goes into `buffer`'s
+        shards now (None: a shared pool the buffer is attached to holds the successes)."""
+        super().__init__(cfg, origin)
         self.prompt_ids = prompt_ids
         self.replay_old_logprobs = cfg.algorithm.rlep.old_logprobs
         self.buffer = buffer
-        self.buffer.add([(uid, ids, answers) for uid, (ids, answers) in pool.items()])
+        if pool is not None:
+            self.buffer.add([(uid, ids, answers) for uid, (ids, answers) in pool.items()])
 
-    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset()) -> StepPlan:
-        """G fresh rollouts per question, and up to M of its pooled successes, drawn now."""
+    def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset(),
+             version: int = 0) -> StepPlan:
+        """G fresh rollouts per question, and up to M of its pooled successes (those the draw
+        limit allows at policy version `version`), drawn now."""
         fresh = super().plan(sampler, questions, exclude)
         wanted = self.cfg.algorithm.rlep.replays_per_group
-        drawn = self.buffer.sample_answers([(p.uid, wanted) for p in fresh.prompts]) if wanted else {}
+        requests = [(p.uid, wanted) for p in fresh.prompts]
+        drawn = self.buffer.sample_answers(requests, self.draw_limit(version)) if wanted else {}
         replays = {
             uid: tuple(answer.rollout(self.prompt_ids[uid]) for answer in answers)
             for uid, answers in drawn.items() if answers
@@ -71,7 +77,7 @@ class RLEP(GRPO):
         if not self.cfg.algorithm.rlep.grow_pool:
             return {}
         items = [(group.prompt.uid, np.array(self.prompt_ids[group.prompt.uid], np.int32), new)
-                 for group in batch.seen if (new := Answer.fresh_successes(group, step))]
+                 for group in batch.seen if (new := Answer.fresh_successes(group, step, self.origin))]
         stats = self.buffer.apply(items, dedup=True)
         return {"pool_questions": stats["questions"], "pool_answers": stats["answers"], "pool_stored": stats["stored"]}
 

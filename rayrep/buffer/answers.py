@@ -9,14 +9,49 @@ sampling 512 questions' replays take 40 ms.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from rayrep.types import Group, Rollout
 
-SOURCES = ("pool", "online")
-"""Where an answer came from: an offline experience pool (RLEP) or this run (ExGRPO)."""
+SOURCES = ("pool", "online", "external")
+"""Where an answer came from: an offline experience pool (RLEP), a run's own rollouts
+(ExGRPO, a growing pool, a shared pool's runs), or another model's traces (imported text)."""
+
+VERDICTS = {"wrong": 0, "correct": 1, "unchecked": -1}
+"""The verifier's verdict on a stored answer; `unchecked`: imported as its writer verified it."""
+
+FACTS = np.dtype([("reward", np.float32), ("version", np.int32), ("source", np.int8), ("step", np.int32),
+                  ("temperature", np.float32), ("verdict", np.int8), ("origin", np.int64)])
+"""What is known of each stored answer besides its tokens, one record per answer: one array
+to gather, pack and send instead of one per field (each array crossing a Ray call costs tens
+of microseconds). `origin`: the id (`origin_id`) of the run and checkpoint that sampled it,
+named in the origin table that travels beside the records."""
+
+Origins = dict[int, tuple[str, str]]
+"""origin id -> (run, checkpoint): the names behind the `origin` field of answers' facts."""
+
+
+def origin_id(run: str, checkpoint: str) -> int:
+    """A stable id of (run, checkpoint), the same in every process and shard (0: unknown), so
+    that answers keep their origin as one integer wherever they are copied."""
+    if not run and not checkpoint:
+        return 0
+    digest = hashlib.blake2b(f"{run}\0{checkpoint}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1 or 1
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who samples a run's answers: the run (its folder), the checkpoint it started from (its
+    policy version counts the updates since), and the sampling temperature."""
+
+    run: str = ""
+    checkpoint: str = ""
+    temperature: float = math.nan
 
 
 @dataclass
@@ -29,16 +64,22 @@ class Answer:
     """float32 [T] behaviour log-probs (NaN where unknown, e.g. imported text-only pools)."""
     reward: float
     version: int = 0
+    """The policy version that sampled it (updates since `checkpoint`)."""
     source: str = "online"
     step: int = 0
     """Training step (or pool id) at which it entered the buffer."""
+    temperature: float = math.nan
+    verdict: str = "correct"
+    run: str = ""
+    checkpoint: str = ""
 
     @classmethod
-    def fresh_successes(cls, group: Group, step: int) -> list[Answer]:
+    def fresh_successes(cls, group: Group, step: int, origin: Origin = Origin()) -> list[Answer]:
         """The verified-correct answers sampled for a scored group this step (not its
         replayed ones), as answers that enter the buffer at `step`."""
         return [
-            cls(np.array(r.response_ids, np.int32), np.array(r.logprobs, np.float32), reward, r.version, "online", step)
+            cls(np.array(r.response_ids, np.int32), np.array(r.logprobs, np.float32), reward, r.version, "online", step,
+                origin.temperature, "correct", origin.run, origin.checkpoint)
             for r, ok, replayed, reward in zip(group.rollouts, group.correct, group.replayed, group.rewards)
             if ok and not replayed
         ]
@@ -55,6 +96,36 @@ class Answer:
         )
 
 
+_VERDICT_NAMES = {code: name for name, code in VERDICTS.items()}
+
+
+@dataclass(frozen=True)
+class DrawLimit:
+    """Which stored answers a draw may use: none sampled more than `max_lag` policy versions
+    before the drawing run's current `version` (-1: any age), and, with `others_only`, none
+    of the drawing run's own (`run`). What it leaves out is counted (`held_back`), never
+    silently used or silently missing."""
+
+    version: int = 0
+    max_lag: int = -1
+    run: str = ""
+    others_only: bool = False
+
+    @property
+    def limits(self) -> bool:
+        return self.max_lag >= 0 or self.others_only
+
+    def allows(self, facts: np.ndarray, origins: Origins) -> np.ndarray:
+        """Which of the answers (their `FACTS` records, their origins' names) a draw may use."""
+        keep = np.ones(len(facts), bool)
+        if self.max_lag >= 0:
+            keep &= facts["version"] >= self.version - self.max_lag
+        if self.others_only:
+            own = [origin for origin, (run, _) in origins.items() if run == self.run]
+            keep &= ~np.isin(facts["origin"], np.array(own, np.int64))
+        return keep
+
+
 @dataclass
 class PackedAnswers:
     """Answers of several questions in flat arrays, grouped by question, in order."""
@@ -66,14 +137,15 @@ class PackedAnswers:
     """int64 [N + 1]: answer i's tokens are tokens[offsets[i] : offsets[i + 1]]."""
     tokens: np.ndarray
     logprobs: np.ndarray
-    rewards: np.ndarray
-    versions: np.ndarray
-    sources: np.ndarray
-    """int8 [N]: index into SOURCES."""
-    steps: np.ndarray
+    facts: np.ndarray
+    """FACTS [N]: each answer's reward, version, source, step, temperature, verdict, origin."""
+    origins: Origins = field(default_factory=dict)
+    """The names of the origins `facts` refers to."""
     prompt_offsets: np.ndarray | None = None
     """int64 [Q + 1] (with prompts): question q's prompt is prompts[prompt_offsets[q] : prompt_offsets[q + 1]]."""
     prompts: np.ndarray | None = None
+    held_back: int = 0
+    """Stored answers of these questions that the draw's `DrawLimit` left out."""
 
     @classmethod
     def pack(cls, items: list[tuple[str, np.ndarray | None, list[Answer]]]) -> PackedAnswers:
@@ -88,16 +160,21 @@ class PackedAnswers:
                     raise ValueError(f"question {uid!r}, answer {bad}: {len(group[bad].response_ids)} token ids "
                                      f"but {len(group[bad].logprobs)} log-probs")
                 bad -= len(group)
+        origins: Origins = {}
+        facts = np.empty(len(answers), FACTS)
+        for i, a in enumerate(answers):
+            origin = origin_id(a.run, a.checkpoint)
+            if origin:
+                origins[origin] = (a.run, a.checkpoint)
+            facts[i] = (a.reward, a.version, SOURCES.index(a.source), a.step, a.temperature, VERDICTS[a.verdict], origin)
         packed = cls(
             uids=[uid for uid, _, _ in items],
             counts=np.array([len(group) for _, _, group in items], np.int64),
             offsets=cumulative_offsets(lengths),
             tokens=flat_array([a.response_ids for a in answers], np.int32),
             logprobs=flat_array([a.logprobs for a in answers], np.float32),
-            rewards=np.array([a.reward for a in answers], np.float32),
-            versions=np.array([a.version for a in answers], np.int32),
-            sources=np.array([SOURCES.index(a.source) for a in answers], np.int8),
-            steps=np.array([a.step for a in answers], np.int32),
+            facts=facts,
+            origins=origins,
         )
         if items and all(prompt is not None for _, prompt, _ in items):
             prompts = [np.asarray(prompt) for _, prompt, _ in items]
@@ -116,20 +193,24 @@ class PackedAnswers:
         """(prompt ids, response ids) of every answer, in order (packed with prompts): what a
         forward pass over the stored answers needs."""
         prompts = [self.prompt(q) for q, count in enumerate(self.counts.tolist()) for _ in range(count)]
-        responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.rewards))]
+        responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.facts))]
         return prompts, responses
 
     def _groups(self):
-        offsets, rewards, versions = self.offsets.tolist(), self.rewards.tolist(), self.versions.tolist()
-        sources, steps = self.sources.tolist(), self.steps.tolist()
+        offsets = self.offsets.tolist()
+        facts = self.facts.tolist()  # tuples in FACTS' field order
         first = 0
         for q, (uid, count) in enumerate(zip(self.uids, self.counts.tolist())):
-            yield q, uid, [
-                Answer(self.tokens[offsets[i] : offsets[i + 1]], self.logprobs[offsets[i] : offsets[i + 1]], rewards[i],
-                       versions[i], SOURCES[sources[i]], steps[i])
-                for i in range(first, first + count)
-            ]
+            answers = []
+            for i in range(first, first + count):
+                reward, version, source, step, temperature, verdict, origin = facts[i]
+                run, checkpoint = self.origins.get(origin, ("", ""))
+                answers.append(Answer(self.tokens[offsets[i] : offsets[i + 1]], self.logprobs[offsets[i] : offsets[i + 1]],
+                                      reward, version, SOURCES[source], step, temperature, _VERDICT_NAMES[verdict],
+                                      run, checkpoint))
+            yield q, uid, answers
             first += count
+
 
 def cumulative_offsets(lengths: np.ndarray) -> np.ndarray:
     offsets = np.zeros(len(lengths) + 1, np.int64)
@@ -145,7 +226,7 @@ class QuestionAnswers:
     """All stored answers of one question, oldest first, in flat arrays: how snapshot and
     pool files hand questions to a shard and take them from it."""
 
-    ARRAYS = ("prompt_ids", "tokens", "logprobs", "offsets", "rewards", "versions", "sources", "steps")
+    ARRAYS = ("prompt_ids", "tokens", "logprobs", "offsets", "facts")
     __slots__ = ARRAYS + ("bucket",)
 
     def __init__(self, prompt_ids: np.ndarray):
@@ -153,15 +234,18 @@ class QuestionAnswers:
         self.tokens = np.empty(0, dtype=np.int32)
         self.logprobs = np.empty(0, dtype=np.float32)
         self.offsets = np.zeros(1, dtype=np.int64)
-        self.rewards = np.empty(0, dtype=np.float32)
-        self.versions = np.empty(0, dtype=np.int32)
-        self.sources = np.empty(0, dtype=np.int8)
-        self.steps = np.empty(0, dtype=np.int32)
+        self.facts = np.empty(0, dtype=FACTS)
         self.bucket = -1
         """Latest count of correct answers out of K (ExGRPO); -1 until set."""
 
     def __len__(self) -> int:
-        return len(self.rewards)
+        return len(self.facts)
+
+    def packed(self, uid: str, origins: Origins) -> PackedAnswers:
+        """Its answers packed as question `uid`'s (views of its arrays; `origins`: their names)."""
+        return PackedAnswers(uids=[uid], counts=np.array([len(self)], np.int64), offsets=self.offsets,
+                             tokens=self.tokens, logprobs=self.logprobs, facts=self.facts,
+                             origins={o: origins[o] for o in np.unique(self.facts["origin"]).tolist() if o in origins})
 
     def extend_rows(self, batch: PackedAnswers, rows: range | list[int], cap: int) -> int:
         """Append the given answers (rows) of a packed batch, then evict the oldest beyond `cap`
@@ -180,17 +264,13 @@ class QuestionAnswers:
             self.tokens = np.concatenate([self.tokens, tokens])
             self.logprobs = np.concatenate([self.logprobs, logprobs])
             self.offsets = np.concatenate([self.offsets, self.offsets[-1] + np.cumsum(lengths)])
-            self.rewards = np.concatenate([self.rewards, batch.rewards[rows]])
-            self.versions = np.concatenate([self.versions, batch.versions[rows]])
-            self.sources = np.concatenate([self.sources, batch.sources[rows]])
-            self.steps = np.concatenate([self.steps, batch.steps[rows]])
+            self.facts = np.concatenate([self.facts, batch.facts[rows]])
         evict = len(self) - cap if cap else 0
         if evict > 0:
             cut = self.offsets[evict]
             self.tokens, self.logprobs = self.tokens[cut:].copy(), self.logprobs[cut:].copy()
             self.offsets = self.offsets[evict:] - cut
-            self.rewards, self.versions = self.rewards[evict:].copy(), self.versions[evict:].copy()
-            self.sources, self.steps = self.sources[evict:].copy(), self.steps[evict:].copy()
+            self.facts = self.facts[evict:].copy()
         return max(0, evict)
 
 

@@ -19,10 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rayrep.buffer.answers import SOURCES, Answer, PackedAnswers, QuestionAnswers
+from rayrep.buffer.answers import FACTS, SOURCES, VERDICTS, Answer, Origins, PackedAnswers, QuestionAnswers, origin_id
 from rayrep.config import InputError
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+"""2: each answer's provenance (run, checkpoint, temperature, verdict) and the shard versions;
+version 1 snapshots are read (their answers' provenance unknown, verdict correct)."""
 POOL_VERSION = 1
 
 
@@ -30,7 +32,9 @@ class BufferFileError(InputError):
     """A snapshot or pool file is missing, malformed, or of an unknown schema version."""
 
 
-def _check_version(path: Path, schema: pa.Schema, kind: str, known: int) -> None:
+def _check_version(path: Path, schema: pa.Schema, kind: str, known: int) -> int:
+    """The file's schema version, which must be `known` or one this rayrep still reads (1
+    up to `known`)."""
     meta = schema.metadata or {}
     if meta.get(b"rayrep.kind", b"").decode() != kind:
         raise BufferFileError(f"{path}: not a rayrep {kind} file (metadata rayrep.kind = {meta.get(b'rayrep.kind')!r})")
@@ -41,8 +45,9 @@ def _check_version(path: Path, schema: pa.Schema, kind: str, known: int) -> None
         version = int(raw)
     except ValueError:
         raise BufferFileError(f"{path}: {kind} schema version {raw!r} is not a number") from None
-    if version != known:
-        raise BufferFileError(f"{path}: {kind} schema version {version}, this rayrep reads version {known}")
+    if not 1 <= version <= known:
+        raise BufferFileError(f"{path}: {kind} schema version {version}, this rayrep reads versions 1 to {known}")
+    return version
 
 
 def _write_atomic(path: Path, schema: pa.Schema, tables) -> None:
@@ -151,13 +156,17 @@ def _lists(table: pa.Table, name: str, path: Path, dtype, first_row: int = 0) ->
     return np.asarray(values.to_numpy(), dtype), offsets
 
 
-def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, QuestionAnswers], pa.Schema]:
-    """Every answer row of a snapshot or pool file, grouped by question id in file order.
+def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, QuestionAnswers], Origins, pa.Schema]:
+    """Every answer row of a snapshot or pool file, grouped by question id in file order, and
+    the names of their origins.
 
-    Read in batches of rows, so that memory holds the result plus one batch. Pools have no
-    source and step columns: their answers come from a pool, at step 0."""
+    Read in batches of rows, so that memory holds the result plus one batch. A column a file
+    lacks takes its default: pools have no source and step columns (their answers come from
+    a pool, at step 0), older files no provenance (unknown origin and temperature; verdict
+    correct, since only successes were stored)."""
     file = _open(path, kind, known)
     entries: dict[str, QuestionAnswers] = {}
+    origins: Origins = {}
     for first, table in _row_batches(path, file):
         tokens, offsets = _lists(table, "response_ids", path, np.int32, first)
         logprobs, logprob_offsets = _lists(table, "logprobs", path, np.float32, first)
@@ -166,15 +175,19 @@ def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, Question
             raise BufferFileError(f"{path}, row {first + row + 1}: {offsets[row + 1] - offsets[row]} token ids but "
                                   f"{logprob_offsets[row + 1] - logprob_offsets[row]} log-probs")
         rows = len(table)
-        batch = PackedAnswers(
-            uids=[], counts=np.empty(0, np.int64), offsets=offsets, tokens=tokens, logprobs=logprobs,
-            rewards=_scalars(table, "reward", path, np.float32, first),
-            versions=_scalars(table, "version", path, np.int32, first),
-            sources=_source_indices(_column(table, "source", path, first).to_pylist(), path)
-            if "source" in table.column_names else np.zeros(rows, np.int8),
-            steps=_scalars(table, "step", path, np.int32, first)
-            if "step" in table.column_names else np.zeros(rows, np.int32),
-        )
+        names = table.column_names
+        facts = np.zeros(rows, FACTS)
+        facts["reward"] = _scalars(table, "reward", path, np.float32, first)
+        facts["version"] = _scalars(table, "version", path, np.int32, first)
+        facts["source"] = _indices(table, "source", SOURCES, path, first) if "source" in names else SOURCES.index("pool")
+        facts["step"] = _scalars(table, "step", path, np.int32, first) if "step" in names else 0
+        facts["temperature"] = _scalars(table, "temperature", path, np.float32, first) if "temperature" in names else np.nan
+        facts["verdict"] = np.array(list(VERDICTS.values()), np.int8)[_indices(table, "verdict", tuple(VERDICTS), path, first)] \
+            if "verdict" in names else VERDICTS["correct"]
+        if "run" in names or "source_checkpoint" in names:
+            facts["origin"] = _origins(table, path, origins, first)
+        batch = PackedAnswers(uids=[], counts=np.empty(0, np.int64), offsets=offsets, tokens=tokens,
+                              logprobs=logprobs, facts=facts)
         prompts, prompt_offsets = _lists(table, "prompt_ids", path, np.int32, first)
         for uid, uid_rows in _rows_by_uid(_column(table, "uid", path, first).to_pylist()).items():
             entry = entries.get(uid)
@@ -183,7 +196,19 @@ def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, Question
                 entry = entries[uid] = QuestionAnswers(prompts[start:end])
             entry.extend_rows(batch, uid_rows, cap=len(entry) + len(uid_rows))
     pa.default_memory_pool().release_unused()  # Arrow's allocator keeps freed memory otherwise
-    return entries, file.schema_arrow
+    return entries, origins, file.schema_arrow
+
+
+def _origins(runs: pa.ChunkedArray, checkpoints: pa.ChunkedArray, origins: Origins) -> np.ndarray:
+    """The origin id of each row's (run, checkpoint), each distinct pair named in `origins`."""
+    pairs = pa.table({"run": runs, "checkpoint": checkpoints})
+    distinct = pairs.group_by(["run", "checkpoint"]).aggregate([])
+    ids = {}
+    for run, checkpoint in zip(distinct["run"].to_pylist(), distinct["checkpoint"].to_pylist()):
+        ids[(run, checkpoint)] = origin_id(run, checkpoint)
+        if ids[(run, checkpoint)]:
+            origins[ids[(run, checkpoint)]] = (run, checkpoint)
+    return np.array([ids[pair] for pair in zip(runs.to_pylist(), checkpoints.to_pylist())], np.int64)
 
 
 def _rows_by_uid(uids: list[str]) -> dict[str, range | list[int]]:
@@ -205,10 +230,27 @@ ANSWER_SCHEMA = pa.schema([
     ("version", pa.int32()),
     ("source", pa.string()),
     ("step", pa.int32()),
+    ("temperature", pa.float32()),
+    ("verdict", pa.string()),
+    ("run", pa.string()),
+    ("checkpoint", pa.string()),
 ])
 QUESTION_SCHEMA = pa.schema([("uid", pa.string()), ("bucket", pa.int32()), ("retired", pa.bool_())])
-_COLUMN_TYPES = {f.name: f.type for schema in (ANSWER_SCHEMA, QUESTION_SCHEMA) for f in schema}
+_COLUMN_TYPES = {f.name: f.type for schema in (ANSWER_SCHEMA, QUESTION_SCHEMA) for f in schema} | {"source_checkpoint": pa.string()}
 """What `_column` gives each column of a snapshot or pool, whatever the file holds."""
+
+
+@dataclass
+class Snapshot:
+    """A buffer snapshot as read: its questions (id order), the retired ones, the evictions,
+    the names of its answers' origins, and the writes its shards had taken (their versions'
+    sum: the buffer's version)."""
+
+    questions: list[tuple[str, QuestionAnswers]]
+    retired: list[str]
+    evicted: int
+    origins: Origins
+    version: int
 
 
 def write_snapshot(parts: list[dict], directory: Path) -> Path:
@@ -216,7 +258,9 @@ def write_snapshot(parts: list[dict], directory: Path) -> Path:
     questions = sorted((q for part in parts for q in part["questions"]), key=lambda q: q[0])
     retired = sorted(uid for part in parts for uid in part["retired"])
     evicted = sum(part["evicted"] for part in parts)
-    meta = {"rayrep.kind": "buffer-snapshot", "rayrep.schema_version": str(SNAPSHOT_VERSION), "rayrep.evicted": str(evicted)}
+    origins = {origin: names for part in parts for origin, names in part.get("origins", {}).items()}
+    meta = {"rayrep.kind": "buffer-snapshot", "rayrep.schema_version": str(SNAPSHOT_VERSION), "rayrep.evicted": str(evicted),
+            "rayrep.version": str(sum(part.get("version", 0) for part in parts))}
     # Whole questions per table of about _ROWS_PER_CHUNK rows: memory holds one at a time,
     # and the split depends on the content only (the same content, the same bytes).
     chunks, rows = [[]], 0
@@ -228,7 +272,7 @@ def write_snapshot(parts: list[dict], directory: Path) -> Path:
         rows += len(entry)
     schema = ANSWER_SCHEMA.with_metadata(meta)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(directory / "answers.parquet", schema, (_answer_table(chunk, schema) for chunk in chunks))
+    _write_atomic(directory / "answers.parquet", schema, (_answer_table(chunk, origins, schema) for chunk in chunks))
     question_rows = [(uid, entry.bucket, False) for uid, entry in questions] + [(uid, -1, True) for uid in retired]
     question_rows.sort()
     question_table = pa.table(
@@ -239,8 +283,9 @@ def write_snapshot(parts: list[dict], directory: Path) -> Path:
     return directory
 
 
-def _answer_table(questions: list[tuple[str, QuestionAnswers]], schema: pa.Schema) -> pa.Table:
-    """One row per stored answer of the questions, oldest first."""
+def _answer_table(questions: list[tuple[str, QuestionAnswers]], origins: Origins, schema: pa.Schema) -> pa.Table:
+    """One row per stored answer of the questions, oldest first (`origins`: the names of
+    their origins)."""
     entries = [entry for _, entry in questions]
     counts = [len(entry) for entry in entries]
 
@@ -256,23 +301,50 @@ def _answer_table(questions: list[tuple[str, QuestionAnswers]], schema: pa.Schem
                                   pa.int32()),
         "response_ids": _list_array(flat("tokens", np.int32), answer_lengths, pa.int32()),
         "logprobs": _list_array(flat("logprobs", np.float32), answer_lengths, pa.float32()),
-        "reward": pa.array(flat("rewards", np.float32), pa.float32()),
-        "version": pa.array(flat("versions", np.int32), pa.int32()),
-        "source": pa.array(np.array(SOURCES, dtype=object)[flat("sources", np.int8)], pa.string()),
-        "step": pa.array(flat("steps", np.int32), pa.int32()),
     }
+    facts = flat("facts", FACTS)
+    for name, array in _fact_columns(facts, origins).items():
+        columns[name] = array
     return pa.table(columns, schema=schema)
 
 
-def read_snapshot(directory: Path) -> tuple[list[tuple[str, QuestionAnswers]], list[str], int]:
+def _fact_columns(facts: np.ndarray, origins: Origins) -> dict[str, pa.Array]:
+    """Answers' facts (`FACTS` records) as the file columns reward, version, source, step,
+    temperature, verdict, run and checkpoint (the strings dictionary-encoded: a few distinct
+    values per file)."""
+    origin_ids = np.unique(facts["origin"])
+    names = [origins.get(int(o), ("", "")) for o in origin_ids]
+    where = np.searchsorted(origin_ids, facts["origin"]).astype(np.int32)
+    verdict_index = np.zeros(3, np.int32)  # code (-1, 0, 1) + 1 -> the verdict's place in VERDICTS
+    for index, code in enumerate(VERDICTS.values()):
+        verdict_index[code + 1] = index
+
+    def strings(values: list[str], indices: np.ndarray) -> pa.Array:
+        return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()), pa.array(values, pa.string())).cast(pa.string())
+
+    return {
+        "reward": pa.array(np.ascontiguousarray(facts["reward"]), pa.float32()),
+        "version": pa.array(np.ascontiguousarray(facts["version"]), pa.int32()),
+        "source": strings(list(SOURCES), facts["source"].astype(np.int32)),
+        "step": pa.array(np.ascontiguousarray(facts["step"]), pa.int32()),
+        "temperature": pa.array(np.ascontiguousarray(facts["temperature"]), pa.float32()),
+        "verdict": strings(list(VERDICTS), verdict_index[facts["verdict"].astype(np.int32) + 1]),
+        "run": strings([run for run, _ in names], where),
+        "checkpoint": strings([checkpoint for _, checkpoint in names], where),
+    }
+
+
+def read_snapshot(directory: Path) -> Snapshot:
     _open(directory / "answers.parquet", "buffer-snapshot", SNAPSHOT_VERSION)
     questions = _read(directory / "questions.parquet")
     _check_version(directory / "questions.parquet", questions.schema, "buffer-snapshot", SNAPSHOT_VERSION)
-    entries, schema = _read_answers(directory / "answers.parquet", "buffer-snapshot", SNAPSHOT_VERSION)
-    try:
-        evicted = int((schema.metadata or {}).get(b"rayrep.evicted", b"0"))
-    except ValueError:
-        raise BufferFileError(f"{directory / 'answers.parquet'}: metadata rayrep.evicted is not a number") from None
+    entries, origins, schema = _read_answers(directory / "answers.parquet", "buffer-snapshot", SNAPSHOT_VERSION)
+    counters = {}
+    for name in ("evicted", "version"):
+        try:
+            counters[name] = int((schema.metadata or {}).get(f"rayrep.{name}".encode(), b"0"))
+        except ValueError:
+            raise BufferFileError(f"{directory / 'answers.parquet'}: metadata rayrep.{name} is not a number") from None
     retired = []
     question_path = directory / "questions.parquet"
     columns = [_column(questions, name, question_path).to_pylist() for name in ("uid", "bucket", "retired")]
@@ -281,15 +353,38 @@ def read_snapshot(directory: Path) -> tuple[list[tuple[str, QuestionAnswers]], l
             retired.append(uid)
         elif uid in entries:
             entries[uid].bucket = bucket
-    return sorted(entries.items()), retired, evicted
+    return Snapshot(sorted(entries.items()), retired, counters["evicted"], origins, counters["version"])
 
 
-def _source_indices(names: list[str], path: Path) -> np.ndarray:
-    index = {name: i for i, name in enumerate(SOURCES)}
-    try:
-        return np.array([index[name] for name in names], np.int8)
-    except KeyError as err:
-        raise BufferFileError(f"{path}: unknown answer source {err.args[0]!r} (known: {', '.join(SOURCES)})") from None
+def _indices(table: pa.Table, name: str, known: tuple[str, ...], path: Path, first_row: int = 0) -> np.ndarray:
+    """Each row's value of the string column `name` as its index in `known` (a few distinct
+    values per file: looked up once each, through a dictionary encoding)."""
+    encoded = _column(table, name, path, first_row).combine_chunks().dictionary_encode()
+    values = encoded.dictionary.to_pylist()
+    unknown = [value for value in values if value not in known]
+    if unknown:
+        row = first_row + int(np.flatnonzero(encoded.indices.to_numpy(zero_copy_only=False) == values.index(unknown[0]))[0])
+        raise BufferFileError(f"{path}, row {row + 1}: unknown {name} {unknown[0]!r} (known: {', '.join(known)})")
+    lookup = np.array([known.index(value) for value in values], np.int8)
+    return lookup[encoded.indices.to_numpy(zero_copy_only=False)] if len(values) else np.empty(0, np.int8)
+
+
+def _origins(table: pa.Table, path: Path, origins: Origins, first_row: int = 0) -> np.ndarray:
+    """The origin id of each row's (run, checkpoint), each distinct pair named in `origins`
+    (a pool file names only the checkpoint it was sampled from: `source_checkpoint`)."""
+    if "run" in table.column_names:
+        runs, checkpoints = _column(table, "run", path, first_row), _column(table, "checkpoint", path, first_row)
+    else:
+        checkpoints = _column(table, "source_checkpoint", path, first_row)
+        runs = pa.chunked_array([pa.array([""] * len(table), pa.string())])
+    joined = pc.binary_join_element_wise(runs, checkpoints, "\0").combine_chunks().dictionary_encode()
+    ids = []
+    for pair in joined.dictionary.to_pylist():
+        run, checkpoint = pair.split("\0", 1)
+        ids.append(origin_id(run, checkpoint))
+        if ids[-1]:
+            origins[ids[-1]] = (run, checkpoint)
+    return np.array(ids, np.int64)[joined.indices.to_numpy(zero_copy_only=False)] if ids else np.zeros(len(table), np.int64)
 
 
 # ---------------------------------------------------------------------- experience pools
@@ -358,16 +453,9 @@ def check_pool_file(path: str | Path) -> None:
 def read_pool(path: str | Path) -> dict[str, tuple[np.ndarray, list[Answer]]]:
     """question id -> (prompt ids, its stored successes) of a pool written by `write_pool`."""
     path = Path(path)
-    entries, _ = _read_answers(path, "experience-pool", POOL_VERSION)
-    pool: dict[str, tuple[np.ndarray, list[Answer]]] = {}
-    for uid, entry in entries.items():
-        # The question's answers are views of its flat arrays: one allocation per question.
-        spans = zip(entry.offsets[:-1].tolist(), entry.offsets[1:].tolist())
-        pool[uid] = (entry.prompt_ids, [
-            Answer(entry.tokens[start:end], entry.logprobs[start:end], reward, version, "pool", 0)
-            for (start, end), reward, version in zip(spans, entry.rewards.tolist(), entry.versions.tolist())
-        ])
-    return pool
+    entries, origins, _ = _read_answers(path, "experience-pool", POOL_VERSION)
+    # Each question's answers are views of its flat arrays: one allocation per question.
+    return {uid: (entry.prompt_ids, entry.packed(uid, origins).unpack()[uid]) for uid, entry in entries.items()}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ retired).
 A shard that dies (its process killed, its node lost) is started anew in its bundle and
 restored from the buffer's last snapshot (its questions only), and the call that found it
 dead is asked of it again. What was written to it since that snapshot is lost: the buffer
-counts it (`take_recovery`: `replay_shard_replaced`, `replay_shard_lost_answers`,
+counts it (`take_counts`: `replay_shard_replaced`, `replay_shard_lost_answers`,
 `replay_shard_lost_question_updates`), so a run that snapshots after every step's writes
 loses nothing.
 """
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rayrep.buffer.answers import Answer, PackedAnswers
+from rayrep.buffer.answers import Answer, DrawLimit, PackedAnswers
 from rayrep.buffer.shard import RemoteReplayShard, ReplayShard
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
@@ -77,11 +77,12 @@ class ReplayBuffer:
         self.shards = self.supervisor.workers
         self.restore_point: Path | None = None
         """The last snapshot (`snapshot`): what a shard that dies is restored from; None: empty."""
-        self._restore_point_evicted: list[int] = [0] * len(self.shards)
+        self._restore_point_counters: list[tuple[int, int]] = [(0, 0)] * len(self.shards)
         self._since_snapshot = [Counter() for _ in self.shards]
         """Per shard: answers and question updates (buckets, retirements) written since the restore point."""
-        self.recovery: Counter = Counter()
-        """Shards replaced and writes they lost, since `take_recovery` was last called."""
+        self.counts: Counter = Counter()
+        """Shards replaced, writes they lost, and answers draws held back (`DrawLimit`),
+        since `take_counts` was last called."""
 
     def _start_shard(self, index: int) -> ray.actor.ActorHandle:
         options = self.placement.options("replay", index) if self.placement else {"num_cpus": 0}
@@ -158,33 +159,43 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ reads
 
-    def sample_answers(self, requests: list[tuple[str, int]]) -> dict[str, list[Answer]]:
-        """Up to `count` stored answers of each question, uniformly without replacement (RLEP)."""
+    def sample_answers(self, requests: list[tuple[str, int]], limit: DrawLimit | None = None) -> dict[str, list[Answer]]:
+        """Up to `count` stored answers of each question that `limit` allows, uniformly
+        without replacement (RLEP); those it held back are counted (`take_counts`)."""
         seeds = self.rng.getrandbits(63)
         results = self._call(lambda shard: shard.sample_packed, {
-            s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s)
+            s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s, limit)
             for s, group in self._by_shard(requests).items()
         })
         merged: dict[str, list[Answer]] = {}
         for part in results.values():
             merged.update(part.unpack())
+            if part.held_back:
+                self.counts["held_back"] += part.held_back
         return merged
 
-    def stored_answers(self, uids: list[str]) -> list[tuple[list[tuple[str, int]], ray.ObjectRef | PackedAnswers]]:
-        """Every stored answer of the questions `uids`, left where it is.
+    def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
+                       ) -> list[tuple[list[tuple[str, list[int]]], ray.ObjectRef | PackedAnswers]]:
+        """Every stored answer of the questions `uids` that `limit` allows, left where it is.
 
-        Per shard holding any of them: ((question id, number of answers) in order, the
-        answers packed with their prompts, `PackedAnswers`: a ref to the shard's result, or
-        the value itself for an in-process buffer). The refs go on to other actors
-        (ExGRPO's entropy pass on the learners) without passing through this process.
+        Per shard holding any of them: ((question id, its answers' serial numbers) in order,
+        the answers packed with their prompts, `PackedAnswers`: a ref to the shard's result,
+        or the value itself for an in-process buffer). The refs go on to other actors
+        (ExGRPO's entropy pass on the learners) without passing through this process; the
+        answers the limit held back are counted (`take_counts`).
         """
         groups = self._by_shard(uids, key=lambda u: u)
-        parts = self._call(lambda shard: shard.stored_answers, {s: (group,) for s, group in groups.items()}, num_returns=2)
-        return [(index, answers) for index, answers in parts.values() if index]
+        parts = self._call(lambda shard: shard.stored_answers, {s: (group, limit) for s, group in groups.items()},
+                           num_returns=2)
+        held_back = sum(held for (_, held), _ in parts.values())
+        if held_back:
+            self.counts["held_back"] += held_back
+        return [(index, answers) for (index, _), answers in parts.values() if index]
 
-    def answers_at(self, picks: dict[str, int]) -> dict[str, Answer]:
-        """The stored answer at position `picks[uid]` (oldest first) of each question."""
-        results = self._call(lambda shard: shard.answers_at, {
+    def answers_by_serial(self, picks: dict[str, int]) -> dict[str, Answer]:
+        """The stored answer of serial number `picks[uid]` (from `stored_answers`) of each
+        question that still holds it."""
+        results = self._call(lambda shard: shard.answers_by_serial, {
             s: ([uid for uid, _ in group], [i for _, i in group]) for s, group in self._by_shard(list(picks.items())).items()
         })
         return {uid: answers[0] for part in results.values() for uid, answers in part.unpack().items()}
@@ -239,7 +250,7 @@ class ReplayBuffer:
         parts = self._call(lambda shard: shard.export, {s: () for s in self._all})
         written = write_snapshot([parts[s] for s in self._all], Path(directory))
         self.restore_point = written
-        self._restore_point_evicted = [parts[s]["evicted"] for s in self._all]
+        self._restore_point_counters = [(parts[s]["evicted"], parts[s]["version"]) for s in self._all]
         self._since_snapshot = [Counter() for _ in self._all]
         return written
 
@@ -251,45 +262,48 @@ class ReplayBuffer:
     def restore(self, directory: str | Path) -> None:
         """Load a snapshot, routing each question to its shard under this buffer's shard count."""
         parts = self._snapshot_parts(Path(directory))
-        self._call(lambda shard: shard.restore, parts)
+        self._call(lambda shard: shard.restore, {s: (part,) for s, part in parts.items()})
         self.restore_point = Path(directory)
-        self._restore_point_evicted = [parts[s][2] for s in self._all]
+        self._restore_point_counters = [(parts[s]["evicted"], parts[s]["version"]) for s in self._all]
         self._since_snapshot = [Counter() for _ in self._all]
 
-    def _snapshot_parts(self, directory: Path, evicted_by_shard: list[int] | None = None) -> dict[int, tuple]:
-        """The snapshot in `directory` as each shard's `restore` arguments (evictions so far:
-        `evicted_by_shard`, or, not known by shard, all on shard 0)."""
+    def _snapshot_parts(self, directory: Path, counters: list[tuple[int, int]] | None = None) -> dict[int, dict]:
+        """The snapshot in `directory` as each shard's `restore` argument. Evictions and
+        versions: `counters` (each shard's as of the snapshot), or, not known by shard, all
+        on shard 0."""
         from rayrep.buffer.files import read_snapshot
 
-        questions, retired, evicted = read_snapshot(directory)
-        work: dict[int, tuple[list, list, int]] = {s: ([], [], 0) for s in self._all}
-        for uid, entry in questions:
-            work[self._route(uid)][0].append((uid, entry))
-        for uid in retired:
-            work[self._route(uid)][1].append(uid)
+        snapshot = read_snapshot(directory)
+        work = {s: {"questions": [], "retired": [], "origins": snapshot.origins} for s in self._all}
+        for uid, entry in snapshot.questions:
+            work[self._route(uid)]["questions"].append((uid, entry))
+        for uid in snapshot.retired:
+            work[self._route(uid)]["retired"].append(uid)
         for s in self._all:
-            work[s] = (*work[s][:2], evicted_by_shard[s] if evicted_by_shard else evicted * (s == 0))
+            evicted, version = counters[s] if counters else (snapshot.evicted * (s == 0), snapshot.version * (s == 0))
+            work[s].update(evicted=evicted, version=version)
         return work
 
     def _restore_shard(self, s: int, shard) -> ray.ObjectRef:
         """A new shard `s` given its questions as of the restore point (none before the first snapshot)."""
-        content = ([], [], 0)
+        content = {"questions": [], "retired": [], "evicted": 0}
         if self.restore_point is not None:
-            content = self._snapshot_parts(self.restore_point, self._restore_point_evicted)[s]
-        return shard.restore.remote(*content)
+            content = self._snapshot_parts(self.restore_point, self._restore_point_counters)[s]
+        return shard.restore.remote(content)
 
     def _count_lost(self, replaced: list[int]) -> None:
         for s in replaced:
             lost = self._since_snapshot[s]
-            self.recovery.update(replaced=1, lost_answers=lost["answers"],
-                                 lost_question_updates=lost["question_updates"])
+            self.counts.update(shard_replaced=1, shard_lost_answers=lost["answers"],
+                               shard_lost_question_updates=lost["question_updates"])
             self._since_snapshot[s] = Counter()
 
-    def take_recovery(self) -> dict[str, int]:
-        """Shard replacements and lost writes since the last call, as step metrics (`replay_shard_*`);
-        empty when no shard died."""
-        taken = {f"replay_shard_{name}": n for name, n in sorted(self.recovery.items())}
-        self.recovery = Counter()
+    def take_counts(self) -> dict[str, int]:
+        """As step metrics (`replay_*`), since the last call: shards replaced and the writes
+        they lost (`replay_shard_*`), answers held back by draws' limits (`replay_held_back`);
+        empty when none of it happened."""
+        taken = {f"replay_{name}": n for name, n in sorted(self.counts.items())}
+        self.counts = Counter()
         return taken
 
     def shutdown(self) -> None:

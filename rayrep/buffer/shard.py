@@ -20,7 +20,7 @@ from bisect import bisect_left, insort
 import numpy as np
 import ray
 
-from rayrep.buffer.answers import PackedAnswers, QuestionAnswers, cumulative_offsets
+from rayrep.buffer.answers import DrawLimit, PackedAnswers, QuestionAnswers, cumulative_offsets
 from rayrep.buffer.store import AnswerStore, StoredQuestion
 from rayrep.library_output import route_library_output
 
@@ -74,6 +74,10 @@ class ReplayShard:
         self.in_id_order = True
         """Whether each question's answers lie together in the store, questions in id order
         (after a compaction, until the next write): what `export` needs."""
+        self.version = 0
+        """Writes that changed something (each `add_packed`, `set_buckets`, `retire` or `apply`
+        call that stored, moved or retired anything): the shard's version, named by its
+        snapshots."""
 
     # ------------------------------------------------------------------ writes
 
@@ -87,6 +91,34 @@ class ReplayShard:
         Retired questions take nothing. With `dedup`, an answer whose token ids are already
         stored under its question is skipped.
         """
+        return self._write(batch, dedup, {}, [])
+
+    def set_buckets(self, counts: dict[str, int]) -> None:
+        """Record each question's latest number of correct answers (its ExGRPO bucket)."""
+        self._write(None, False, counts, [])
+
+    def retire(self, uids: list[str]) -> int:
+        """Remove questions forever: their answers go, and later adds are refused; returns
+        how many held answers here."""
+        before = len(self.questions)
+        self._write(None, False, {}, uids)
+        return before - len(self.questions)
+
+    def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
+        """One round trip for a step's writes: add, then set buckets, then retire; returns stats."""
+        stored = self._write(items, dedup, buckets, retire)
+        return {"stored": stored, **self.stats()}
+
+    def _write(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
+        """Add, set buckets, retire; one more version if anything changed. Returns answers stored."""
+        stored = self._add(items, dedup) if items is not None else 0
+        moved = self._set_buckets(buckets)
+        retired = self._retire(list(retire))
+        if stored or moved or retired:
+            self.version += 1
+        return stored
+
+    def _add(self, batch: PackedAnswers, dedup: bool) -> int:
         taken: list[tuple[str, int, np.ndarray]] = []  # (question, its index in the batch, rows of the batch)
         first = 0
         for q, (uid, count) in enumerate(zip(batch.uids, batch.counts.tolist())):
@@ -129,33 +161,30 @@ class ReplayShard:
         if self.store.dead_tokens > self.store.live_tokens or self.store.dead_rows > self.store.live_rows:
             self._compact()
 
-    def set_buckets(self, counts: dict[str, int]) -> None:
-        """Record each question's latest number of correct answers (its ExGRPO bucket)."""
+    def _set_buckets(self, counts: dict[str, int]) -> int:
+        """Questions moved to another bucket."""
+        moved = 0
         for uid, k in counts.items():
             entry = self.questions.get(uid)
-            if entry is not None:
+            if entry is not None and entry.bucket != k:
                 self.buckets.move(uid, entry.bucket, k)
                 entry.bucket = k
+                moved += 1
+        return moved
 
-    def retire(self, uids: list[str]) -> int:
-        """Remove questions forever: their answers go, and later adds are refused."""
-        removed = 0
+    def _retire(self, uids: list[str]) -> int:
+        """Questions newly retired."""
+        retired = 0
         for uid in uids:
             entry = self.questions.pop(uid, None)
             if entry is not None:
                 self.store.drop(entry.rows)
                 self.buckets.move(uid, entry.bucket, -1)
-                removed += 1
+            retired += uid not in self.retired
             self.retired.add(uid)
-        self._compact_if_holey()
-        return removed
-
-    def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
-        """One round trip for a step's writes: add, then set buckets, then retire; returns stats."""
-        stored = self.add_packed(items, dedup)
-        self.set_buckets(buckets)
-        self.retire(list(retire))
-        return {"stored": stored, **self.stats()}
+        if retired:
+            self._compact_if_holey()
+        return retired
 
     # ------------------------------------------------------------------ reads
 
@@ -164,15 +193,28 @@ class ReplayShard:
         held = [entry.rows for entry in entries if entry is not None]
         return np.concatenate(held) if held else np.empty(0, np.int64)
 
-    def sample_packed(self, uids: list[str], wanted, seed: int | None = None) -> PackedAnswers:
-        """Up to `wanted[q]` stored answers of question `uids[q]`, uniformly without
-        replacement (what it has when a question has fewer: never placeholders), packed.
+    def _usable(self, entries: list[StoredQuestion | None], limit: DrawLimit | None
+                ) -> tuple[np.ndarray, np.ndarray, int]:
+        """(rows of the given questions that `limit` lets a draw use, one question after
+        another; how many each question has; how many it held back)."""
+        sizes = np.array([0 if entry is None else len(entry.rows) for entry in entries], np.int64)
+        rows = self._rows(entries)
+        if limit is None or not limit.limits:
+            return rows, sizes, 0
+        keep = limit.allows(self.store.columns["facts"][rows], self.store.origins)
+        question = np.repeat(np.arange(len(entries)), sizes)
+        return rows[keep], np.bincount(question[keep], minlength=len(entries)).astype(np.int64), int((~keep).sum())
+
+    def sample_packed(self, uids: list[str], wanted, seed: int | None = None, limit: DrawLimit | None = None
+                      ) -> PackedAnswers:
+        """Up to `wanted[q]` stored answers of question `uids[q]` that `limit` allows,
+        uniformly without replacement (what it has when a question has fewer: never
+        placeholders), packed; `held_back`: the answers the limit left out.
 
         Ids and counts as a list of strings and an array cross a Ray call about three times
         faster than a list of (id, count) tuples."""
         rng = np.random.default_rng(seed if seed is not None else self.rng.getrandbits(63))
-        entries = [self.questions.get(uid) for uid in uids]
-        sizes = np.array([0 if entry is None else len(entry.rows) for entry in entries], np.int64)
+        rows, sizes, held_back = self._usable([self.questions.get(uid) for uid in uids], limit)
         counts = np.minimum(np.maximum(np.asarray(wanted, np.int64).reshape(-1), 0), sizes)
         # Uniform without replacement, all questions at once: order each question's answers
         # by random keys in [0, 1) (sorting q + key keeps the questions apart, in order) and
@@ -181,22 +223,39 @@ class ReplayShard:
         order = np.argsort(question + rng.random(len(question)))
         starts = cumulative_offsets(sizes)
         keep = np.arange(len(question)) - starts[question] < counts[question]
-        return self.store.gather(uids, counts, self._rows(entries)[order[keep]])
+        packed = self.store.gather(uids, counts, rows[order[keep]])
+        packed.held_back = held_back
+        return packed
 
-    def stored_answers(self, uids: list[str]) -> tuple[list[tuple[str, int]], PackedAnswers]:
-        """((question id, answer count) of those held here, in order; all their answers packed
-        with their prompts). Two values so that a caller can read the small index and pass
-        the answers on by reference (`.options(num_returns=2)`)."""
+    def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
+                       ) -> tuple[tuple[list[tuple[str, list[int]]], int], PackedAnswers]:
+        """(((question id, its answers' serial numbers) of those held here with an answer
+        `limit` allows, in order; how many answers the limit held back), all those answers
+        packed with their prompts). Two values so that a caller can read the small index and
+        pass the answers on by reference (`.options(num_returns=2)`)."""
         present = [uid for uid in dict.fromkeys(uids) if uid in self.questions]
         entries = [self.questions[uid] for uid in present]
-        packed = self.store.gather(present, [len(e) for e in entries], self._rows(entries),
-                                   prompts=[e.prompt_ids for e in entries])
-        return [(uid, len(entry)) for uid, entry in zip(present, entries)], packed
+        rows, sizes, held_back = self._usable(entries, limit)
+        kept = sizes > 0
+        present = [uid for uid, k in zip(present, kept.tolist()) if k]
+        prompts = [entry.prompt_ids for entry, k in zip(entries, kept.tolist()) if k]
+        packed = self.store.gather(present, sizes[kept], rows, prompts=prompts)
+        serials = np.split(self.store.columns["serials"][rows], cumulative_offsets(sizes[kept])[1:-1])
+        return ([(uid, own.tolist()) for uid, own in zip(present, serials)], held_back), packed
 
-    def answers_at(self, uids: list[str], positions: list[int]) -> PackedAnswers:
-        """Answer `positions[q]` (oldest first) of question `uids[q]`, packed."""
-        rows = np.array([self.questions[uid].rows[i] for uid, i in zip(uids, positions)], np.int64)
-        return self.store.gather(uids, [1] * len(uids), rows)
+    def answers_by_serial(self, uids: list[str], serials: list[int]) -> PackedAnswers:
+        """The stored answer of serial number `serials[q]` of each question `uids[q]`, packed;
+        a question that no longer holds it (retired, evicted, or a restored shard's new
+        numbering) is left out."""
+        found_uids, rows = [], []
+        for uid, serial in zip(uids, serials):
+            entry = self.questions.get(uid)
+            if entry is not None:
+                match = np.flatnonzero(self.store.columns["serials"][entry.rows] == serial)
+                if len(match):
+                    found_uids.append(uid)
+                    rows.append(entry.rows[match[0]])
+        return self.store.gather(found_uids, [1] * len(found_uids), np.array(rows, np.int64))
 
     def _excluded_by_bucket(self, exclude: list[str]) -> dict[int, list[str]]:
         by_bucket: dict[int, list[str]] = {}
@@ -229,8 +288,9 @@ class ReplayShard:
         return sizes, {k: self.buckets.sample(rng, k, count, excluded.get(k, [])) for k in sorted(sizes)}
 
     def stats(self, now_step: int | None = None) -> dict:
-        """Counts; `bytes`: the live answers' arrays (8 bytes per token, 29 per answer) plus
-        each question's prompt and row numbers (holes left by evictions not counted)."""
+        """Counts; `bytes`: the live answers' arrays (8 bytes per token, `AnswerStore.ROW_BYTES`
+        per answer) plus each question's prompt and row numbers (holes left by evictions not
+        counted); `version`: the writes taken."""
         answers = self.store.live_rows
         stats = {
             "questions": len(self.questions),
@@ -239,9 +299,10 @@ class ReplayShard:
             "evicted": self.evicted,
             "bytes": self.store.nbytes + sum(e.prompt_ids.nbytes + e.rows.nbytes for e in self.questions.values()),
             "buckets": self.bucket_sizes(),
+            "version": self.version,
         }
         if now_step is not None and answers:
-            ages = now_step - self.store.columns["steps"][self._rows(list(self.questions.values()))]
+            ages = now_step - self.store.columns["facts"]["step"][self._rows(list(self.questions.values()))]
             stats["age_mean"], stats["age_max"] = float(ages.mean()), int(ages.max())
         return stats
 
@@ -252,7 +313,8 @@ class ReplayShard:
     # ------------------------------------------------------------------ snapshot
 
     def export(self) -> dict:
-        """Everything, as plain arrays in a stable order (question id, then age).
+        """Everything, as plain arrays in a stable order (question id, then age), with the
+        origins' names, the evictions and the version: what `restore` takes.
 
         The store is compacted in that order first, so that each question's answers are
         consecutive and go out as views, not copies."""
@@ -263,23 +325,30 @@ class ReplayShard:
             "questions": [(uid, self.store.question_view(self.questions[uid])) for uid in uids],
             "retired": sorted(self.retired),
             "evicted": self.evicted,
+            "origins": dict(self.store.origins),
+            "version": self.version,
         }
 
-    def restore(self, questions: list[tuple[str, QuestionAnswers]], retired: list[str], evicted: int) -> None:
+    def restore(self, part: dict) -> None:
+        """Hold exactly `part` (an `export`, or a snapshot's share of one): questions, retired,
+        evicted, origins and version."""
         # Copied into a new store: arrays that arrive through Ray are read-only views of the
         # call's serialized buffer (all of the restored content), which can then be freed.
         # Question by question into reserved room: one append of everything would first
         # concatenate it all, twice the content in memory at once.
+        questions = part["questions"]
         self.store = AnswerStore()
         self.store.reserve(sum(len(entry.tokens) for _, entry in questions), sum(len(entry) for _, entry in questions))
+        self.store.origins = dict(part.get("origins", {}))
         self.questions = {}
         self.buckets = BucketIndex()
         for uid, entry in questions:
             stored = self.questions[uid] = StoredQuestion(entry.prompt_ids, entry.bucket)
             stored.rows = self.store.append_question(entry)
             self.buckets.move(uid, -1, entry.bucket)
-        self.retired = set(retired)
-        self.evicted = evicted
+        self.retired = set(part["retired"])
+        self.evicted = part["evicted"]
+        self.version = part.get("version", 0)
         self.in_id_order = [uid for uid, _ in questions] == sorted(uid for uid, _ in questions)
 
 

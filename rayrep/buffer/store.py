@@ -4,14 +4,14 @@ prompt, its bucket and the row numbers of its answers (`StoredQuestion`). Drawin
 answers of 512 questions is then a few vectorized gathers, not a Python step per answer
 (which, with an array set per question, took most of a sampling call's time). Python
 objects per answer would cost hundreds of bytes each; this way an answer costs its raw
-arrays plus 37 bytes.
+arrays plus 50 bytes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from rayrep.buffer.answers import PackedAnswers, QuestionAnswers, cumulative_offsets, flat_array, spans
+from rayrep.buffer.answers import FACTS, Origins, PackedAnswers, QuestionAnswers, cumulative_offsets, flat_array, spans
 
 class AnswerStore:
     """A shard's answers in flat columns: token ids and log-probs in two arenas, and one row
@@ -22,8 +22,11 @@ class AnswerStore:
     is live. Every array is the store's own, never a view of a call's arguments (which,
     in a Ray actor, are views of the call's whole serialized buffer)."""
 
-    ROW_COLUMNS = {"starts": np.int64, "lengths": np.int64, "rewards": np.float32, "versions": np.int32,
-                   "sources": np.int8, "steps": np.int32}
+    ROW_COLUMNS = {"starts": np.int64, "lengths": np.int64, "serials": np.int64, "facts": FACTS}
+    """Per row: where its tokens start, how many, its serial number (never reused while the
+    store lives: how a chosen answer is asked for again even if other writers' answers moved
+    it in between, in a shared pool), and its facts."""
+    ROW_BYTES = 24 + FACTS.itemsize
     GROWTH = 1.5
     """Capacity grows by this factor when full: each byte is copied about three times while
     a shard fills, and unused capacity is address space, not resident memory, until written."""
@@ -38,6 +41,9 @@ class AnswerStore:
         self.used_rows = 0
         self.dead_tokens = 0
         self.dead_rows = 0
+        self.next_serial = 0
+        self.origins: Origins = {}
+        """The names of every origin an answer here refers to (`FACTS`' `origin`)."""
 
     @property
     def live_tokens(self) -> int:
@@ -49,8 +55,8 @@ class AnswerStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the live answers: 8 per token (id, log-prob), 29 per row."""
-        return 8 * self.live_tokens + sum(np.dtype(t).itemsize for t in self.ROW_COLUMNS.values()) * self.live_rows
+        """Bytes of the live answers: 8 per token (id, log-prob), and each row's (`ROW_BYTES`)."""
+        return 8 * self.live_tokens + self.ROW_BYTES * self.live_rows
 
     def reserve(self, tokens: int, rows: int) -> None:
         """Room for `tokens` more tokens and `rows` more answers."""
@@ -78,8 +84,10 @@ class AnswerStore:
             self.tokens[span] = spans(batch.tokens, batch.offsets[rows], lengths)
             self.logprobs[span] = spans(batch.logprobs, batch.offsets[rows], lengths)
         new = np.arange(self.used_rows, self.used_rows + len(rows))
-        values = {"starts": self.used_tokens + offsets[:-1], "lengths": lengths, "rewards": batch.rewards[rows],
-                  "versions": batch.versions[rows], "sources": batch.sources[rows], "steps": batch.steps[rows]}
+        self.origins.update(batch.origins)
+        values = {"starts": self.used_tokens + offsets[:-1], "lengths": lengths,
+                  "serials": np.arange(self.next_serial, self.next_serial + len(rows)), "facts": batch.facts[rows]}
+        self.next_serial += len(rows)
         for name, array in self.columns.items():
             array[new] = values[name]
         self.used_tokens += int(offsets[-1])
@@ -88,10 +96,7 @@ class AnswerStore:
 
     def append_question(self, entry: QuestionAnswers) -> np.ndarray:
         """Copy one question's answers in (a restored snapshot); returns their row numbers."""
-        batch = PackedAnswers(uids=[], counts=np.array([len(entry)], np.int64), offsets=entry.offsets,
-                              tokens=entry.tokens, logprobs=entry.logprobs, rewards=entry.rewards,
-                              versions=entry.versions, sources=entry.sources, steps=entry.steps)
-        return self.append(batch, np.arange(len(entry)))
+        return self.append(entry.packed("", self.origins), np.arange(len(entry)))
 
     def drop(self, rows: np.ndarray) -> None:
         """Rows no question holds any more (evicted, retired): holes until the next compaction."""
@@ -108,10 +113,9 @@ class AnswerStore:
         packed = PackedAnswers(
             uids=list(uids), counts=np.asarray(counts, np.int64), offsets=cumulative_offsets(lengths),
             tokens=spans(self.tokens, starts, lengths), logprobs=spans(self.logprobs, starts, lengths),
-            rewards=self.columns["rewards"][rows],
-            versions=self.columns["versions"][rows], sources=self.columns["sources"][rows],
-            steps=self.columns["steps"][rows],
+            facts=self.columns["facts"][rows],
         )
+        packed.origins = {int(o): self.origins[int(o)] for o in np.unique(packed.facts["origin"]) if o}
         if prompts is not None:
             packed.prompt_offsets = cumulative_offsets(np.array([len(p) for p in prompts], np.int64))
             packed.prompts = flat_array(prompts, np.int32)
@@ -148,8 +152,7 @@ class AnswerStore:
             entry.tokens = self.tokens[starts[0] : starts[-1] + lengths[-1]]
             entry.logprobs = self.logprobs[starts[0] : starts[-1] + lengths[-1]]
             entry.offsets = np.append(starts, starts[-1] + lengths[-1]) - starts[0]
-        entry.rewards, entry.versions = self.columns["rewards"][rows], self.columns["versions"][rows]
-        entry.sources, entry.steps = self.columns["sources"][rows], self.columns["steps"][rows]
+        entry.facts = self.columns["facts"][rows]
         entry.bucket = question.bucket
         return entry
 

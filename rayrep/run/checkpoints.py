@@ -223,7 +223,7 @@ class BufferSnapshots:
         if self.every and step % self.every == 0:
             with record.timed("snapshot"):
                 self.take()
-        record.count(self.buffer.take_recovery())
+        record.count(self.buffer.take_counts())
 
 
 def save_run(cfg: Config, folder: RunFolder, step: int, runtime: Runtime, algorithm: Algorithm,

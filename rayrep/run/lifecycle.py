@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from rayrep.algos import AlgorithmInputs, check_inputs
 from rayrep.algos.interface import Algorithm
+from rayrep.buffer.answers import Origin
 from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.heap import long_lived
@@ -65,8 +66,11 @@ class Run:
             prompt_ids = dict(zip((p.uid for p in train_prompts),
                                   encode_prompts(tokenizer, train_prompts, cfg.data.max_prompt_tokens)))
             test_ids = encode_prompts(tokenizer, test_prompts, cfg.data.max_prompt_tokens)
-        inputs = check_inputs(cfg, train_prompts, prompt_ids)
         folder = RunFolder.of(cfg)
+        # The answers this run stores carry its folder, the checkpoint it started from (its
+        # policy versions count the updates since) and its sampling temperature.
+        origin = Origin(str(folder.path.resolve()), str(policy), cfg.generator.temperature)
+        inputs = check_inputs(cfg, train_prompts, prompt_ids, origin)
         checkpoint, state = resume_point(cfg, folder) if resume else (None, None)
         known_start = known_start_evaluation(cfg) if cfg.run.start_eval and state is None else None
 
