@@ -68,6 +68,10 @@ class ExGRPO(GRPO):
         """The questions the last replaying step replayed (for `exgrpo_replayed_again` only)."""
         self.version = 0
         """The policy version the step being planned samples (its draw limit counts from it)."""
+        self.retires_for_all = not buffer.attached or cfg.replay.retire_scope == "pool"
+        self.retired_here: set[str] = set()
+        """Questions this run retired, on a shared pool that retires per run: never drawn by
+        it again, still there for the others (`replay.retire_scope = "run"`)."""
 
     # ------------------------------------------------------------------ the step
 
@@ -80,7 +84,8 @@ class ExGRPO(GRPO):
         K, B = algo.group_size, questions
         self.version = version
         count = math.floor(algo.exgrpo.replay_ratio * B) if self.collecting else 0
-        uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma, exclude=exclude) if count else []
+        uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma,
+                                            exclude=exclude | self.retired_here) if count else []
         taken = exclude | set(uids)
         fresh = [p for p in sampler.next(B - len(uids)) if p.uid not in taken]
         requests = [(self.prompts[uid], K - 1) for uid in uids] + [(p, K) for p in fresh]
@@ -162,7 +167,12 @@ class ExGRPO(GRPO):
                     buckets[group.prompt.uid] = k
                     items.append((group.prompt.uid, np.array(group.rollouts[0].prompt_ids, np.int32),
                                   Answer.fresh_successes(group, step, self.origin)))
-            stats = self.buffer.apply(items, dedup=True, buckets=buckets, retire=all_right)
+            if not self.retires_for_all:
+                self.retired_here.update(all_right)
+                items = [item for item in items if item[0] not in self.retired_here]
+                buckets = {uid: k for uid, k in buckets.items() if uid not in self.retired_here}
+            stats = self.buffer.apply(items, dedup=True, buckets=buckets,
+                                      retire=all_right if self.retires_for_all else ())
             metrics.update(self.buffer_metrics(stats))
         fresh_marks = [ok for g in seen for ok, replayed in zip(g.correct, g.replayed) if not replayed]
         if not self.collecting and sum(fresh_marks) / max(1, len(fresh_marks)) > exgrpo.start_pass_rate:
@@ -181,8 +191,10 @@ class ExGRPO(GRPO):
         return metrics
 
     def state(self) -> dict:
-        return {"collecting": self.collecting, "replayed_last": sorted(self.replayed_last)}
+        return {"collecting": self.collecting, "replayed_last": sorted(self.replayed_last),
+                "retired_here": sorted(self.retired_here)}
 
     def load_state(self, state: dict) -> None:
         self.collecting = bool(state["collecting"])
         self.replayed_last = frozenset(state.get("replayed_last", ()))  # absent from older checkpoints
+        self.retired_here = set(state.get("retired_here", ()))

@@ -261,18 +261,10 @@ def write_snapshot(parts: list[dict], directory: Path) -> Path:
     origins = {origin: names for part in parts for origin, names in part.get("origins", {}).items()}
     meta = {"rayrep.kind": "buffer-snapshot", "rayrep.schema_version": str(SNAPSHOT_VERSION), "rayrep.evicted": str(evicted),
             "rayrep.version": str(sum(part.get("version", 0) for part in parts))}
-    # Whole questions per table of about _ROWS_PER_CHUNK rows: memory holds one at a time,
-    # and the split depends on the content only (the same content, the same bytes).
-    chunks, rows = [[]], 0
-    for uid, entry in questions:
-        if rows and rows + len(entry) > _ROWS_PER_CHUNK:
-            chunks.append([])
-            rows = 0
-        chunks[-1].append((uid, entry))
-        rows += len(entry)
     schema = ANSWER_SCHEMA.with_metadata(meta)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(directory / "answers.parquet", schema, (_answer_table(chunk, origins, schema) for chunk in chunks))
+    _write_atomic(directory / "answers.parquet", schema,
+                  (_answer_table(chunk, origins, schema) for chunk in _whole_questions(questions)))
     question_rows = [(uid, entry.bucket, False) for uid, entry in questions] + [(uid, -1, True) for uid in retired]
     question_rows.sort()
     question_table = pa.table(
@@ -281,6 +273,30 @@ def write_snapshot(parts: list[dict], directory: Path) -> Path:
     )
     _write_atomic(directory / "questions.parquet", question_table.schema, [question_table])
     return directory
+
+
+def write_pool_export(parts: list[dict], path: Path) -> Path:
+    """Shard exports as one experience pool file: the snapshot's answer columns (token ids,
+    log-probs, provenance), which `read_pool` reads; buckets and retirements are left out."""
+    questions = sorted((q for part in parts for q in part["questions"]), key=lambda q: q[0])
+    origins = {origin: names for part in parts for origin, names in part.get("origins", {}).items()}
+    schema = ANSWER_SCHEMA.with_metadata({"rayrep.kind": "experience-pool", "rayrep.schema_version": str(POOL_VERSION),
+                                          "rayrep.version": str(sum(part.get("version", 0) for part in parts))})
+    _write_atomic(path, schema, (_answer_table(chunk, origins, schema) for chunk in _whole_questions(questions)))
+    return path
+
+
+def _whole_questions(questions: list[tuple[str, QuestionAnswers]]) -> list[list[tuple[str, QuestionAnswers]]]:
+    """Whole questions per table of about _ROWS_PER_CHUNK rows: memory holds one at a time,
+    and the split depends on the content only (the same content, the same bytes)."""
+    chunks, rows = [[]], 0
+    for uid, entry in questions:
+        if rows and rows + len(entry) > _ROWS_PER_CHUNK:
+            chunks.append([])
+            rows = 0
+        chunks[-1].append((uid, entry))
+        rows += len(entry)
+    return chunks
 
 
 def _answer_table(questions: list[tuple[str, QuestionAnswers]], origins: Origins, schema: pa.Schema) -> pa.Table:

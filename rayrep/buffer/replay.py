@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -61,19 +62,36 @@ class ReplayBuffer:
     """The client of S shard actors (or, with S = 0, of one in-process shard)."""
 
     def __init__(self, num_shards: int, max_answers_per_question: int, seed: int = 0,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, pool: str = "", writer: str = ""):
         """`placement`: shards go into its "replay" bundles (the run's plan); without one
-        they ask for no CPU of their own (they hold memory, not compute)."""
-        self.num_shards = num_shards
+        they ask for no CPU of their own (they hold memory, not compute). `pool`: attach to
+        that named pool's shards instead (`rayrep.buffer.pool`; `num_shards` and the cap
+        are the pool's), writing as `writer` (the run) with a sequence number per write."""
+        self.pool = pool
         self.rng = random.Random(seed)
-        self.cap, self.seed, self.placement = max_answers_per_question, seed, placement
+        self.seed, self.placement = seed, placement
         self._routes: dict[str, int] = {}
-        shards = [ReplayShard(max_answers_per_question, seed)] if num_shards == 0 else \
-            [self._start_shard(i) for i in range(num_shards)]
-        # A shard that dies comes back in its bundle holding its questions as of the restore
-        # point; what the dead one was given since is counted as lost.
-        self.supervisor = Supervisor("replay shard", shards, self._start_shard, ready=self._restore_shard,
-                                     on_replaced=self._count_lost)
+        if pool:
+            from rayrep.buffer.pool import pool_shards
+
+            shards, description = pool_shards(pool)
+            num_shards, max_answers_per_question = description["shards"], description["max_answers_per_question"]
+            self.writer = f"{writer or 'client'}#{uuid.uuid4().hex[:12]}"
+            """This client's name in the pool's shards: each write is applied once per (writer, sequence number)."""
+            self.writes = 0
+            self._seen = [Counter() for _ in shards]
+            """Per shard: its restarts and lost writes as its last answer said."""
+            for s, stats in enumerate(ray.get([shard.stats.remote() for shard in shards])):
+                self._seen[s].update(restarts=stats["restarts"], lost_writes=stats["lost_writes"])
+        self.num_shards, self.cap = num_shards, max_answers_per_question
+        if not pool:
+            shards = [ReplayShard(max_answers_per_question, seed)] if num_shards == 0 else \
+                [self._start_shard(i) for i in range(num_shards)]
+        # A run's shard that dies comes back in its bundle holding its questions as of the
+        # restore point; what the dead one was given since is counted as lost. A pool's shard
+        # is started again by Ray and restores itself (nothing to replace here).
+        self.supervisor = Supervisor("replay shard", shards, None if pool else self._start_shard,
+                                     ready=self._restore_shard, on_replaced=self._count_lost)
         self.shards = self.supervisor.workers
         self.restore_point: Path | None = None
         """The last snapshot (`snapshot`): what a shard that dies is restored from; None: empty."""
@@ -92,7 +110,12 @@ class ReplayBuffer:
 
     @property
     def in_process(self) -> bool:
-        return self.num_shards == 0
+        return self.num_shards == 0 and not self.pool
+
+    @property
+    def attached(self) -> bool:
+        """Whether the shards are a named pool's, which outlives this client and keeps itself."""
+        return bool(self.pool)
 
     def _call(self, method: Callable[[Any], Any], args: dict[int, tuple], num_returns: int = 1) -> dict[int, object]:
         """`method(shard)` (the shard's method, e.g. `lambda shard: shard.apply`) called on
@@ -130,12 +153,24 @@ class ReplayBuffer:
 
     def add(self, items: list[tuple[str, np.ndarray, list[Answer]]], dedup: bool = False) -> int:
         """Store (question id, prompt ids, answers) items; returns how many answers were stored."""
-        stored = self._call(lambda shard: shard.add_packed, {
-            s: (PackedAnswers.pack(group), dedup) for s, group in self._by_shard(items).items()
-        })
-        for s, count in stored.items():
-            self._since_snapshot[s]["answers"] += count
-        return sum(stored.values())
+        results = self._write({s: (PackedAnswers.pack(group), dedup, {}, []) for s, group in self._by_shard(items).items()})
+        return sum(result["stored"] for result in results.values())
+
+    def _write(self, work: dict[int, tuple]) -> dict[int, dict]:
+        """Each shard's write (packed answers, dedup, buckets, retire) in one call, all shards
+        in parallel; their stats, by shard. A pool's shards take it as this client's next
+        write (`PoolShard.write`), and say whether they restarted or lost writes since."""
+        if not self.attached:
+            results = self._call(lambda shard: shard.apply, work)
+        else:
+            self.writes += 1
+            results = self._call(lambda shard: shard.write, {s: (self.writer, self.writes, *w) for s, w in work.items()})
+            for s, result in results.items():
+                self._note_recovery(s, result)
+        for s, (_, _, buckets, retire) in work.items():
+            self._since_snapshot[s]["answers"] += results[s]["stored"]
+            self._since_snapshot[s]["question_updates"] += len(buckets) + len(retire)
+        return results
 
     def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=()) -> dict:
         """A step's writes in one call per shard: add answers, set buckets, retire questions.
@@ -149,12 +184,8 @@ class ReplayBuffer:
             work[self._route(uid)]["buckets"][uid] = k
         for uid in retire:
             work[self._route(uid)]["retire"].append(uid)
-        results = self._call(lambda shard: shard.apply, {
-            s: (PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"]) for s, w in work.items()
-        })
-        for s, w in work.items():
-            self._since_snapshot[s]["answers"] += results[s]["stored"]
-            self._since_snapshot[s]["question_updates"] += len(w["buckets"]) + len(w["retire"])
+        results = self._write({s: (PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"])
+                               for s, w in work.items()})
         return merge_stats(list(results.values()))
 
     # ------------------------------------------------------------------ reads
@@ -238,7 +269,20 @@ class ReplayBuffer:
 
     def stats(self, now_step: int | None = None) -> dict:
         results = self._call(lambda shard: shard.stats, {s: (now_step,) for s in self._all})
+        if self.attached:
+            for s, result in results.items():
+                self._note_recovery(s, result)
         return merge_stats(list(results.values()))
+
+    def census(self) -> dict[str, dict]:
+        """Stored answers counted by source, by the run that sampled them and by policy
+        version; and the buffer's version (the shards' writes)."""
+        parts = self._call(lambda shard: shard.census, {s: () for s in self._all})
+        merged: dict[str, Counter] = {}
+        for part in parts.values():
+            for key, counts in part.items():
+                merged.setdefault(key, Counter()).update(counts)
+        return {key: dict(sorted(counts.items())) for key, counts in merged.items()}
 
     # ------------------------------------------------------------------ snapshot
 
@@ -247,6 +291,8 @@ class ReplayBuffer:
         replaced); it becomes the restore point of a shard that dies."""
         from rayrep.buffer.files import write_snapshot
 
+        if self.attached:
+            raise ValueError(f"replay pool {self.pool!r} keeps its own snapshots (jobs/pool.py snapshot)")
         parts = self._call(lambda shard: shard.export, {s: () for s in self._all})
         written = write_snapshot([parts[s] for s in self._all], Path(directory))
         self.restore_point = written
@@ -261,6 +307,8 @@ class ReplayBuffer:
 
     def restore(self, directory: str | Path) -> None:
         """Load a snapshot, routing each question to its shard under this buffer's shard count."""
+        if self.attached:
+            raise ValueError(f"replay pool {self.pool!r} is shared: it is not restored from a run's snapshot")
         parts = self._snapshot_parts(Path(directory))
         self._call(lambda shard: shard.restore, {s: (part,) for s, part in parts.items()})
         self.restore_point = Path(directory)
@@ -306,8 +354,18 @@ class ReplayBuffer:
         self.counts = Counter()
         return taken
 
+    def _note_recovery(self, s: int, stats: dict) -> None:
+        """Count a pool shard's restarts and lost writes that its stats show since last seen."""
+        new = {name: max(0, stats[key] - self._seen[s][key])
+               for key, name in (("restarts", "shard_replaced"), ("lost_writes", "shard_lost_writes"))}
+        if any(new.values()):
+            self.counts.update(new)
+        for key in ("restarts", "lost_writes"):
+            self._seen[s][key] = stats[key]
+
     def shutdown(self) -> None:
-        if not self.in_process:
+        """Stop a run's shards; a pool's stay up for the runs attached to it and the next."""
+        if not self.in_process and not self.attached:
             for shard in self.shards:
                 ray.kill(shard)
 
@@ -336,10 +394,11 @@ def bucket_counts(rng: np.random.Generator, count: int, available: dict[int, int
 
 
 def merge_stats(parts: list[dict]) -> dict:
-    merged = {"questions": 0, "answers": 0, "retired": 0, "evicted": 0, "bytes": 0, "stored": 0, "buckets": {}}
+    merged = {"questions": 0, "answers": 0, "retired": 0, "evicted": 0, "bytes": 0, "stored": 0, "version": 0,
+              "buckets": {}}
     ages = []
     for part in parts:
-        for key in ("questions", "answers", "retired", "evicted", "bytes", "stored"):
+        for key in ("questions", "answers", "retired", "evicted", "bytes", "stored", "version"):
             merged[key] += part.get(key, 0)
         for k, n in part["buckets"].items():
             merged["buckets"][k] = merged["buckets"].get(k, 0) + n

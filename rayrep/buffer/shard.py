@@ -20,7 +20,7 @@ from bisect import bisect_left, insort
 import numpy as np
 import ray
 
-from rayrep.buffer.answers import DrawLimit, PackedAnswers, QuestionAnswers, cumulative_offsets
+from rayrep.buffer.answers import SOURCES, DrawLimit, PackedAnswers, QuestionAnswers, cumulative_offsets
 from rayrep.buffer.store import AnswerStore, StoredQuestion
 from rayrep.library_output import route_library_output
 
@@ -305,6 +305,26 @@ class ReplayShard:
             ages = now_step - self.store.columns["facts"]["step"][self._rows(list(self.questions.values()))]
             stats["age_mean"], stats["age_max"] = float(ages.mean()), int(ages.max())
         return stats
+
+    def census(self) -> dict[str, dict]:
+        """Stored answers by source, by the run that sampled them (unknown: "") and by policy
+        version; `version`: {"writes": this shard's version}."""
+        facts = self.store.columns["facts"][self._rows(list(self.questions.values()))]
+
+        def count(values) -> dict:
+            names, counts = np.unique(values, return_counts=True)
+            return dict(zip(names.tolist(), counts.tolist()))
+
+        by_run: dict[str, int] = {}
+        for origin, n in count(facts["origin"]).items():
+            run = self.store.origins.get(origin, ("", ""))[0]
+            by_run[run] = by_run.get(run, 0) + n
+        return {
+            "by_source": {SOURCES[k]: n for k, n in count(facts["source"]).items()},
+            "by_run": by_run,
+            "by_version": count(facts["version"]),
+            "version": {"writes": self.version},
+        }
 
     def pid(self) -> int:
         """The process holding this shard (whether it still answers: `rayrep.cluster.placement.responds`)."""

@@ -203,7 +203,7 @@ def make_plan(cfg: Config, learners: bool = True) -> Plan:
     # CPU nodes when the cluster marks them.
     marker = {place.cpu_node_resource: 0.001} if place.cpu_node_resource else {}
     cpu_roles = [("verifier", "verifiers", cfg.verifier.num_workers, cfg.verifier.cpus_per_worker)]
-    if learners and cfg.algorithm.uses_replay:
+    if learners and cfg.algorithm.uses_replay and not cfg.replay.pool:  # a named pool's shards are its own
         cpu_roles.append(("replay", "replay", cfg.replay.num_shards, cfg.replay.cpus_per_shard))
     for role, name, count, role_cpus in cpu_roles:
         if count:

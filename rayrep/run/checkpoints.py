@@ -210,17 +210,20 @@ class BufferSnapshots:
     again when nothing changed). Nothing to do for a run without a buffer."""
 
     def __init__(self, buffer: ReplayBuffer | None, folder: RunFolder, every: int):
+        # A named pool the run is attached to keeps itself (`rayrep.buffer.pool`): the run
+        # snapshots nothing of it, and counts its shards' restarts from their answers.
         self.buffer, self.folder, self.every = buffer, folder, every
+        self.keeps = buffer is not None and not buffer.attached
 
     def take(self) -> None:
-        if self.buffer is not None and (self.buffer.changed or self.buffer.restore_point != self.folder.replay):
+        if self.keeps and (self.buffer.changed or self.buffer.restore_point != self.folder.replay):
             self.buffer.snapshot(self.folder.replay)
 
     def after_step(self, step: int, record: StepRecord) -> None:
         """The scheduled snapshot, and the count of shards that died this step (`replay_shard_*`)."""
         if self.buffer is None:
             return
-        if self.every and step % self.every == 0:
+        if self.keeps and self.every and step % self.every == 0:
             with record.timed("snapshot"):
                 self.take()
         record.count(self.buffer.take_counts())
@@ -234,7 +237,7 @@ def save_run(cfg: Config, folder: RunFolder, step: int, runtime: Runtime, algori
     partial = begin_save(folder.path, step)
     runtime.learners.save(str(partial))
     learner = runtime.learners.save_state(str(partial / "learner")) if resumable(cfg) else None
-    if runtime.buffer is not None:
+    if snapshots.keeps:
         snapshots.take()
         link_files(folder.replay, partial / "buffer")
     return finish_save(partial, RunState(
@@ -249,6 +252,7 @@ def restore_run(checkpoint: Path, state: RunState, runtime: Runtime, algorithm: 
     evaluations' are restored before anything starts; the generators start from its weights)."""
     runtime.learners.load_state(str(checkpoint / "learner"), state.learner)
     if runtime.buffer is not None:
-        runtime.buffer.restore(checkpoint / "buffer")
+        if not runtime.buffer.attached:  # a shared pool went on without this run
+            runtime.buffer.restore(checkpoint / "buffer")
         set_rng_state(runtime.buffer.rng, state.buffer_rng)
     algorithm.load_state(state.algorithm)

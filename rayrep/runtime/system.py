@@ -111,7 +111,7 @@ class Runtime:
             if cfg.algorithm.uses_replay:
                 replay = cfg.replay
                 self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed,
-                                           self.placement)
+                                           self.placement, pool=replay.pool, writer=cfg.logging.run_name)
 
     def _start_learners(self, model_path: str) -> LearnerGroup:
         """The learners, set up while the engines start: on a CPU machine their imports and

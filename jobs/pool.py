@@ -1,0 +1,96 @@
+"""Named replay pools that outlive runs: start, inspect, snapshot, export, import, stop.
+
+    ray start --head                                              # a cluster the pool lives on
+    python jobs/pool.py start --name shared --snapshot-dir pools/shared --shards 2 [--from pool.parquet | --from-run RUN_DIR]
+    python jobs/rlep.py --replay.pool shared ...                   # runs attach instead of starting shards
+    python jobs/pool.py stats --name shared
+    python jobs/pool.py snapshot --name shared
+    python jobs/pool.py export --name shared --out shared.parquet
+    python jobs/pool.py import --name shared pool.parquet runs/exgrpo-x other-snapshot/
+    python jobs/pool.py stop --name shared                        # snapshot, then stop; start again from --snapshot-dir
+
+A pool's shards are detached Ray actors (namespace `rayrep-pools`): they stay up when this
+command ends, on the cluster it joined (RAY_ADDRESS, or the one `ray start` runs here). Each
+keeps a snapshot and a journal of its writes in the snapshot folder, so a shard that dies
+comes back with every write it answered, and a pool stopped (or lost with its cluster) starts
+again from that folder as it was. See docs/pool.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def connect() -> None:
+    """Join the running cluster (RAY_ADDRESS, else the one on this machine): a pool outlives
+    jobs only on a cluster that does."""
+    import ray
+
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as err:
+        sys.exit(f"jobs/pool.py: no Ray cluster to keep a pool on ({err}); start one with `ray start --head`, "
+                 f"or set RAY_ADDRESS")
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("start", help="start a pool (empty, or from its snapshot folder, or from a file)")
+    start.add_argument("--snapshot-dir", required=True, help="folder the pool keeps its snapshots and journals in")
+    start.add_argument("--shards", type=int, default=2, help="shard actors (questions routed by a stable hash)")
+    start.add_argument("--cap", type=int, default=0, help="stored answers kept per question, oldest evicted (0: all)")
+    start.add_argument("--seed", type=int, default=0, help="seed of the shards' draws")
+    start.add_argument("--from", dest="source", help="fill it from a Parquet pool or a buffer snapshot folder")
+    start.add_argument("--from-run", help="fill it from a run's folder (its buffer's last snapshot)")
+    commands.add_parser("stop", help="snapshot the pool, then stop its shards")
+    commands.add_parser("stats", help="questions, answers, bytes; answers by source, run and policy version")
+    commands.add_parser("snapshot", help="write every shard's snapshot now (and start new journals)")
+    export = commands.add_parser("export", help="every stored answer as one Parquet experience pool")
+    export.add_argument("--out", required=True, help="the .parquet file to write")
+    imports = commands.add_parser("import", help="add Parquet pools, buffer snapshots or runs' snapshots")
+    imports.add_argument("sources", nargs="+", help="pool .parquet files, snapshot folders, run folders")
+    for command in commands.choices.values():
+        command.add_argument("--name", required=True, help="the pool's name")
+    args = parser.parse_args(argv)
+
+    from rayrep.buffer.pool import export_pool, import_into, snapshot_pool, start_pool, stop_pool
+    from rayrep.buffer.replay import ReplayBuffer
+
+    if args.command == "start" and args.source and args.from_run:
+        parser.error("start: --from and --from-run are two sources; give one (import adds more)")
+    connect()
+    if args.command == "start":
+        shards = start_pool(args.name, args.snapshot_dir, args.shards, args.cap, args.seed)
+        result = {"name": args.name, "shards": len(shards), "snapshot_dir": os.path.abspath(args.snapshot_dir)}
+        if args.source or args.from_run:
+            result["imported"] = import_into(ReplayBuffer(0, 0, pool=args.name, writer="import"),
+                                             args.source or args.from_run)
+    elif args.command == "stop":
+        result = {"name": args.name, "version": stop_pool(args.name)}
+    else:
+        pool = ReplayBuffer(0, 0, pool=args.name, writer=args.command)
+        if args.command == "stats":
+            stats = pool.stats()
+            result = {"name": args.name, **{k: stats[k] for k in ("questions", "answers", "retired", "evicted", "bytes")},
+                      "buckets": stats["buckets"], **pool.census()}
+        elif args.command == "snapshot":
+            result = {"name": args.name, "version": snapshot_pool(args.name)}
+        elif args.command == "export":
+            result = export_pool(pool, args.out)
+        else:
+            result = {"name": args.name, "imported": [import_into(pool, source) for source in args.sources]}
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    from rayrep.buffer.files import BufferFileError
+
+    try:
+        main(sys.argv[1:])
+    except BufferFileError as err:
+        sys.exit(f"jobs/pool.py: {err}")

@@ -1,0 +1,389 @@
+"""Named replay pools: a replay buffer that outlives runs, shared by several at once.
+
+A pool is S `PoolShard` actors, detached (they outlive the job that started them) and named
+in the `NAMESPACE` Ray namespace, `<pool>/shard-<i>`; `jobs/pool.py` starts, stops, inspects,
+exports and imports pools, and a run attaches with `--replay.pool NAME`
+(`ReplayBuffer.attach`) instead of starting shards of its own. Questions are routed to
+shards by the same stable hash as a run's buffer, so a pool and a run's snapshot trade
+questions freely.
+
+Each shard keeps itself on disk, in `<home>/shard-<i>/`:
+- a snapshot (`snapshot-<version>/`, the buffer snapshot format), written on demand
+  (`jobs/pool.py snapshot`, `stop`) and whenever the journal outgrows it;
+- a journal (`journal-<version>.bin`) of every write since that snapshot, appended before the
+  write is answered: a shard that dies (Ray restarts a detached shard, `max_restarts=-1`)
+  reads its snapshot and replays the journal, and so comes back with every write it
+  answered; a record cut short by the death is dropped and counted (`lost_writes`);
+- `shard.json`, which names the current snapshot and journal and is replaced atomically
+  once both exist: a crash at any moment leaves a snapshot and journal that belong together.
+
+Writes are idempotent per writer: each carries (writer, sequence number), and a shard that
+already applied it answers without applying it again. So a call in flight when its shard
+died is simply sent again (`max_task_retries=-1`), and no write is lost or applied twice.
+Each shard runs one call at a time, in arrival order: two runs' writes to one shard never
+interleave within a call.
+
+The journal holds no pickles: each record is a JSON header and the answers' raw arrays,
+with a CRC-32 (the same arrays a snapshot holds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from rayrep.buffer.answers import FACTS, PackedAnswers
+from rayrep.buffer.files import BufferFileError, read_pool, read_snapshot, write_pool_export, write_snapshot
+from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.shard import ReplayShard
+
+NAMESPACE = "rayrep-pools"
+"""The Ray namespace every pool's shards are named in."""
+
+DESCRIPTION = "pool.json"
+"""The pool's description in its home: name, shards, per-question cap, seed."""
+
+
+def shard_name(pool: str, index: int) -> str:
+    return f"{pool}/shard-{index}"
+
+
+# ---------------------------------------------------------------------- the journal
+
+_ARRAYS = (("counts", np.int64), ("offsets", np.int64), ("tokens", np.int32), ("logprobs", np.float32),
+           ("facts", FACTS), ("prompt_offsets", np.int64), ("prompts", np.int32))
+"""A write's arrays as a journal record holds them, in order (prompts: empty when absent)."""
+_HEAD = struct.Struct("<II")  # header bytes, body bytes
+_TAIL = struct.Struct("<I")   # CRC-32 of header and body
+
+
+def encode_write(write: dict, items: PackedAnswers | None) -> bytes:
+    """One journal record: `write` (JSON values) and the answers' arrays, checksummed."""
+    arrays = []
+    if items is not None:
+        for name, dtype in _ARRAYS:
+            value = getattr(items, name)
+            arrays.append(np.ascontiguousarray(value if value is not None else np.empty(0, dtype), dtype))
+        write = {**write, "uids": items.uids, "origins": [[o, *names] for o, names in items.origins.items()],
+                 "lengths": [len(array) for array in arrays]}
+    header = json.dumps(write, separators=(",", ":")).encode()
+    body = b"".join(array.tobytes() for array in arrays)
+    return _HEAD.pack(len(header), len(body)) + header + body + _TAIL.pack(zlib.crc32(header + body))
+
+
+def decode_writes(data: bytes) -> tuple[list[tuple[dict, PackedAnswers | None]], int]:
+    """The whole records of a journal, in order, and the bytes they span (what follows is a
+    record cut short: its write never completed)."""
+    records, at = [], 0
+    while at + _HEAD.size <= len(data):
+        header_bytes, body_bytes = _HEAD.unpack_from(data, at)
+        end = at + _HEAD.size + header_bytes + body_bytes + _TAIL.size
+        if end > len(data):
+            break
+        header = data[at + _HEAD.size : at + _HEAD.size + header_bytes]
+        body = data[at + _HEAD.size + header_bytes : end - _TAIL.size]
+        if zlib.crc32(header + body) != _TAIL.unpack_from(data, end - _TAIL.size)[0]:
+            break
+        write = json.loads(header)
+        items = None
+        if "uids" in write:
+            arrays, offset = {}, 0
+            for (name, dtype), count in zip(_ARRAYS, write["lengths"]):
+                arrays[name] = np.frombuffer(body, dtype, count, offset).copy()
+                offset += count * np.dtype(dtype).itemsize
+            items = PackedAnswers(
+                uids=write["uids"], counts=arrays["counts"], offsets=arrays["offsets"], tokens=arrays["tokens"],
+                logprobs=arrays["logprobs"], facts=arrays["facts"],
+                origins={int(o): (run, checkpoint) for o, run, checkpoint in write["origins"]},
+                prompt_offsets=arrays["prompt_offsets"] if len(arrays["prompt_offsets"]) else None,
+                prompts=arrays["prompts"] if len(arrays["prompt_offsets"]) else None)
+        records.append((write, items))
+        at = end
+    return records, at
+
+
+# ---------------------------------------------------------------------- the shard
+
+class PoolShard(ReplayShard):
+    """One shard of a named pool: a `ReplayShard` that keeps itself on disk (see the module
+    docstring) and takes each write once per (writer, sequence number)."""
+
+    def __init__(self, home: str, index: int, max_answers_per_question: int, seed: int):
+        super().__init__(max_answers_per_question, seed * 1000 + index)
+        self.folder = Path(home) / f"shard-{index}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.applied: dict[str, int] = {}
+        """The last sequence number applied of each writer."""
+        self.restarts = 0
+        """Times this shard's process died and was started again (counted in its journal)."""
+        self.lost_writes = 0
+        """Writes cut short by a death (begun in the journal, never answered)."""
+        self.journal_bytes = 0
+        self._recover()
+
+    # ---------------------------------------------------------------- recovery
+
+    def _pointer(self) -> dict | None:
+        path = self.folder / "shard.json"
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError as err:
+            raise BufferFileError(f"{path}: not valid JSON ({err})") from None
+
+    def _recover(self) -> None:
+        """The shard as its last snapshot and journal left it; a shard Ray started again after
+        its process died counts the restart in the journal."""
+        pointer = self._pointer()
+        if pointer is None:
+            self._start_journal(0)
+            self._commit(None)
+            return
+        snapshot = self.folder / pointer["snapshot"] if pointer["snapshot"] else None
+        if snapshot is not None:
+            content = read_snapshot(snapshot)
+            self.restore({"questions": content.questions, "retired": content.retired, "evicted": content.evicted,
+                          "origins": content.origins, "version": content.version})
+        self.applied = dict(pointer.get("applied", {}))
+        self.restarts, self.lost_writes = pointer.get("restarts", 0), pointer.get("lost_writes", 0)
+        self.journal = self.folder / pointer["journal"]
+        data = self.journal.read_bytes() if self.journal.is_file() else b""
+        records, whole = decode_writes(data)
+        for write, items in records:
+            self._replay(write, items)
+        self.journal_bytes = whole
+        if whole < len(data):  # a write the death cut short: it was never answered
+            with open(self.journal, "r+b") as journal:
+                journal.truncate(whole)
+            self._log({"op": "lost", "writes": 1})
+            self.lost_writes += 1
+        if ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
+            self._log({"op": "restarted"})
+            self.restarts += 1
+
+    def _replay(self, write: dict, items: PackedAnswers | None) -> None:
+        if write["op"] == "write":
+            self._write(items, write["dedup"], write["buckets"], write["retire"])
+            self.applied[write["writer"]] = write["seq"]
+        elif write["op"] == "restarted":
+            self.restarts += 1
+        elif write["op"] == "lost":
+            self.lost_writes += write["writes"]
+
+    def _log(self, write: dict, items: PackedAnswers | None = None) -> None:
+        record = encode_write(write, items)
+        with open(self.journal, "ab") as journal:
+            journal.write(record)
+            journal.flush()  # in the OS's hands before the write is answered: a killed process loses none
+        self.journal_bytes += len(record)
+
+    def _start_journal(self, version: int) -> None:
+        self.journal = self.folder / f"journal-{version}.bin"
+        self.journal.write_bytes(b"")
+        self.journal_bytes = 0
+
+    def _commit(self, snapshot: str | None) -> None:
+        """Name the current snapshot and journal (atomically replaced)."""
+        pointer = {"snapshot": snapshot or "", "journal": self.journal.name, "applied": self.applied,
+                   "restarts": self.restarts, "lost_writes": self.lost_writes}
+        temp = self.folder / "shard.json.partial"
+        temp.write_text(json.dumps(pointer, indent=1))
+        os.replace(temp, self.folder / "shard.json")
+
+    # ---------------------------------------------------------------- writes
+
+    def write(self, writer: str, seq: int, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int],
+              retire: list[str]) -> dict:
+        """A writer's write number `seq` (add, set buckets, retire), applied once: a repeat
+        (a call sent again after this shard died) is answered without applying it. Journaled
+        before it is answered. Returns stats, with `stored`."""
+        if self.applied.get(writer, -1) >= seq:
+            return {"stored": 0, **self.stats()}
+        stored = self._write(items, dedup, buckets, list(retire))
+        self.applied[writer] = seq
+        self._log({"op": "write", "writer": writer, "seq": seq, "dedup": dedup, "buckets": buckets,
+                   "retire": list(retire)}, items)
+        if self.journal_bytes > max(1 << 20, self.store.nbytes):
+            self.snapshot()  # replaying a journal longer than the content would take longer than reading it
+        return {"stored": stored, **self.stats()}
+
+    def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
+        return self.write("local", self.applied.get("local", -1) + 1, batch, dedup, {}, [])["stored"]
+
+    def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
+        return self.write("local", self.applied.get("local", -1) + 1, items, dedup, buckets, retire)
+
+    def set_buckets(self, counts: dict[str, int]) -> None:
+        self.write("local", self.applied.get("local", -1) + 1, None, False, counts, [])
+
+    def retire(self, uids: list[str]) -> int:
+        before = len(self.questions)
+        self.write("local", self.applied.get("local", -1) + 1, None, False, {}, uids)
+        return before - len(self.questions)
+
+    def restore_from(self, part: dict) -> None:
+        """Hold exactly `part` (an export, as `restore`), then snapshot it: the pool's content
+        from now on (an import into an empty pool)."""
+        self.restore(part)
+        self.snapshot()
+
+    # ---------------------------------------------------------------- snapshots
+
+    def snapshot(self) -> int:
+        """Write the content as `snapshot-<version>`, start an empty journal, name both in
+        `shard.json`, then drop the old ones; returns the version. Until `shard.json` is
+        replaced, the old snapshot and journal stand, whole."""
+        name = f"snapshot-{self.version}"
+        if (self._pointer() or {}).get("snapshot") == name and not self.journal_bytes:
+            return self.version  # nothing written since
+        write_snapshot([self.export()], self.folder / name)
+        self._start_journal(self.version)
+        self._commit(name)
+        for stale in self.folder.iterdir():
+            if stale.name not in (name, self.journal.name, "shard.json"):
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        return self.version
+
+    def stats(self, now_step: int | None = None) -> dict:
+        return {**super().stats(now_step), "restarts": self.restarts, "lost_writes": self.lost_writes}
+
+    def describe(self) -> dict:
+        """What a client needs to attach: the pool's description (its home's pool.json)."""
+        return json.loads((self.folder.parent / DESCRIPTION).read_text())
+
+
+# The class stays plain (importable by name) so Ray pickles its methods by reference.
+RemotePoolShard = ray.remote(PoolShard)
+
+
+# ---------------------------------------------------------------------- starting and stopping
+
+class PoolError(BufferFileError):
+    """A pool that cannot be started, found or attached to, named with the reason."""
+
+
+def _shard(pool: str, index: int):
+    return ray.get_actor(shard_name(pool, index), namespace=NAMESPACE)
+
+
+def pool_exists(name: str) -> bool:
+    try:
+        _shard(name, 0)
+    except ValueError:
+        return False
+    return True
+
+
+def start_pool(name: str, home: str | Path, shards: int, max_answers_per_question: int = 0, seed: int = 0) -> list:
+    """Start pool `name`'s shards, detached, keeping themselves in `home`: empty, or as `home`
+    holds it (a pool stopped or lost before: then its description decides the shard count,
+    cap and seed, and a different `shards` is refused). Returns the shards, each ready."""
+    if not name or "/" in name:
+        raise PoolError(f"pool name {name!r}: must be non-empty and without '/'")
+    if pool_exists(name):
+        raise PoolError(f"a pool named {name!r} is already running (jobs/pool.py stop --name {name})")
+    home = Path(home).resolve()
+    described = home / DESCRIPTION
+    description = {"name": name, "shards": shards, "max_answers_per_question": max_answers_per_question, "seed": seed}
+    if described.is_file():
+        try:
+            kept = json.loads(described.read_text())
+        except ValueError as err:
+            raise PoolError(f"{described}: not valid JSON ({err})") from None
+        if kept.get("shards") != shards:
+            raise PoolError(f"{described}: the pool in {home} has {kept.get('shards')} shards, not {shards} "
+                            f"(questions are routed by the shard count)")
+        description = {**kept, "name": name}
+    home.mkdir(parents=True, exist_ok=True)
+    partial = home / (DESCRIPTION + ".partial")
+    partial.write_text(json.dumps(description, indent=1))
+    os.replace(partial, described)
+    started = [
+        RemotePoolShard.options(name=shard_name(name, i), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+                                max_restarts=-1, max_task_retries=-1)
+        .remote(str(home), i, description["max_answers_per_question"], description["seed"])
+        for i in range(shards)
+    ]
+    ray.get([shard.pid.remote() for shard in started])  # each restored from its home, or fresh
+    return started
+
+
+def pool_shards(name: str) -> tuple[list, dict]:
+    """The running pool `name`'s shards and its description."""
+    try:
+        first = _shard(name, 0)
+    except ValueError:
+        raise PoolError(f"no replay pool named {name!r} is running on this Ray cluster "
+                        f"(start one with: python jobs/pool.py start --name {name} --snapshot-dir DIR)") from None
+    description = ray.get(first.describe.remote())
+    return [first] + [_shard(name, i) for i in range(1, description["shards"])], description
+
+
+def snapshot_pool(name: str) -> int:
+    """Snapshot every shard of pool `name` now; returns the pool's version (its writes, all shards)."""
+    shards, _ = pool_shards(name)
+    return sum(ray.get([shard.snapshot.remote() for shard in shards]))
+
+
+def stop_pool(name: str) -> int:
+    """Snapshot every shard of pool `name`, then stop them (their home keeps the pool: `start`
+    it again from there). Returns the pool's version."""
+    version = snapshot_pool(name)
+    for shard in pool_shards(name)[0]:
+        ray.kill(shard, no_restart=True)
+    return version
+
+
+# ---------------------------------------------------------------------- export and import
+
+def export_pool(buffer: ReplayBuffer, path: str | Path) -> dict:
+    """Every stored answer of the buffer (a pool's, or any other) as one Parquet experience
+    pool: the snapshot's columns, with provenance, which RLEP replays
+    (`--algorithm.rlep.pool`) and `import_into` takes back. Returns its counts."""
+    parts = buffer._call(lambda shard: shard.export, {s: () for s in buffer._all})
+    written = write_pool_export([parts[s] for s in buffer._all], Path(path))
+    questions = sum(len(part["questions"]) for part in parts.values())
+    answers = sum(len(entry) for part in parts.values() for _, entry in part["questions"])
+    return {"path": str(written), "questions": questions, "answers": answers,
+            "version": sum(part["version"] for part in parts.values())}
+
+
+def import_into(buffer: ReplayBuffer, source: str | Path) -> dict:
+    """Add what `source` holds to the buffer, deduplicated by token ids: a Parquet experience
+    pool (`jobs/collect.py`, an export), a buffer snapshot folder, or a run folder (its last
+    snapshot, `<run>/replay`). A snapshot's buckets and retired questions come along. Text
+    pools need the policy to tokenize and score them: `rayrep.pipelines.pool.import_text`."""
+    source = Path(source)
+    if source.is_dir():
+        folder = source / "replay" if (source / "replay" / "answers.parquet").is_file() else source
+        if not (folder / "answers.parquet").is_file():
+            raise BufferFileError(f"{source}: neither a buffer snapshot (answers.parquet) nor a run folder "
+                                  f"with one (replay/answers.parquet)")
+        snapshot = read_snapshot(folder)
+        items = [(uid, entry.prompt_ids, entry.packed(uid, snapshot.origins).unpack()[uid])
+                 for uid, entry in snapshot.questions]
+        buckets = {uid: entry.bucket for uid, entry in snapshot.questions if entry.bucket >= 0}
+        retire = snapshot.retired
+    else:
+        pool = read_pool(source)
+        items = [(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in pool.items()]
+        buckets, retire = {}, []
+    stored = 0
+    for first in range(0, len(items), IMPORT_QUESTIONS):  # a call's arguments stay a few MB
+        stored += buffer.apply(items[first : first + IMPORT_QUESTIONS], dedup=True)["stored"]
+    stats = buffer.apply(buckets=buckets, retire=retire)
+    return {"source": str(source), "questions": len(items), "answers": sum(len(a) for _, _, a in items),
+            "stored": stored, "retired": len(retire), "pool_questions": stats["questions"],
+            "pool_answers": stats["answers"]}
+
+
+IMPORT_QUESTIONS = 2048
+"""Questions sent to the shards per call while importing."""

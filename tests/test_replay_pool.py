@@ -1,0 +1,211 @@
+"""Named replay pools (`rayrep.buffer.pool`, `jobs/pool.py`) on a real local Ray cluster:
+detached shard actors that outlive their clients, shared by two writers at once, SIGKILLed
+and started again by Ray, stopped and restarted from their snapshot folder, and driven end
+to end by `jobs/pool.py` in other processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from rayrep.buffer.answers import Answer, DrawLimit
+from rayrep.buffer.files import read_pool, write_pool
+from rayrep.buffer.pool import pool_exists, pool_shards, start_pool, stop_pool
+from rayrep.buffer.replay import ReplayBuffer, shard_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def answer(question: int, i: int, version: int = 0, run: str = "") -> Answer:
+    return Answer(np.array([question, i, 7], np.int32), np.full(3, -0.25, np.float32), 1.0, version, "online", version,
+                  1.0, "correct", run, "base" if run else "")
+
+
+def items(questions, count: int, first: int = 0, version: int = 0, run: str = ""):
+    return [(f"q{q}", np.array([1, 2, q], np.int32), [answer(q, first + i, version, run) for i in range(count)])
+            for q in questions]
+
+
+def content(buffer: ReplayBuffer, questions=range(40)) -> dict:
+    """Every stored answer (its token ids) by question, the buckets, and the stats."""
+    stored = {}
+    for _, packed in buffer.stored_answers([f"q{q}" for q in questions]):
+        packed = ray.get(packed) if isinstance(packed, ray.ObjectRef) else packed
+        stored.update({uid: sorted(tuple(a.response_ids.tolist()) for a in answers)
+                       for uid, answers in packed.unpack().items()})
+    stats = buffer.stats()
+    return {"answers": stored, "buckets": stats["buckets"], "retired": stats["retired"], "version": stats["version"]}
+
+
+@pytest.fixture
+def pool(ray_cluster, tmp_path):
+    """A fresh two-shard pool kept in tmp_path/pool; stopped at the end if still running."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    start_pool(name, tmp_path / "pool", 2)
+    yield name, tmp_path / "pool"
+    if pool_exists(name):
+        stop_pool(name)
+
+
+def test_two_writers_at_once_lose_nothing_and_each_draws_the_others_answers(pool):
+    name, _ = pool
+    writers = {run: ReplayBuffer(0, 0, pool=name, writer=run) for run in ("run-a", "run-b")}
+    rounds = 25
+
+    def write(run: str, offset: int):
+        for r in range(rounds):  # every question each round: both writers hit both shards at once
+            writers[run].apply(items(range(20), 2, first=offset + 2 * r, run=run), dedup=True,
+                               buckets={f"q{q}": 1 + (r + q) % 7 for q in range(20)})
+
+    threads = [threading.Thread(target=write, args=(run, 1000 * i)) for i, run in enumerate(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    held = content(writers["run-a"], range(20))
+    assert all(len(answers) == 2 * 2 * rounds for answers in held["answers"].values())  # none lost, none twice
+    assert len(held["answers"]) == 20 and held["version"] == 2 * rounds * 2  # each write changed both shards
+    # Each run draws the other's answers (and only those, when it asks for others' only).
+    for run, other_first in (("run-a", 1000), ("run-b", 0)):
+        drawn = writers[run].sample_answers([(f"q{q}", 200) for q in range(20)],
+                                            DrawLimit(0, -1, run=run, others_only=True))
+        assert {a.run for answers in drawn.values() for a in answers} == {"run-b" if run == "run-a" else "run-a"}
+        assert all(a.response_ids[1] >= other_first for answers in drawn.values() for a in answers)
+        assert writers[run].take_counts() == {"replay_held_back": 20 * 2 * rounds}
+    census = writers["run-a"].census()
+    assert census["by_run"] == {"run-a": 20 * 2 * rounds, "run-b": 20 * 2 * rounds}
+    assert census["version"] == {"writes": 2 * rounds * 2}
+
+
+def test_an_age_limit_draws_only_recent_answers_and_counts_the_old(pool):
+    name, _ = pool
+    buffer = ReplayBuffer(0, 0, pool=name, writer="run")
+    for version in range(10):
+        buffer.apply(items(range(6), 1, first=version, version=version, run="run"))
+    drawn = buffer.sample_answers([(f"q{q}", 10) for q in range(6)], DrawLimit(version=12, max_lag=4, run="run"))
+    assert {a.version for answers in drawn.values() for a in answers} == {8, 9}
+    assert buffer.take_counts() == {"replay_held_back": 6 * 8}
+    # ExGRPO's read of whole questions: the same limit, the same count.
+    parts = buffer.stored_answers([f"q{q}" for q in range(6)], DrawLimit(version=12, max_lag=3, run="run"))
+    assert sum(len(serials) for index, _ in parts for _, serials in index) == 6
+    assert buffer.take_counts() == {"replay_held_back": 6 * 9}
+    assert buffer.take_counts() == {}
+
+
+def kill(buffer: ReplayBuffer, shard: int) -> int:
+    pid = ray.get(buffer.shards[shard].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def test_a_shard_killed_between_and_during_writes_comes_back_whole_and_is_counted(pool):
+    name, _ = pool
+    buffer = ReplayBuffer(0, 0, pool=name, writer="run")
+    undisturbed = ReplayBuffer(0, 0)
+    for r in range(5):
+        for b in (buffer, undisturbed):
+            b.apply(items(range(30), 1, first=r), buckets={f"q{q}": 1 + r for q in range(30)}, retire=[f"q{29 - r}"])
+    old_pid = kill(buffer, 0)
+    for b in (buffer, undisturbed):  # the next write waits for Ray to start shard 0 again
+        b.apply(items(range(30), 1, first=10))
+    assert ray.get(buffer.shards[0].pid.remote()) != old_pid
+    assert content(buffer) | {"version": 0} == content(undisturbed) | {"version": 0}
+    assert buffer.take_counts() == {"replay_shard_lost_writes": 0, "replay_shard_replaced": 1}
+
+    # Killed while a large write is on its way: the write is sent again and taken once.
+    big = items(range(30), 400, first=100)
+    writing = threading.Thread(target=buffer.apply, args=(big,))
+    writing.start()
+    kill(buffer, 1)
+    writing.join()
+    undisturbed.apply(big)
+    assert content(buffer) | {"version": 0} == content(undisturbed) | {"version": 0}
+    counts = buffer.take_counts()
+    assert counts.get("replay_shard_replaced", 0) == 1 and counts.get("replay_shard_lost_writes", 0) in (0, 1)
+
+
+def test_a_pool_started_again_from_its_folder_is_the_pool_it_was(pool):
+    name, home = pool
+    buffer = ReplayBuffer(0, 0, pool=name, writer="run")
+    buffer.apply(items(range(25), 3, run="run"), buckets={f"q{q}": q % 8 for q in range(25)}, retire=["q3", "q4"])
+    before = content(buffer)
+    assert before["version"] > 0 and before["retired"] == 2
+    stop_pool(name)
+    assert not pool_exists(name)
+    start_pool(name, home, 2)
+    again = ReplayBuffer(0, 0, pool=name, writer="run")
+    assert content(again) == before
+    # Lost with its cluster, without a last snapshot: the journal brings back every write.
+    again.apply(items(range(25), 1, first=50), buckets={"q0": 5})
+    after_writes = content(again)
+    for shard in pool_shards(name)[0]:
+        ray.kill(shard, no_restart=True)
+    start_pool(name, home, 2)
+    assert content(ReplayBuffer(0, 0, pool=name, writer="run")) == after_writes
+    with pytest.raises(Exception, match="has 2 shards, not 3"):
+        stop_pool(name)
+        start_pool(name, home, 3)
+    start_pool(name, home, 2)
+
+
+def test_a_question_routes_to_the_same_shard_in_a_pool_and_a_run(pool):
+    name, _ = pool
+    buffer = ReplayBuffer(0, 0, pool=name, writer="run")
+    buffer.apply(items(range(12), 1))
+    for q in range(12):
+        shard = buffer.shards[shard_of(f"q{q}", 2)]
+        entries, _ = ray.get(shard.stored_answers.options(num_returns=2).remote([f"q{q}"])[0])
+        assert [uid for uid, _ in entries] == [f"q{q}"]
+
+
+def pool_job(*args: str, address: str) -> dict:
+    done = subprocess.run([sys.executable, str(ROOT / "jobs" / "pool.py"), *args], capture_output=True, text=True,
+                          env={**os.environ, "RAY_ADDRESS": address}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_jobs_pool_commands_work_end_to_end_in_other_processes(ray_cluster, tmp_path):
+    address = ray.get_runtime_context().gcs_address
+    rows = [{"uid": f"q{q}", "prompt": [{"role": "user", "content": f"{q}?"}], "ground_truth": str(q),
+             "data_source": "t", "prompt_ids": [1, 2, q], "response_ids": [q, i, 7], "logprobs": [-0.5] * 3,
+             "text": f"{q}", "reward": 1.0, "version": 0} for q in range(10) for i in range(3)]
+    write_pool(rows, tmp_path / "seed.parquet", source_checkpoint="base-ckpt")
+    name = f"job-{uuid.uuid4().hex[:8]}"
+    started = pool_job("start", "--name", name, "--snapshot-dir", str(tmp_path / "home"), "--shards", "2",
+                       "--from", str(tmp_path / "seed.parquet"), address=address)
+    try:
+        assert started["imported"]["stored"] == 30
+        assert pool_exists(name)  # the command that started it has ended; the shards have not
+        stats = pool_job("stats", "--name", name, address=address)
+        assert (stats["questions"], stats["answers"], stats["by_source"]) == (10, 30, {"pool": 30})
+        assert stats["bytes"] > 0 and stats["by_version"] == {"0": 30}
+        exported = pool_job("export", "--name", name, "--out", str(tmp_path / "out.parquet"), address=address)
+        assert (exported["questions"], exported["answers"]) == (10, 30)
+        back = read_pool(tmp_path / "out.parquet")
+        assert sorted(back) == sorted(read_pool(tmp_path / "seed.parquet"))
+        assert {a.checkpoint for _, answers in back.values() for a in answers} == {"base-ckpt"}
+        # A run's buffer snapshot comes in with its buckets; the same answers again are not stored twice.
+        run_buffer = ReplayBuffer(0, 0)
+        run_buffer.apply(items(range(5, 15), 2, first=20), buckets={f"q{q}": 3 for q in range(5, 15)})
+        run_buffer.snapshot(tmp_path / "run" / "replay")
+        imported = pool_job("import", "--name", name, str(tmp_path / "run"), str(tmp_path / "out.parquet"),
+                            address=address)["imported"]
+        assert [i["stored"] for i in imported] == [20, 0]
+        assert pool_job("stats", "--name", name, address=address)["buckets"] == {"3": 10}
+        version = pool_job("snapshot", "--name", name, address=address)["version"]
+        assert pool_job("stop", "--name", name, address=address)["version"] == version
+        assert not pool_exists(name)
+        pool_job("start", "--name", name, "--snapshot-dir", str(tmp_path / "home"), "--shards", "2", address=address)
+        assert pool_job("stats", "--name", name, address=address)["answers"] == 50
+    finally:
+        if pool_exists(name):
+            stop_pool(name)
