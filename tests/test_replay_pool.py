@@ -209,3 +209,32 @@ def test_jobs_pool_commands_work_end_to_end_in_other_processes(ray_cluster, tmp_
     finally:
         if pool_exists(name):
             stop_pool(name)
+
+
+def test_exgrpo_and_rlep_runs_attached_to_one_pool_trade_their_answers(pool, tiny_cfg, tiny_policy, tmp_path):
+    """An ExGRPO run fills the pool with its successes and replays them; an RLEP run attached
+    afterwards replays the ExGRPO run's answers (only others', as it asks) and adds its own."""
+    from rayrep.run.log import read_metrics
+    from rayrep.train import train
+
+    name, _ = pool
+    small = {"run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
+             "data.arithmetic_test_size": 32, "logging.out_dir": str(tmp_path), "replay.pool": name,
+             "logging.plots": False}
+    exgrpo = train(tiny_cfg.replace(**small, **{
+        "algorithm.name": "exgrpo", "algorithm.std_normalize": False, "run.steps": 3,
+        "algorithm.exgrpo.start_pass_rate": 0.0, "logging.run_name": "exgrpo"}), log=lambda _: None)
+    records = [r for r in read_metrics(exgrpo.run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert records[1]["buffer_questions"] > 0 and records[2]["replayed_questions"] > 0
+    held = ReplayBuffer(0, 0, pool=name, writer="check").census()["by_run"]
+    assert list(held) == [str(exgrpo.run_dir.resolve())]
+
+    rlep = train(tiny_cfg.replace(**small, **{
+        "algorithm.name": "rlep", "run.steps": 2, "algorithm.rlep.grow_pool": True, "replay.others_only": True,
+        "logging.run_name": "rlep"}), log=lambda _: None)
+    records = [r for r in read_metrics(rlep.run_dir / "metrics.jsonl") if r["step"] > 0]
+    # The same seed visits the same questions: step 2 those the ExGRPO run stored at its step 2.
+    assert records[0]["replay_share"] == 0 and records[1]["replay_share"] > 0
+    assert all("replay_shard_replaced" not in r for r in records)
+    held = ReplayBuffer(0, 0, pool=name, writer="check").census()["by_run"]
+    assert set(held) == {str(exgrpo.run_dir.resolve()), str(rlep.run_dir.resolve())}
