@@ -51,8 +51,17 @@ def main(argv: list[str]) -> dict:
     commands.add_parser("snapshot", help="write every shard's snapshot now (and start new journals)")
     export = commands.add_parser("export", help="every stored answer as one Parquet experience pool")
     export.add_argument("--out", required=True, help="the .parquet file to write")
-    imports = commands.add_parser("import", help="add Parquet pools, buffer snapshots or runs' snapshots")
-    imports.add_argument("sources", nargs="+", help="pool .parquet files, snapshot folders, run folders")
+    imports = commands.add_parser("import", help="add Parquet pools, buffer snapshots, runs' snapshots, or "
+                                                  "another model's text traces")
+    imports.add_argument("sources", nargs="*", help="pool .parquet files, snapshot folders, run folders")
+    imports.add_argument("--text", nargs="+", default=[], metavar="FILE",
+                         help="text pools (verl/DAPO rows with reward_model.candidates): verified, encoded and "
+                              "scored by --policy, marked external")
+    imports.add_argument("--policy", help="the policy whose tokenizer encodes and whose log-probs score text "
+                                          "traces (default: the preset's model)")
+    imports.add_argument("--preset", default="tiny-cpu", help="config preset for the text traces' lengths, "
+                                                               "temperature and verifier (default tiny-cpu)")
+    imports.add_argument("--writer", default="", help="the model that wrote the text traces (their origin)")
     for command in commands.choices.values():
         command.add_argument("--name", required=True, help="the pool's name")
     args = parser.parse_args(argv)
@@ -83,6 +92,15 @@ def main(argv: list[str]) -> dict:
             result = export_pool(pool, args.out)
         else:
             result = {"name": args.name, "imported": [import_into(pool, source) for source in args.sources]}
+            if args.text:
+                from rayrep.config import load_preset
+                from rayrep.models import resolve_policy
+                from rayrep.pipelines.pool import import_text
+
+                cfg = load_preset(args.preset)
+                policy = args.policy or resolve_policy(cfg, log=lambda _: None)
+                result["imported"] += [import_text(cfg, policy, text, pool, args.writer, log=lambda _: None)
+                                       for text in args.text]
     print(json.dumps(result, indent=1))
     return result
 

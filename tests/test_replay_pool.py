@@ -238,3 +238,43 @@ def test_exgrpo_and_rlep_runs_attached_to_one_pool_trade_their_answers(pool, tin
     assert all("replay_shard_replaced" not in r for r in records)
     held = ReplayBuffer(0, 0, pool=name, writer="check").census()["by_run"]
     assert set(held) == {str(exgrpo.run_dir.resolve()), str(rlep.run_dir.resolve())}
+
+
+def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_policy(pool, tiny_cfg, tiny_policy,
+                                                                                  tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rayrep.pipelines.pool import import_text
+
+    name, _ = pool
+    rows = 6
+    pq.write_table(pa.table({
+        "data_source": ["math_dapo"] * rows,
+        "prompt": [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(rows)],
+        "reward_model": [{"ground_truth": str(2 * i), "style": "rule",
+                          "candidates": [f"{i} + {i} = \\boxed{{{2 * i}}}", f"\\boxed{{{2 * i + 1}}}"]}
+                         for i in range(rows)],
+        "extra_info": [{"index": f"t{i}"} for i in range(rows)],
+    }), tmp_path / "traces.parquet")
+    buffer = ReplayBuffer(0, 0, pool=name, writer="import")
+    imported = import_text(tiny_cfg, tiny_policy, tmp_path / "traces.parquet", buffer, writer="a stronger model",
+                           log=lambda _: None)
+    assert (imported["candidates"], imported["verified"], imported["wrong"], imported["stored"]) == (12, 6, 6, 6)
+    drawn = buffer.sample_answers([(f"t{i}", 5) for i in range(rows)])
+    assert sorted(drawn) == [f"t{i}" for i in range(rows)] and all(len(a) == 1 for a in drawn.values())
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    for uid, (answer,) in drawn.items():
+        assert (answer.source, answer.verdict, answer.run, answer.checkpoint) == (
+            "external", "correct", "imported:traces.parquet", "a stronger model")
+        # The policy's own log-probs, one sequence at a time without padding, equal the batched import's.
+        prompt = ray.get(pool_shards(name)[0][shard_of(uid, 2)].stored_answers.options(num_returns=2)
+                         .remote([uid])[1]).prompts.tolist()
+        ids = torch.tensor([prompt + answer.response_ids.tolist()])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1] / tiny_cfg.generator.temperature
+        own = torch.log_softmax(logits.float(), -1).gather(1, ids[0, 1:, None])[:, 0][len(prompt) - 1 :]
+        np.testing.assert_allclose(answer.logprobs, own.numpy(), rtol=1e-4, atol=1e-5)
+    assert ReplayBuffer(0, 0, pool=name, writer="check").census()["by_source"] == {"external": 6}

@@ -490,14 +490,24 @@ class ImportedPool:
 def import_text_pool(path: str | Path, tokenizer, out_path: str | Path, reward: float = 1.0,
                      max_response_tokens: int | None = None) -> ImportedPool:
     """Convert a public RLEP pool (verl/DAPO rows with `reward_model.candidates`, text only)
-    into a rayrep pool by tokenizing: the prompt with the chat template, each candidate as
-    the policy would have emitted it (text then end-of-sequence).
+    into a rayrep pool by tokenizing it (`text_pool_rows`). Text carries no behaviour
+    log-probs: they are stored as NaN, and replay must recompute them
+    (`algorithm.rlep.old_logprobs = "recompute"`, the default); a shared pool's import
+    records the policy's own instead (`rayrep.pipelines.pool.import_text`)."""
+    rows, questions, without = text_pool_rows(path, tokenizer, reward, max_response_tokens)
+    written = write_pool(rows, Path(out_path), source_checkpoint=f"imported:{Path(path).name}")
+    return ImportedPool(written, len(rows), questions, without)
+
+
+def text_pool_rows(path: str | Path, tokenizer, reward: float = 1.0, max_response_tokens: int | None = None
+                   ) -> tuple[list[dict], int, int]:
+    """The candidate answers of a text pool (verl/DAPO rows with `reward_model.candidates`)
+    as pool rows (`write_pool`'s), tokenized: the prompt with the chat template, each
+    candidate as the policy would have emitted it (text then end-of-sequence), log-probs NaN.
+    Also the number of questions, and of those without candidates.
 
     As in the RLEP code's reader, a null `candidates` means the question has no successes:
-    it is left out of the pool (and counted). Text carries no behaviour log-probs: they are
-    stored as NaN, and replay must recompute them (`algorithm.rlep.old_logprobs =
-    "recompute"`, the default).
-    """
+    it is left out (and counted)."""
     from rayrep.data import encode_prompts
     from rayrep.data.loaders import PromptFileError, load_prompts
 
@@ -524,5 +534,4 @@ def import_text_pool(path: str | Path, tokenizer, out_path: str | Path, reward: 
             })
     if not rows:
         raise PromptFileError(f"{path}: none of its {len(prompts)} questions has a candidate answer")
-    written = write_pool(rows, Path(out_path), source_checkpoint=f"imported:{Path(path).name}")
-    return ImportedPool(written, len(rows), len(prompts), without)
+    return rows, len(prompts), without
