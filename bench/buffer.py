@@ -1,11 +1,14 @@
 """Replay buffer: add throughput, sampling latency and memory held, by size and shard count.
 
     python bench/buffer.py [--sizes 10000 100000 1000000] [--shards 0 1 2 4]
-                           [--answers-per-question 16] [--tokens 256] [--repeats 30] [--snapshot]
+                           [--answers-per-question 16] [--tokens 256] [--repeats 30] [--snapshot] [--pool]
 
 For each shard count (0 = one in-process shard, else real Ray shard actors on a local
 cluster) and each size (stored trajectories of `--tokens` tokens, `--answers-per-question`
-per question), it fills a fresh buffer and measures:
+per question), it fills a fresh buffer and measures the rows below. With `--pool`, each
+shard count above 0 is measured again as a named pool (`rayrep.buffer.pool`: detached
+shards, attached to, every write journaled to disk before it is answered), beside the
+run's own shards in the same run of the script:
 
 - add: answers/s of `ReplayBuffer.add` in calls of 256 questions (dedup off, as when RLEP
   loads its pool; the test data are made beforehand and not timed);
@@ -44,6 +47,7 @@ import psutil
 import ray
 
 from rayrep.buffer.answers import Answer
+from rayrep.buffer.pool import start_pool, stop_pool
 from rayrep.buffer.replay import ReplayBuffer
 
 K = 8
@@ -100,11 +104,18 @@ def timed(call, repeats: int) -> tuple[float, float]:
     return percentiles(seconds)
 
 
-def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapshot: bool, seed: int = 0) -> dict:
+def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapshot: bool, seed: int = 0,
+        pool: bool = False) -> dict:
     questions = size // answers
     rng = np.random.default_rng(seed)
     gc.collect()
-    buffer = ReplayBuffer(shards, answers, seed=seed)
+    if pool:
+        home = Path(tempfile.mkdtemp(prefix="bench-pool-"))
+        name = f"bench-{shards}-{size}"
+        start_pool(name, home, shards, answers, seed)
+        buffer = ReplayBuffer(0, 0, seed=seed, pool=name, writer="bench")
+    else:
+        buffer = ReplayBuffer(shards, answers, seed=seed)
     buffer.stats()  # actors up before the first measurement
     memory_before = held_memory(buffer)
     add_seconds = 0.0
@@ -126,7 +137,19 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
     exgrpo = timed(lambda: buffer.sample_questions(64, K, "code"), repeats)
     floor = timed(lambda: ray.get([shard.pid.remote() for shard in buffer.shards]), repeats) if shards else (0.0, 0.0)
     files = None
-    if snapshot:
+    if pool:
+        start = time.perf_counter()
+        stop_pool(name)
+        written = time.perf_counter() - start
+        file_bytes = sum(f.stat().st_size for f in home.rglob("*") if f.is_file())
+        start = time.perf_counter()
+        start_pool(name, home, shards)
+        restored = time.perf_counter() - start
+        assert ReplayBuffer(0, 0, pool=name).stats()["answers"] == questions * answers
+        files = (written, restored, file_bytes)
+        stop_pool(name)
+        shutil.rmtree(home)
+    elif snapshot:
         directory = Path(tempfile.mkdtemp(prefix="bench-buffer-"))
         try:
             start = time.perf_counter()
@@ -146,16 +169,20 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
             files = (written, restored, file_bytes)
         finally:
             shutil.rmtree(directory)
-    if shards:
+    if shards and not pool:
         buffer.shutdown()
     del buffer
     gc.collect()
     raw = questions * answers * tokens * 8
     return {
-        "shards": shards, "stored": questions * answers, "add_per_s": questions * answers / add_seconds,
+        "shards": shards, "pool": pool, "stored": questions * answers, "add_per_s": questions * answers / add_seconds,
         "add_mb_per_s": raw / add_seconds / 1e6, "rlep": rlep, "exgrpo": exgrpo, "floor": floor,
         "held": stats["bytes"], "raw": raw, "rss": rss_grown, "uss": uss_grown, "files": files,
     }
+
+
+def label(result: dict) -> str:
+    return "in-proc" if result["shards"] == 0 else f"{'pool ' if result['pool'] else ''}{result['shards']}"
 
 
 def main(argv=None):
@@ -166,6 +193,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--snapshot", action="store_true", help="also time snapshot and restore")
+    parser.add_argument("--pool", action="store_true", help="also measure each shard count as a named pool")
     args = parser.parse_args(argv)
 
     if any(args.shards):
@@ -174,9 +202,11 @@ def main(argv=None):
     try:
         for size in args.sizes:
             for shards in args.shards:
-                result = run(shards, size, args.answers_per_question, args.tokens, args.repeats, args.snapshot)
-                results.append(result)
-                print(f"  done: {shards} shards, {size:,} trajectories", flush=True)
+                for pool in (False, True) if args.pool and shards else (False,):
+                    result = run(shards, size, args.answers_per_question, args.tokens, args.repeats, args.snapshot,
+                                 pool=pool)
+                    results.append(result)
+                    print(f"  done: {shards} shards{' (pool)' if pool else ''}, {size:,} trajectories", flush=True)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -189,23 +219,27 @@ def main(argv=None):
     print(header)
     print("-" * len(header))
     for r in results:
-        shards = "in-proc" if r["shards"] == 0 else str(r["shards"])
+        shards = label(r)
         print(f"{shards:>8}{r['stored']:>11,}{r['add_per_s']:>11,.0f}{r['add_mb_per_s']:>10.0f}"
               f"{r['rlep'][0]:>9.2f} /{r['rlep'][1]:>5.1f}{r['exgrpo'][0]:>8.2f} /{r['exgrpo'][1]:>5.1f}"
               f"{r['floor'][0]:>10.2f}{r['held'] / 1e6:>10.1f}{r['held'] / r['raw']:>10.3f}"
               f"{r['rss'] / 1e6:>10.1f}{r['rss'] / r['raw']:>9.3f}{r['uss'] / 1e6:>10.1f}{r['uss'] / r['raw']:>9.3f}")
-    if args.snapshot:
+    if args.snapshot or args.pool:
+        print("\nsnapshot: the run's shards' snapshot to Parquet and restore into new shards (--snapshot); a pool's "
+              "stop (snapshot, then stop) and start from its folder (--pool)")
         print(f"\n{'shards':>8}{'stored':>11}{'snapshot s':>12}{'restore s':>11}{'files MB':>10}{'files/raw':>11}")
         for r in results:
+            if r["files"] is None:
+                continue
             written, restored, file_bytes = r["files"]
-            shards = "in-proc" if r["shards"] == 0 else str(r["shards"])
+            shards = label(r)
             print(f"{shards:>8}{r['stored']:>11,}{written:>12.2f}{restored:>11.2f}"
                   f"{file_bytes / 1e6:>10.0f}{file_bytes / r['raw']:>11.3f}")
     largest = max(r["stored"] for r in results)
     for r in results:
         if r["stored"] == largest:
             verdict = "meets" if r["rlep"][0] < 10 else "misses"
-            where = f"{r['shards']} shard(s)" if r["shards"] else "in-process shard"
+            where = f"{r['shards']} shard(s){' of a pool' if r['pool'] else ''}" if r["shards"] else "in-process shard"
             print(f"RLEP sampling of 512 questions at {largest:,} trajectories, {where}: "
                   f"median {r['rlep'][0]:.2f} ms, {verdict} the 10 ms target")
 
