@@ -278,3 +278,17 @@ def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_polic
         own = torch.log_softmax(logits.float(), -1).gather(1, ids[0, 1:, None])[:, 0][len(prompt) - 1 :]
         np.testing.assert_allclose(answer.logprobs, own.numpy(), rtol=1e-4, atol=1e-5)
     assert ReplayBuffer(0, 0, pool=name, writer="check").census()["by_source"] == {"external": 6}
+
+
+def test_a_pool_holding_a_runs_questions_under_other_prompt_tokens_is_refused(pool):
+    from rayrep.algos.grpo import GRPO
+    from rayrep.config import InputError
+
+    name, _ = pool
+    buffer = ReplayBuffer(0, 0, pool=name, writer="other-tokenizer")
+    buffer.apply(items(range(4), 1))  # prompts [1, 2, q]
+    same = {f"q{q}": [1, 2, q] for q in range(4)} | {"new": [5]}
+    assert buffer.prompts_differing(same) == []
+    GRPO.check_shared_pool(buffer, same, name)
+    with pytest.raises(InputError, match=f"replay pool '{name}' holds 1 of this run's questions .* first: 'q2'"):
+        GRPO.check_shared_pool(buffer, same | {"q2": [1, 3, 2]}, name)

@@ -68,6 +68,8 @@ class ExGRPO(GRPO):
         """The questions the last replaying step replayed (for `exgrpo_replayed_again` only)."""
         self.version = 0
         """The policy version the step being planned samples (its draw limit counts from it)."""
+        if buffer.attached:
+            self.check_shared_pool(buffer, prompt_ids, cfg.replay.pool)
         self.retires_for_all = not buffer.attached or cfg.replay.retire_scope == "pool"
         self.retired_here: set[str] = set()
         """Questions this run retired, on a shared pool that retires per run: never drawn by
@@ -114,6 +116,8 @@ class ExGRPO(GRPO):
             self.replayed_last = replayed
         metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy,
                    "exgrpo_replays_gone": float(len(uids) - len(chosen)), "exgrpo_replayed_again": again}
+        if self.buffer.attached:  # a shared pool: how many of the chosen answers other runs sampled
+            metrics["exgrpo_replays_from_others"] = float(sum(a.run != self.origin.run for a in chosen.values()))
         joined = [g.with_replays((chosen[g.prompt.uid].rollout(self.prompt_ids[g.prompt.uid]),)
                                  if g.prompt.uid in chosen else ()) if g.pending_replays else g for g in groups]
         return joined, metrics

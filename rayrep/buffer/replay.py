@@ -274,6 +274,13 @@ class ReplayBuffer:
                 self._note_recovery(s, result)
         return merge_stats(list(results.values()))
 
+    def prompts_differing(self, prompt_ids: dict[str, list[int]]) -> list[str]:
+        """The questions of `prompt_ids` that the buffer holds under other prompt tokens."""
+        groups = self._by_shard(list(prompt_ids), key=lambda u: u)
+        parts = self._call(lambda shard: shard.prompts_differing, {
+            s: ({uid: np.asarray(prompt_ids[uid], np.int32) for uid in group},) for s, group in groups.items()})
+        return sorted(uid for part in parts.values() for uid in part)
+
     def census(self) -> dict[str, dict]:
         """Stored answers counted by source, by the run that sampled them and by policy
         version; and the buffer's version (the shards' writes)."""

@@ -306,6 +306,12 @@ class ReplayShard:
             stats["age_mean"], stats["age_max"] = float(ages.mean()), int(ages.max())
         return stats
 
+    def prompts_differing(self, prompts: dict[str, np.ndarray]) -> list[str]:
+        """Those of the given questions held here under other prompt tokens (another
+        tokenizer or chat template wrote them)."""
+        return [uid for uid, ids in prompts.items()
+                if uid in self.questions and not np.array_equal(self.questions[uid].prompt_ids, ids)]
+
     def census(self) -> dict[str, dict]:
         """Stored answers by source, by the run that sampled them (unknown: "") and by policy
         version; `version`: {"writes": this shard's version}."""
