@@ -43,7 +43,7 @@ from rayrep.buffer.files import (
     read_pool,
     read_snapshot,
 )
-from rayrep.buffer.answers import SOURCES
+from rayrep.buffer.answers import SOURCES, VERDICTS
 from rayrep.config import Config, ConfigError, config_fields, from_dict, parse_cli
 from rayrep.data.loaders import ROLES, PromptFileError, load_prompts
 from rayrep.verifier import math as vm
@@ -359,6 +359,8 @@ def answer_tables(draw, schema: pa.Schema) -> pa.Table:
         "version": rows(st.integers(-(2**31), 2**31 - 1)),
         "source": rows(st.sampled_from(SOURCES)),
         "step": rows(st.integers(0, 2**31 - 1)),
+        "temperature": rows(st.floats(width=32)),
+        "verdict": rows(st.sampled_from(tuple(VERDICTS))),
         "bucket": rows(st.integers(-1, 16)),
         "retired": rows(st.booleans()),
         "length": lengths,

@@ -110,8 +110,14 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
     assert (a.step, a.policy_version, a.sampler, a.buffer_rng, a.algorithm) == \
            (b.step, b.policy_version, b.sampler, b.buffer_rng, b.algorithm) == (a.step, 4, a.sampler, a.buffer_rng, a.algorithm)
     for name in ("answers.parquet", "questions.parquet"):
-        assert pq.read_table(out / "whole" / "checkpoints" / "final" / "buffer" / name).equals(
-            pq.read_table(out / "killed" / "checkpoints" / "final" / "buffer" / name))
+        # Each answer names the run that sampled it: its folder, which differs between the two.
+        whole_table, killed_table = (pq.read_table(out / run / "checkpoints" / "final" / "buffer" / name)
+                                     for run in ("whole", "killed"))
+        if "run" in whole_table.column_names:
+            assert set(whole_table["run"].to_pylist()) == {str((out / "whole").resolve())}
+            assert set(killed_table["run"].to_pylist()) == {str((out / "killed").resolve())}
+            whole_table, killed_table = whole_table.drop_columns(["run"]), killed_table.drop_columns(["run"])
+        assert whole_table.equals(killed_table)
     assert [step for step, _ in step_checkpoints(out / "killed")] == [2, 4]
     assert not list((out / "killed" / "checkpoints").glob(".step-*"))  # nothing half-written left
 

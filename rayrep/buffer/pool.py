@@ -215,6 +215,8 @@ class PoolShard(ReplayShard):
             self.snapshot()  # replaying a journal longer than the content would take longer than reading it
         return {"stored": stored, **self.stats()}
 
+    # A call made as to a run's shard is journaled too, as the next write of a writer "local".
+
     def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
         return self.write("local", self.applied.get("local", -1) + 1, batch, dedup, {}, [])["stored"]
 
@@ -228,12 +230,6 @@ class PoolShard(ReplayShard):
         before = len(self.questions)
         self.write("local", self.applied.get("local", -1) + 1, None, False, {}, uids)
         return before - len(self.questions)
-
-    def restore_from(self, part: dict) -> None:
-        """Hold exactly `part` (an export, as `restore`), then snapshot it: the pool's content
-        from now on (an import into an empty pool)."""
-        self.restore(part)
-        self.snapshot()
 
     # ---------------------------------------------------------------- snapshots
 
