@@ -290,5 +290,32 @@ def test_a_pool_holding_a_runs_questions_under_other_prompt_tokens_is_refused(po
     same = {f"q{q}": [1, 2, q] for q in range(4)} | {"new": [5]}
     assert buffer.prompts_differing(same) == []
     GRPO.check_shared_pool(buffer, same, name)
-    with pytest.raises(InputError, match=f"replay pool '{name}' holds 1 of this run's questions .* first: 'q2'"):
+    with pytest.raises(InputError, match=f"replay pool '{name}' holds 1 of this run's questions .*first: 'q2'"):
         GRPO.check_shared_pool(buffer, same | {"q2": [1, 3, 2]}, name)
+
+
+def test_two_runs_at_once_on_one_pool_lose_no_answer_and_replay_each_others(pool, tmp_path):
+    """Two ExGRPO runs (seeds 0 and 1), each its own job process on the cluster, attached to
+    one pool at the same time: every answer either stored is in the pool, and they replay
+    answers the other sampled."""
+    from rayrep.run.log import read_metrics
+
+    name, _ = pool
+    address = ray.get_runtime_context().gcs_address
+    jobs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "jobs" / "train.py"), "--preset", "tiny-cpu", "--algorithm.name", "exgrpo",
+         "--algorithm.std_normalize", "false", "--run.steps", "4", "--run.eval_every", "0",
+         "--algorithm.prompts_per_step", "16", "--learner.mini_batch_prompts", "8", "--data.arithmetic_test_size", "32",
+         "--algorithm.exgrpo.start_pass_rate", "0", "--replay.pool", name, "--replay.retire_scope", "run",
+         "--run.seed", str(seed), "--logging.out_dir", str(tmp_path), "--logging.run_name", f"seed-{seed}",
+         "--logging.plots", "false"],
+        env={**os.environ, "RAY_ADDRESS": address}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for seed in (0, 1)]
+    for job in jobs:
+        output, _ = job.communicate(timeout=900)
+        assert job.returncode == 0, output[-3000:]
+    runs = {seed: read_metrics(tmp_path / f"seed-{seed}" / "metrics.jsonl") for seed in (0, 1)}
+    stored = {seed: sum(r.get("buffer_stored", 0) for r in records) for seed, records in runs.items()}
+    census = ReplayBuffer(0, 0, pool=name, writer="check").census()
+    assert census["by_run"] == {str((tmp_path / f"seed-{seed}").resolve()): stored[seed] for seed in (0, 1)}
+    assert sum(r.get("exgrpo_replays_from_others", 0) for records in runs.values() for r in records) > 0
