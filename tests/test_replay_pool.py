@@ -319,3 +319,51 @@ def test_two_runs_at_once_on_one_pool_lose_no_answer_and_replay_each_others(pool
     census = ReplayBuffer(0, 0, pool=name, writer="check").census()
     assert census["by_run"] == {str((tmp_path / f"seed-{seed}").resolve()): stored[seed] for seed in (0, 1)}
     assert sum(r.get("exgrpo_replays_from_others", 0) for records in runs.values() for r in records) > 0
+
+
+WRITER = """
+import sys, numpy as np, ray
+sys.path.insert(0, {root!r})
+from rayrep.buffer.answers import Answer
+from rayrep.buffer.replay import ReplayBuffer
+ray.init(log_to_driver=False)
+pool = ReplayBuffer(0, 0, pool={name!r}, writer="doomed")
+for batch in range(10_000):
+    pool.apply([(f"q{{q}}", np.array([1, 2, q], np.int32),
+                 [Answer(np.array([q, batch, i] + [5] * 200, np.int32), np.zeros(203, np.float32), 1.0)
+                  for i in range(8)]) for q in range(40)])
+    print(batch, flush=True)
+"""
+
+
+def test_a_run_killed_mid_write_leaves_every_question_whole(pool):
+    """A writer SIGKILLed while its writes stream in: each shard took each write whole or not
+    at all, so every question holds all 8 answers of a write or none, the pool takes the next
+    writes, and started again from its folder it holds the same."""
+    name, home = pool
+    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(root=str(ROOT), name=name)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address})
+    for _ in range(3):  # a few writes answered, then killed in the middle of the stream
+        assert writer.stdout.readline()
+    writer.kill()
+    writer.wait()
+    buffer = ReplayBuffer(0, 0, pool=name, writer="after")
+
+    def per_write() -> dict:
+        counts = {}
+        for _, packed in buffer.stored_answers([f"q{q}" for q in range(40)]):
+            for uid, answers in ray.get(packed).unpack().items():
+                for a in answers:
+                    counts[uid, int(a.response_ids[1])] = counts.get((uid, int(a.response_ids[1])), 0) + 1
+        return counts
+
+    counts = per_write()
+    assert counts and set(counts.values()) == {8}
+    # Every answered write (3 at least) reached both shards; a later one may have reached one shard only.
+    assert {batch for (_, batch) in counts} >= {0, 1, 2}
+    buffer.apply(items(range(40), 1, first=900))
+    held = content(buffer)
+    stop_pool(name)
+    start_pool(name, home, 2)
+    assert content(ReplayBuffer(0, 0, pool=name, writer="after")) == held
