@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from rayrep.config import (Config, ConfigError, LearnerConfig, config_fields, from_dict, help_text, load_preset, parse_cli, preset_names)
@@ -214,3 +216,19 @@ def test_a_job_refuses_a_setting_it_sets_itself(tmp_path, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert "algorithm.name = " in err and "sets it itself (" in err and "); leave it out" in err
+
+
+def test_a_recorded_config_without_a_field_added_since_counts_as_its_default():
+    """A run recorded before a field existed stands for one with the field's default only where
+    the field was added with the old behaviour as default (`option(added=True)`)."""
+    from rayrep.config import differing_fields
+
+    ours = json.loads(load_preset("tiny-cpu").to_json())
+    recorded = json.loads(load_preset("tiny-cpu").to_json())
+    for name in ("pool", "max_version_lag", "others_only", "retire_scope"):
+        del recorded["replay"][name]
+    assert differing_fields(recorded, ours) == []
+    assert differing_fields(recorded, json.loads(load_preset("tiny-cpu").replace(**{"replay.others_only": True})
+                                                 .to_json())) == [("replay.others_only", False, True)]
+    del recorded["algorithm"]["exgrpo"]["retire_from"]  # its default is not what runs did before it
+    assert differing_fields(recorded, ours) == [("algorithm.exgrpo.retire_from", None, "training-set")]

@@ -15,9 +15,11 @@ from typing import Any, Literal
 from rayrep.errors import ConfigError
 
 
-def option(default: Any, doc: str, *, min: float | None = None, max: float | None = None):
-    """A config field with its one-line doc and an optional inclusive numeric range."""
-    return field(default=default, metadata={"doc": doc, "min": min, "max": max})
+def option(default: Any, doc: str, *, min: float | None = None, max: float | None = None, added: bool = False):
+    """A config field with its one-line doc and an optional inclusive numeric range.
+    `added`: a field added after runs were recorded whose default does what those runs did,
+    so that a recorded config without it counts as having its default (`differing_fields`)."""
+    return field(default=default, metadata={"doc": doc, "min": min, "max": max, "added": added})
 
 def build(data: dict, cls: type, prefix: str = "") -> Any:
     """Build a (nested) config dataclass `cls` from plain data, checking names and types."""

@@ -5,6 +5,7 @@ of any field (`--learner.lr 1e-6`); a stopped run's saved config.json when it re
 from __future__ import annotations
 
 import importlib.resources
+import json
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -135,7 +136,9 @@ def differing_fields(
 ) -> list[tuple[str, Any, Any]]:
     """`(section.field, their value, our value)` for every field where two configs as
     `Config.to_json` writes them (a run's `config.json`) differ, by name; only the names
-    `keep` accepts. A field one of them lacks counts as None."""
+    `keep` accepts. A field one of them lacks counts as None, or as its default where it
+    was added with the behaviour before it as its default (`option(added=True)`)."""
+    added = {name: json.loads(json.dumps(f.default)) for name, _, f in config_fields() if f.metadata.get("added")}
 
     def flat(data: dict, prefix: str = "") -> dict:
         fields = {}
@@ -147,5 +150,9 @@ def differing_fields(
         return fields
 
     a, b = flat(theirs), flat(ours)
+    for fields in (a, b):
+        for name, default in added.items():
+            if keep(name):
+                fields.setdefault(name, default)
     return [(name, a.get(name), b.get(name)) for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
 

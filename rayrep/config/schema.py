@@ -77,10 +77,10 @@ class ReplayConfig:
     cpus_per_shard: float = option(0.25, "CPUs each shard's bundle reserves (shards hold memory and answer a few calls per step)", min=0.01)
     max_answers_per_question: int = option(0, "cap on stored answers per question, the oldest evicted beyond it; 0: no cap (the ExGRPO code keeps them all)", min=0)
     snapshot_every: int = option(1, "steps between snapshots of the buffer (<run>/replay/), from which a shard that dies is restored; what it was given since is lost and counted (replay_shard_lost_*): 1 loses nothing; 0: the checkpoints' snapshots only", min=0)
-    pool: str = option("", "a named pool (jobs/pool.py start) to attach to instead of starting this run's own shards; it outlives the run and other runs may share it")
-    max_version_lag: int = option(-1, "draw only stored answers sampled at most this many policy versions before the drawing run's (-1: any age); those left out are counted (replay_held_back)", min=-1)
-    others_only: bool = option(False, "draw only answers other runs stored (a shared pool), never this run's own; those left out are counted (replay_held_back)")
-    retire_scope: Literal["pool", "run"] = option("pool", "ExGRPO on a shared pool: a question one run retires is retired for every run (pool) or only never drawn again by that run (run)")
+    pool: str = option("", "a named pool (jobs/pool.py start) to attach to instead of starting this run's own shards; it outlives the run and other runs may share it", added=True)
+    max_version_lag: int = option(-1, "draw only stored answers sampled at most this many policy versions before the drawing run's (-1: any age); those left out are counted (replay_held_back)", min=-1, added=True)
+    others_only: bool = option(False, "draw only answers other runs stored (a shared pool), never this run's own; those left out are counted (replay_held_back)", added=True)
+    retire_scope: Literal["pool", "run"] = option("pool", "ExGRPO on a shared pool: a question one run retires is retired for every run (pool) or only never drawn again by that run (run)", added=True)
 
 
 @dataclass
