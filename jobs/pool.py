@@ -106,9 +106,9 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    from rayrep.buffer.files import BufferFileError
+    from rayrep.errors import InputError
 
     try:
         main(sys.argv[1:])
-    except BufferFileError as err:
+    except InputError as err:
         sys.exit(f"jobs/pool.py: {err}")

@@ -18,8 +18,8 @@ import ray
 
 from rayrep.buffer.answers import Answer, DrawLimit
 from rayrep.buffer.files import read_pool, write_pool
-from rayrep.buffer.pool import pool_exists, pool_shards, start_pool, stop_pool
-from rayrep.buffer.replay import ReplayBuffer, shard_of
+from rayrep.buffer.pool import start_pool, stop_pool
+from rayrep.buffer.replay import ReplayBuffer, pool_exists, pool_shards, shard_of
 
 ROOT = Path(__file__).resolve().parents[1]
 

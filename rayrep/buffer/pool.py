@@ -1,11 +1,11 @@
 """Named replay pools: a replay buffer that outlives runs, shared by several at once.
 
 A pool is S `PoolShard` actors, detached (they outlive the job that started them) and named
-in the `NAMESPACE` Ray namespace, `<pool>/shard-<i>`; `jobs/pool.py` starts, stops, inspects,
-exports and imports pools, and a run attaches with `--replay.pool NAME`
-(`ReplayBuffer.attach`) instead of starting shards of its own. Questions are routed to
-shards by the same stable hash as a run's buffer, so a pool and a run's snapshot trade
-questions freely.
+`<pool>/shard-<i>` in the `POOL_NAMESPACE` Ray namespace (`rayrep.buffer.replay.pool_shard`
+finds them); `jobs/pool.py` starts, stops, inspects, exports and imports pools, and a run
+attaches with `--replay.pool NAME` (`ReplayBuffer(..., pool=NAME)`) instead of starting
+shards of its own. Questions are routed to shards by the same stable hash as a run's
+buffer, so a pool and a run's snapshot trade questions freely.
 
 Each shard keeps itself on disk, in `<home>/shard-<i>/`:
 - a snapshot (`snapshot-<version>/`, the buffer snapshot format), written on demand
@@ -41,18 +41,11 @@ import ray
 
 from rayrep.buffer.answers import FACTS, PackedAnswers
 from rayrep.buffer.files import BufferFileError, read_pool, read_snapshot, write_pool_export, write_snapshot
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import POOL_NAMESPACE, PoolError, ReplayBuffer, pool_exists, pool_shards
 from rayrep.buffer.shard import ReplayShard
-
-NAMESPACE = "rayrep-pools"
-"""The Ray namespace every pool's shards are named in."""
 
 DESCRIPTION = "pool.json"
 """The pool's description in its home: name, shards, per-question cap, seed."""
-
-
-def shard_name(pool: str, index: int) -> str:
-    return f"{pool}/shard-{index}"
 
 
 # ---------------------------------------------------------------------- the journal
@@ -262,22 +255,6 @@ RemotePoolShard = ray.remote(PoolShard)
 
 # ---------------------------------------------------------------------- starting and stopping
 
-class PoolError(BufferFileError):
-    """A pool that cannot be started, found or attached to, named with the reason."""
-
-
-def _shard(pool: str, index: int):
-    return ray.get_actor(shard_name(pool, index), namespace=NAMESPACE)
-
-
-def pool_exists(name: str) -> bool:
-    try:
-        _shard(name, 0)
-    except ValueError:
-        return False
-    return True
-
-
 def start_pool(name: str, home: str | Path, shards: int, max_answers_per_question: int = 0, seed: int = 0) -> list:
     """Start pool `name`'s shards, detached, keeping themselves in `home`: empty, or as `home`
     holds it (a pool stopped or lost before: then its description decides the shard count,
@@ -303,24 +280,13 @@ def start_pool(name: str, home: str | Path, shards: int, max_answers_per_questio
     partial.write_text(json.dumps(description, indent=1))
     os.replace(partial, described)
     started = [
-        RemotePoolShard.options(name=shard_name(name, i), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+        RemotePoolShard.options(name=f"{name}/shard-{i}", namespace=POOL_NAMESPACE, lifetime="detached", num_cpus=0,
                                 max_restarts=-1, max_task_retries=-1)
         .remote(str(home), i, description["max_answers_per_question"], description["seed"])
         for i in range(shards)
     ]
     ray.get([shard.pid.remote() for shard in started])  # each restored from its home, or fresh
     return started
-
-
-def pool_shards(name: str) -> tuple[list, dict]:
-    """The running pool `name`'s shards and its description."""
-    try:
-        first = _shard(name, 0)
-    except ValueError:
-        raise PoolError(f"no replay pool named {name!r} is running on this Ray cluster "
-                        f"(start one with: python jobs/pool.py start --name {name} --snapshot-dir DIR)") from None
-    description = ray.get(first.describe.remote())
-    return [first] + [_shard(name, i) for i in range(1, description["shards"])], description
 
 
 def snapshot_pool(name: str) -> int:

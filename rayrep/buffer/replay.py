@@ -37,6 +37,7 @@ from rayrep.buffer.answers import Answer, DrawLimit, PackedAnswers
 from rayrep.buffer.shard import RemoteReplayShard, ReplayShard
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
+from rayrep.errors import InputError
 
 
 SNAPSHOT_SCHEMA_VERSION = 1
@@ -44,6 +45,38 @@ SNAPSHOT_SCHEMA_VERSION = 1
 
 def shard_of(uid: str, num_shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(uid.encode(), digest_size=8).digest(), "big") % num_shards
+
+
+POOL_NAMESPACE = "rayrep-pools"
+"""The Ray namespace every named pool's shards are named in (`rayrep.buffer.pool`)."""
+
+
+class PoolError(InputError):
+    """A pool that cannot be started, found or attached to, named with the reason."""
+
+
+def pool_shard(pool: str, index: int):
+    """Shard `index` of the running pool `pool` (ValueError if there is none)."""
+    return ray.get_actor(f"{pool}/shard-{index}", namespace=POOL_NAMESPACE)
+
+
+def pool_exists(name: str) -> bool:
+    try:
+        pool_shard(name, 0)
+    except ValueError:
+        return False
+    return True
+
+
+def pool_shards(name: str) -> tuple[list, dict]:
+    """The running pool `name`'s shards and its description (`describe`)."""
+    try:
+        first = pool_shard(name, 0)
+    except ValueError:
+        raise PoolError(f"no replay pool named {name!r} is running on this Ray cluster "
+                        f"(start one with: python jobs/pool.py start --name {name} --snapshot-dir DIR)") from None
+    description = ray.get(first.describe.remote())
+    return [first] + [pool_shard(name, i) for i in range(1, description["shards"])], description
 
 
 def bucket_weights(K: int, scale: str) -> dict[int, float]:
@@ -72,8 +105,6 @@ class ReplayBuffer:
         self.seed, self.placement = seed, placement
         self._routes: dict[str, int] = {}
         if pool:
-            from rayrep.buffer.pool import pool_shards
-
             shards, description = pool_shards(pool)
             num_shards, max_answers_per_question = description["shards"], description["max_answers_per_question"]
             self.writer = f"{writer or 'client'}#{uuid.uuid4().hex[:12]}"
