@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
-from rayrep.buffer.answers import Answer, Origin
+from rayrep.buffer.answers import Answer, DrawLimit, Origin
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
@@ -66,8 +66,6 @@ class ExGRPO(GRPO):
         """The one-way switch; with the buffer, the only state that lives across steps."""
         self.replayed_last: frozenset[str] = frozenset()
         """The questions the last replaying step replayed (for `exgrpo_replayed_again` only)."""
-        self.version = 0
-        """The policy version the step being planned samples (its draw limit counts from it)."""
         if buffer.attached:
             self.check_shared_pool(buffer, prompt_ids, cfg.replay.pool)
         self.retires_for_all = not buffer.attached or cfg.replay.retire_scope == "pool"
@@ -84,7 +82,6 @@ class ExGRPO(GRPO):
         question is drawn only to be discarded."""
         algo = self.cfg.algorithm
         K, B = algo.group_size, questions
-        self.version = version
         count = math.floor(algo.exgrpo.replay_ratio * B) if self.collecting else 0
         uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma,
                                             exclude=exclude | self.retired_here) if count else []
@@ -101,11 +98,14 @@ class ExGRPO(GRPO):
         token entropy under the current policy (one batched pass on the learners). A question
         the buffer no longer holds (retired while an asynchronous round sampled it) trains
         on its fresh rollouts alone."""
-        uids = [g.prompt.uid for g in groups if g.pending_replays]
-        if not uids:
+        pending = [g for g in groups if g.pending_replays]
+        if not pending:
             return list(groups), {}
+        uids = [g.prompt.uid for g in pending]
         start = time.perf_counter()
-        chosen, entropy = self.lowest_entropy_answers(uids)
+        # The draw limit counts from the policy version that sampled the step's fresh answers.
+        version = max(r.version for g in pending for r in g.rollouts)
+        chosen, entropy = self.lowest_entropy_answers(uids, self.draw_limit(version))
         # How often the same questions come back: the code's narrow bucket weights draw the
         # middle buckets first, and when those hold few questions the same ones are replayed
         # step after step (the share of this step's replayed questions, those that got a
@@ -122,15 +122,16 @@ class ExGRPO(GRPO):
                                  if g.prompt.uid in chosen else ()) if g.pending_replays else g for g in groups]
         return joined, metrics
 
-    def lowest_entropy_answers(self, uids: list[str]) -> tuple[dict[str, Answer], float]:
+    def lowest_entropy_answers(self, uids: list[str], limit: DrawLimit | None = None
+                               ) -> tuple[dict[str, Answer], float]:
         """Per question, its stored answer of lowest mean token entropy under the current
-        policy, and the mean of the chosen answers' entropies.
+        policy among those `limit` allows, and the mean of the chosen answers' entropies.
 
         The stored answers go from the shards to the learners as object refs; each learner
         rank reduces its rows to one mean per answer over the answer's own response tokens,
         and only the chosen answers come back here.
         """
-        parts = self.buffer.stored_answers(uids, self.draw_limit(self.version))
+        parts = self.buffer.stored_answers(uids, limit)
         means = self.learners.mean_entropies([ref for _, ref in parts])
         picks: dict[str, int] = {}
         lowest: list[float] = []

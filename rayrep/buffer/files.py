@@ -199,18 +199,6 @@ def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, Question
     return entries, origins, file.schema_arrow
 
 
-def _origins(runs: pa.ChunkedArray, checkpoints: pa.ChunkedArray, origins: Origins) -> np.ndarray:
-    """The origin id of each row's (run, checkpoint), each distinct pair named in `origins`."""
-    pairs = pa.table({"run": runs, "checkpoint": checkpoints})
-    distinct = pairs.group_by(["run", "checkpoint"]).aggregate([])
-    ids = {}
-    for run, checkpoint in zip(distinct["run"].to_pylist(), distinct["checkpoint"].to_pylist()):
-        ids[(run, checkpoint)] = origin_id(run, checkpoint)
-        if ids[(run, checkpoint)]:
-            origins[ids[(run, checkpoint)]] = (run, checkpoint)
-    return np.array([ids[pair] for pair in zip(runs.to_pylist(), checkpoints.to_pylist())], np.int64)
-
-
 def _rows_by_uid(uids: list[str]) -> dict[str, range | list[int]]:
     """Row numbers of each uid, in file order (a range where they are consecutive, as written)."""
     rows: dict[str, list[int]] = {}
@@ -255,12 +243,11 @@ class Snapshot:
 
 def write_snapshot(parts: list[dict], directory: Path) -> Path:
     """Write shard exports (see `ReplayShard.export`) as one snapshot, independent of shard count."""
-    questions = sorted((q for part in parts for q in part["questions"]), key=lambda q: q[0])
+    questions, origins, version = _merged(parts)
     retired = sorted(uid for part in parts for uid in part["retired"])
     evicted = sum(part["evicted"] for part in parts)
-    origins = {origin: names for part in parts for origin, names in part.get("origins", {}).items()}
     meta = {"rayrep.kind": "buffer-snapshot", "rayrep.schema_version": str(SNAPSHOT_VERSION), "rayrep.evicted": str(evicted),
-            "rayrep.version": str(sum(part.get("version", 0) for part in parts))}
+            "rayrep.version": str(version)}
     schema = ANSWER_SCHEMA.with_metadata(meta)
     directory.mkdir(parents=True, exist_ok=True)
     _write_atomic(directory / "answers.parquet", schema,
@@ -278,12 +265,18 @@ def write_snapshot(parts: list[dict], directory: Path) -> Path:
 def write_pool_export(parts: list[dict], path: Path) -> Path:
     """Shard exports as one experience pool file: the snapshot's answer columns (token ids,
     log-probs, provenance), which `read_pool` reads; buckets and retirements are left out."""
-    questions = sorted((q for part in parts for q in part["questions"]), key=lambda q: q[0])
-    origins = {origin: names for part in parts for origin, names in part.get("origins", {}).items()}
+    questions, origins, version = _merged(parts)
     schema = ANSWER_SCHEMA.with_metadata({"rayrep.kind": "experience-pool", "rayrep.schema_version": str(POOL_VERSION),
-                                          "rayrep.version": str(sum(part.get("version", 0) for part in parts))})
+                                          "rayrep.version": str(version)})
     _write_atomic(path, schema, (_answer_table(chunk, origins, schema) for chunk in _whole_questions(questions)))
     return path
+
+
+def _merged(parts: list[dict]) -> tuple[list[tuple[str, QuestionAnswers]], Origins, int]:
+    """Shard exports' questions (in id order), their origins' names, and their versions' sum."""
+    questions = sorted((q for part in parts for q in part["questions"]), key=lambda q: q[0])
+    origins = {origin: names for part in parts for origin, names in part.get("origins", {}).items()}
+    return questions, origins, sum(part.get("version", 0) for part in parts)
 
 
 def _whole_questions(questions: list[tuple[str, QuestionAnswers]]) -> list[list[tuple[str, QuestionAnswers]]]:

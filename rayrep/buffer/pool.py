@@ -142,9 +142,7 @@ class PoolShard(ReplayShard):
             return
         snapshot = self.folder / pointer["snapshot"] if pointer["snapshot"] else None
         if snapshot is not None:
-            content = read_snapshot(snapshot)
-            self.restore({"questions": content.questions, "retired": content.retired, "evicted": content.evicted,
-                          "origins": content.origins, "version": content.version})
+            self.restore(vars(read_snapshot(snapshot)))  # a Snapshot's fields are restore's keys
         self.applied = dict(pointer.get("applied", {}))
         self.restarts, self.lost_writes = pointer.get("restarts", 0), pointer.get("lost_writes", 0)
         self.journal = self.folder / pointer["journal"]
@@ -198,31 +196,24 @@ class PoolShard(ReplayShard):
         """A writer's write number `seq` (add, set buckets, retire), applied once: a repeat
         (a call sent again after this shard died) is answered without applying it. Journaled
         before it is answered. Returns stats, with `stored`."""
+        return {"stored": self._journaled(writer, seq, items, dedup, buckets, retire), **self.stats()}
+
+    def _take(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
+        # A call made as to a run's shard is journaled too, as the next write of a writer "local".
+        return self._journaled("local", self.applied.get("local", -1) + 1, items, dedup, buckets, retire)
+
+    def _journaled(self, writer: str, seq: int, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int],
+                   retire: list[str]) -> int:
+        """`write`'s work: answers stored (0 for a repeat)."""
         if self.applied.get(writer, -1) >= seq:
-            return {"stored": 0, **self.stats()}
+            return 0
         stored = self._write(items, dedup, buckets, list(retire))
         self.applied[writer] = seq
         self._log({"op": "write", "writer": writer, "seq": seq, "dedup": dedup, "buckets": buckets,
                    "retire": list(retire)}, items)
         if self.journal_bytes > max(1 << 20, self.store.nbytes):
             self.snapshot()  # replaying a journal longer than the content would take longer than reading it
-        return {"stored": stored, **self.stats()}
-
-    # A call made as to a run's shard is journaled too, as the next write of a writer "local".
-
-    def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
-        return self.write("local", self.applied.get("local", -1) + 1, batch, dedup, {}, [])["stored"]
-
-    def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
-        return self.write("local", self.applied.get("local", -1) + 1, items, dedup, buckets, retire)
-
-    def set_buckets(self, counts: dict[str, int]) -> None:
-        self.write("local", self.applied.get("local", -1) + 1, None, False, counts, [])
-
-    def retire(self, uids: list[str]) -> int:
-        before = len(self.questions)
-        self.write("local", self.applied.get("local", -1) + 1, None, False, {}, uids)
-        return before - len(self.questions)
+        return stored
 
     # ---------------------------------------------------------------- snapshots
 
@@ -310,12 +301,12 @@ def export_pool(buffer: ReplayBuffer, path: str | Path) -> dict:
     """Every stored answer of the buffer (a pool's, or any other) as one Parquet experience
     pool: the snapshot's columns, with provenance, which RLEP replays
     (`--algorithm.rlep.pool`) and `import_into` takes back. Returns its counts."""
-    parts = buffer._call(lambda shard: shard.export, {s: () for s in buffer._all})
-    written = write_pool_export([parts[s] for s in buffer._all], Path(path))
-    questions = sum(len(part["questions"]) for part in parts.values())
-    answers = sum(len(entry) for part in parts.values() for _, entry in part["questions"])
+    parts = buffer.exports()
+    written = write_pool_export(parts, Path(path))
+    questions = sum(len(part["questions"]) for part in parts)
+    answers = sum(len(entry) for part in parts for _, entry in part["questions"])
     return {"path": str(written), "questions": questions, "answers": answers,
-            "version": sum(part["version"] for part in parts.values())}
+            "version": sum(part["version"] for part in parts)}
 
 
 def import_into(buffer: ReplayBuffer, source: str | Path) -> dict:
@@ -338,9 +329,7 @@ def import_into(buffer: ReplayBuffer, source: str | Path) -> dict:
         pool = read_pool(source)
         items = [(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in pool.items()]
         buckets, retire = {}, []
-    stored = 0
-    for first in range(0, len(items), IMPORT_QUESTIONS):  # a call's arguments stay a few MB
-        stored += buffer.apply(items[first : first + IMPORT_QUESTIONS], dedup=True)["stored"]
+    stored = add_in_parts(buffer, items)
     stats = buffer.apply(buckets=buckets, retire=retire)
     return {"source": str(source), "questions": len(items), "answers": sum(len(a) for _, _, a in items),
             "stored": stored, "retired": len(retire), "pool_questions": stats["questions"],
@@ -348,4 +337,11 @@ def import_into(buffer: ReplayBuffer, source: str | Path) -> dict:
 
 
 IMPORT_QUESTIONS = 2048
-"""Questions sent to the shards per call while importing."""
+"""Questions sent to the shards per call while importing: a call's arguments stay a few MB."""
+
+
+def add_in_parts(buffer: ReplayBuffer, items: list) -> int:
+    """Add (question id, prompt ids, answers) items, deduplicated, `IMPORT_QUESTIONS` at a
+    time; returns how many answers were stored."""
+    return sum(buffer.apply(items[first : first + IMPORT_QUESTIONS], dedup=True)["stored"]
+               for first in range(0, len(items), IMPORT_QUESTIONS))

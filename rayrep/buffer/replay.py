@@ -331,12 +331,17 @@ class ReplayBuffer:
 
         if self.attached:
             raise ValueError(f"replay pool {self.pool!r} keeps its own snapshots (jobs/pool.py snapshot)")
-        parts = self._call(lambda shard: shard.export, {s: () for s in self._all})
-        written = write_snapshot([parts[s] for s in self._all], Path(directory))
+        parts = self.exports()
+        written = write_snapshot(parts, Path(directory))
         self.restore_point = written
-        self._restore_point_counters = [(parts[s]["evicted"], parts[s]["version"]) for s in self._all]
+        self._restore_point_counters = [(part["evicted"], part["version"]) for part in parts]
         self._since_snapshot = [Counter() for _ in self._all]
         return written
+
+    def exports(self) -> list[dict]:
+        """Every shard's content (`ReplayShard.export`), shard by shard."""
+        parts = self._call(lambda shard: shard.export, {s: () for s in self._all})
+        return [parts[s] for s in self._all]
 
     @property
     def changed(self) -> bool:

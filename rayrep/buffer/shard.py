@@ -91,23 +91,27 @@ class ReplayShard:
         Retired questions take nothing. With `dedup`, an answer whose token ids are already
         stored under its question is skipped.
         """
-        return self._write(batch, dedup, {}, [])
+        return self._take(batch, dedup, {}, [])
 
     def set_buckets(self, counts: dict[str, int]) -> None:
         """Record each question's latest number of correct answers (its ExGRPO bucket)."""
-        self._write(None, False, counts, [])
+        self._take(None, False, counts, [])
 
     def retire(self, uids: list[str]) -> int:
         """Remove questions forever: their answers go, and later adds are refused; returns
         how many held answers here."""
         before = len(self.questions)
-        self._write(None, False, {}, uids)
+        self._take(None, False, {}, uids)
         return before - len(self.questions)
 
     def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
         """One round trip for a step's writes: add, then set buckets, then retire; returns stats."""
-        stored = self._write(items, dedup, buckets, retire)
+        stored = self._take(items, dedup, buckets, retire)
         return {"stored": stored, **self.stats()}
+
+    def _take(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
+        """A caller's write (each public write above): `_write` here; a pool's shard journals it."""
+        return self._write(items, dedup, buckets, retire)
 
     def _write(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
         """Add, set buckets, retire; one more version if anything changed. Returns answers stored."""

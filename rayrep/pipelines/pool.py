@@ -22,7 +22,7 @@ import torch
 
 from rayrep.buffer.answers import Answer
 from rayrep.buffer.files import text_pool_rows
-from rayrep.buffer.pool import IMPORT_QUESTIONS
+from rayrep.buffer.pool import add_in_parts
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.learner.logprobs import token_logprobs
@@ -93,8 +93,6 @@ def import_text(cfg: Config, policy: str, source: str | Path, buffer: ReplayBuff
         answers.append(Answer(np.array(row["response_ids"], np.int32), own, 1.0, 0, "external", 0,
                               cfg.generator.temperature, "correct", *origin))
     flat = [(uid, np.array(ids, np.int32), answers) for uid, (ids, answers) in items.items()]
-    stored = 0
-    for first in range(0, len(flat), IMPORT_QUESTIONS):
-        stored += buffer.apply(flat[first : first + IMPORT_QUESTIONS], dedup=True)["stored"]
+    stored = add_in_parts(buffer, flat)
     return {"source": str(source), "questions": questions, "questions_without_candidates": without,
             "candidates": len(rows), "verified": len(kept), "wrong": len(rows) - len(kept), "stored": stored}
