@@ -274,6 +274,14 @@ def test_study_summary_of_made_up_curves():
     table = study_table(summary)
     assert "rlep" in table and "15 +/- 5 (2/3)" in table and "32.7 +/- " in table and "baseline mean peak: 32.0%" in table
     assert "+2.3 +/- 2.3" in table and "+1.0 +/- " in table
+    # The lead in each half of the run (split at step 10: step 10, then step 20): +0.03,
+    # +0.05, -0.09, then +0.07, 0, 0. Each seed's baseline peaks at step 10, 20, 10 (0.30,
+    # 0.32, 0.34); RLEP reaches those at 10, 20, never: ratios 1 and 1.
+    assert rlep["half_middle"] == 10
+    assert rlep["half_gains"][0][0] == pytest.approx(-0.01 / 3) and rlep["half_gains"][1][0] == pytest.approx(0.07 / 3)
+    assert rlep["half_gains"][1][1] == pytest.approx(mean_and_se([0.07, 0.0, 0.0])[1])
+    assert rlep["own_peak_steps"] == [(10, 10), (20, 20), (None, 10)] and rlep["own_peak_ratio"] == (1.0, 0.0)
+    assert "10/10, 20/20, -/10" in table and "1.00 +/- 0.00" in table and "+2.3 +/- 2.3" in table.split("halves")[1]
     # The mean curve: at step 10 the baseline's seeds evaluated 0.30, 0.25, 0.34.
     assert [step for step, _, _ in base["curve"]] == [0, 10, 20]
     assert base["curve"][1] == (10, *mean_and_se([0.30, 0.25, 0.34]))

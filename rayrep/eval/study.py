@@ -56,7 +56,8 @@ def summarize_study(curves: dict[str, list[list[dict]]], baseline: str = "baseli
       evaluation draws: the seed-to-seed spread they share cancels): `final_gain`, the mean
       and standard error of (final - the baseline's final), and `curve_gain`, of (the mean
       over evaluations after the first - the baseline's, at the steps both evaluated), over
-      `paired_seeds` seeds (`final_gains`: each seed's);
+      `paired_seeds` seeds (`final_gains`: each seed's); `half_gains` and `own_peak_ratio`
+      as `paired_differences` says;
     - `contrasts`: the same paired differences between two other arms, `(a, b)` for a - b,
       where both have runs of one seed at least (say, an ablation against its control).
     The baseline arm's mean peak is the level every arm is measured against."""
@@ -94,19 +95,36 @@ def paired_differences(runs: dict[int, list[tuple[int, float]]], others: dict[in
     """One arm's eval curves against another's, by seed (`{seed: [(step, value)]}`), over the
     seeds both have: the mean and standard error of the differences in final value
     (`final_gain`; each seed's in `final_gains`) and in the mean over evaluations after the
-    first (`curve_gain`, at the steps both evaluated); empty without a shared seed."""
+    first (`curve_gain`, at the steps both evaluated), and the same over the evaluations up to
+    the middle of the run's steps and after it (`half_gains`, split at `half_middle`); each
+    seed's first step reaching the other's peak in that seed, with the step of that peak
+    (`own_peak_steps`: `(step or None, peak step)`), and the mean and standard error of their
+    ratio over the seeds that reach it (`own_peak_ratio`: the RLEP paper's 135 of 380 steps
+    is 0.36); empty without a shared seed."""
     paired = [(runs[s], others[s]) for s in runs if s in others]
     if not paired:
         return {}
     finals = [run[-1][1] - other[-1][1] for run, other in paired]
+    # Whether a lead grows or closes: the curve gain over each half of the run's steps.
+    middle = max(step for _, other in paired for step, _ in other) / 2
+    halves = [[_curve_mean(run, other, part) - _curve_mean(other, run, part) for run, other in paired]
+              for part in (lambda step: step <= middle, lambda step: step > middle)]
+    # The papers' speed measure: the step at which a run first reaches its own seed's baseline
+    # peak, against the step of that peak.
+    own = [(first_step_reaching(run, max(v for _, v in other)), max(other, key=lambda p: (p[1], -p[0]))[0])
+           for run, other in paired]
+    ratios = [reached / peak for reached, peak in own if reached is not None and peak > 0]
     return {"paired_seeds": len(paired), "final_gain": mean_and_se(finals), "final_gains": finals,
-            "curve_gain": mean_and_se([_curve_mean(run, other) - _curve_mean(other, run) for run, other in paired])}
+            "curve_gain": mean_and_se([_curve_mean(run, other) - _curve_mean(other, run) for run, other in paired]),
+            "half_middle": middle, "half_gains": [mean_and_se(half) for half in halves],
+            "own_peak_steps": own, "own_peak_ratio": mean_and_se(ratios) if ratios else (None, None)}
 
 
-def _curve_mean(run: list[tuple[int, float]], other: list[tuple[int, float]]) -> float:
-    """The mean of `run`'s values after its first evaluation, at the steps `other` also has."""
+def _curve_mean(run: list[tuple[int, float]], other: list[tuple[int, float]], part=lambda step: True) -> float:
+    """The mean of `run`'s values after its first evaluation, at the steps `other` also has
+    (and `part` takes)."""
     shared = {step for step, _ in other}
-    values = [value for step, value in run[1:] if step in shared]
+    values = [value for step, value in run[1:] if step in shared and part(step)]
     return sum(values) / len(values) if values else math.nan
 
 
@@ -119,11 +137,12 @@ def study_table(summary: dict) -> str:
             return "-"
         return f"{scale * mean:.{digits}f}" + ("" if math.isnan(se) else f" +/- {scale * se:.{digits}f}")
 
-    def gain(row, name) -> str:
-        if name not in row:
-            return "-"
-        mean, se = row[name]
+    def signed(pair) -> str:
+        mean, se = pair
         return f"{100 * mean:+.1f}" + ("" if math.isnan(se) else f" +/- {100 * se:.1f}")
+
+    def gain(row, name) -> str:
+        return signed(row[name]) if name in row else "-"
 
     lines = [f"{'arm':<18}{'seeds':>6}{'peak %':>16}{'final %':>16}{'reaches baseline peak at step':>32}"
              f"{'one eval SE':>13}{'replayed %':>12}{'final - base':>16}{'curve - base':>16}"]
@@ -138,6 +157,17 @@ def study_table(summary: dict) -> str:
                  "replayed: the share of trained answers that were replayed, mean over steps and seeds; "
                  "final/curve - base: points above the same seed's baseline, mean +/- SE over seeds "
                  "(curve: the mean of the evaluations after step 0)")
+    leads = {arm: row for arm, row in summary["arms"].items() if "half_gains" in row}
+    if leads:
+        lines += ["", "the lead over the same seed's baseline in each half of the run, points, mean +/- SE over seeds; "
+                  "and the step each seed first reaches its own baseline's peak, / the step of that peak",
+                  f"{'arm':<18}{'seeds':>6}{'halves split at':>17}{'first half':>16}{'second half':>16}"
+                  f"   {'reaches own baseline peak':<28}{'ratio':>14}"]
+        for arm, row in leads.items():
+            reached = ", ".join(f"{'-' if step is None else step}/{peak}" for step, peak in row["own_peak_steps"])
+            lines.append(f"{arm:<18}{row['paired_seeds']:>6}{'step ' + format(row['half_middle'], 'g'):>17}"
+                         f"{signed(row['half_gains'][0]):>16}{signed(row['half_gains'][1]):>16}   {reached:<28}"
+                         f"{pm(row['own_peak_ratio'], 1.0, 2):>14}")
     if summary.get("contrasts"):
         lines += ["", "paired differences between arms, points, mean +/- SE over the seeds both ran (each seed's final)",
                   f"{'a - b':<40}{'seeds':>6}{'final':>16}{'curve':>16}   each seed's final"]
