@@ -17,8 +17,8 @@ import pytest
 import ray
 
 from rayrep.buffer.answers import Answer, DrawLimit
-from rayrep.buffer.files import read_pool, write_pool
-from rayrep.buffer.pool import start_pool, stop_pool
+from rayrep.buffer.files import BufferFileError, read_pool, write_pool
+from rayrep.buffer.pool import read_source, start_pool, stop_pool
 from rayrep.buffer.replay import ReplayBuffer, pool_exists, pool_shards, shard_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,6 +324,11 @@ def test_a_pool_is_refused_where_it_cannot_work_and_a_run_without_its_pool_start
     with pytest.raises(PoolError, match=f"is the folder of pool '{name}', which is running"):
         start_pool("other", home, 2)
     assert not pool_exists("other") and not (tmp_path / "other").exists()
+    # A pool file without behaviour log-probs (a converted text pool) is refused, naming it.
+    write_pool([{"uid": "q1", "prompt": [], "ground_truth": "1", "data_source": "t", "prompt_ids": [1], "response_ids": [2],
+                 "logprobs": [float("nan")], "text": "1", "reward": 1.0}], tmp_path / "text.parquet", "imported:t")
+    with pytest.raises(BufferFileError, match="text.parquet: question 'q1' has answers without behaviour log-probs"):
+        read_source(tmp_path / "text.parquet")
     with pytest.raises(PoolError, match="no replay pool named 'missing' is running"):
         train(tiny_cfg.replace(**{"algorithm.name": "rlep", "replay.pool": "missing", "logging.out_dir": str(tmp_path),
                                   "logging.run_name": "attached"}), log=lambda _: None)

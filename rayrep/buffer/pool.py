@@ -348,6 +348,13 @@ def read_source(source: str | Path) -> Imported:
     if not source.is_file():
         raise BufferFileError(f"{source}: no such file or folder to import")
     pool = read_pool(source)
+    # Runs draw a pool's answers with their recorded behaviour log-probs (RLEP's 'recorded',
+    # ExGRPO's shaped loss): every answer must have them.
+    lacking = next((uid for uid, (_, answers) in pool.items() if any(np.isnan(a.logprobs).any() for a in answers)), None)
+    if lacking is not None:
+        raise BufferFileError(f"{source}: question {lacking!r} has answers without behaviour log-probs (a text pool "
+                              f"converted by jobs/collect.py --import-text); import the text with `import --text`, "
+                              f"which scores it with the policy")
     return Imported(str(source), [(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in pool.items()], {}, [])
 
 
