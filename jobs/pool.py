@@ -2,7 +2,7 @@
 
     ray start --head                                              # a cluster the pool lives on
     python jobs/pool.py start --name shared --snapshot-dir pools/shared --shards 2 [--from pool.parquet | --from-run RUN_DIR]
-    python jobs/rlep.py --replay.pool shared ...                   # runs attach instead of starting shards
+    python jobs/train.py --algorithm.name rlep --replay.pool shared  # runs attach instead of starting shards
     python jobs/pool.py stats --name shared
     python jobs/pool.py snapshot --name shared
     python jobs/pool.py export --name shared --out shared.parquet
@@ -66,18 +66,32 @@ def main(argv: list[str]) -> dict:
         command.add_argument("--name", required=True, help="the pool's name")
     args = parser.parse_args(argv)
 
-    from rayrep.buffer.pool import export_pool, import_into, snapshot_pool, start_pool, stop_pool
+    from rayrep.buffer.pool import export_pool, import_into, read_source, snapshot_pool, start_pool, stop_pool
     from rayrep.buffer.replay import ReplayBuffer
 
     if args.command == "start" and args.source and args.from_run:
         parser.error("start: --from and --from-run are two sources; give one (import adds more)")
+    if args.command == "start" and (args.shards < 1 or args.cap < 0):
+        parser.error(f"start: --shards {args.shards} --cap {args.cap}: a pool has 1 shard or more, and keeps every "
+                     f"answer (--cap 0) or the newest N > 0 per question")
+    # Every source is read (and a text pool verified and scored) before anything starts or is
+    # written: a bad one fails the command with the pool as it was.
+    sources = [read_source(source) for source in ([args.source or args.from_run] if args.command == "start" else
+                                                  args.sources if args.command == "import" else []) if source]
+    if args.command == "import" and args.text:
+        from rayrep.config import load_preset
+        from rayrep.models import resolve_policy
+        from rayrep.pipelines.pool import read_text
+
+        cfg = load_preset(args.preset)
+        policy = args.policy or resolve_policy(cfg, log=lambda _: None)
+        texts = [read_text(cfg, policy, text, args.writer, log=lambda _: None) for text in args.text]
     connect()
     if args.command == "start":
         shards = start_pool(args.name, args.snapshot_dir, args.shards, args.cap, args.seed)
         result = {"name": args.name, "shards": len(shards), "snapshot_dir": os.path.abspath(args.snapshot_dir)}
-        if args.source or args.from_run:
-            result["imported"] = import_into(ReplayBuffer(0, 0, pool=args.name, writer="import"),
-                                             args.source or args.from_run)
+        if sources:
+            result["imported"] = import_into(ReplayBuffer(0, 0, pool=args.name, writer="import"), sources[0])
     elif args.command == "stop":
         result = {"name": args.name, "version": stop_pool(args.name)}
     else:
@@ -91,16 +105,9 @@ def main(argv: list[str]) -> dict:
         elif args.command == "export":
             result = export_pool(pool, args.out)
         else:
-            result = {"name": args.name, "imported": [import_into(pool, source) for source in args.sources]}
-            if args.text:
-                from rayrep.config import load_preset
-                from rayrep.models import resolve_policy
-                from rayrep.pipelines.pool import import_text
-
-                cfg = load_preset(args.preset)
-                policy = args.policy or resolve_policy(cfg, log=lambda _: None)
-                result["imported"] += [import_text(cfg, policy, text, pool, args.writer, log=lambda _: None)
-                                       for text in args.text]
+            result = {"name": args.name, "imported": [import_into(pool, source) for source in sources]}
+            for text, counts in texts if args.text else ():
+                result["imported"].append({**import_into(pool, text), **counts})
     print(json.dumps(result, indent=1))
     return result
 

@@ -153,6 +153,18 @@ def test_direct_construction_is_validated_too():
         Config(learner=LearnerConfig(strategy="deepspeed", skip_grad_norm_above=500.0))
 
 
+
+def test_shared_pool_settings_need_a_pool_and_one_source_of_replays():
+    cfg = load_preset("tiny-cpu")
+    with pytest.raises(ConfigError, match="replay.others_only=True.*these are for a shared pool"):
+        cfg.replace(**{"replay.others_only": True})
+    with pytest.raises(ConfigError, match="replay.retire_scope='run'.*these are for a shared pool"):
+        cfg.replace(**{"replay.retire_scope": "run"})
+    with pytest.raises(ConfigError, match="algorithm.rlep.pool='p.parquet' and replay.pool='shared'.*jobs/pool.py import"):
+        cfg.replace(**{"algorithm.name": "rlep", "algorithm.rlep.pool": "p.parquet", "replay.pool": "shared"})
+    cfg.replace(**{"replay.pool": "shared", "replay.others_only": True, "replay.retire_scope": "run"})
+
+
 def test_round_trip_and_replace():
     cfg = load_preset("tiny-cpu")
     assert from_dict(cfg.to_dict()) == cfg
@@ -228,7 +240,7 @@ def test_a_recorded_config_without_a_field_added_since_counts_as_its_default():
     for name in ("pool", "max_version_lag", "others_only", "retire_scope"):
         del recorded["replay"][name]
     assert differing_fields(recorded, ours) == []
-    assert differing_fields(recorded, json.loads(load_preset("tiny-cpu").replace(**{"replay.others_only": True})
-                                                 .to_json())) == [("replay.others_only", False, True)]
+    assert differing_fields(recorded, json.loads(load_preset("tiny-cpu").replace(**{"replay.max_version_lag": 3})
+                                                 .to_json())) == [("replay.max_version_lag", -1, 3)]
     del recorded["algorithm"]["exgrpo"]["retire_from"]  # its default is not what runs did before it
     assert differing_fields(recorded, ours) == [("algorithm.exgrpo.retire_from", None, "training-set")]

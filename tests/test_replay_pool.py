@@ -17,8 +17,8 @@ import pytest
 import ray
 
 from rayrep.buffer.answers import Answer, DrawLimit
-from rayrep.buffer.files import read_pool, write_pool
-from rayrep.buffer.pool import start_pool, stop_pool
+from rayrep.buffer.files import BufferFileError, read_pool, write_pool
+from rayrep.buffer.pool import read_source, start_pool, stop_pool
 from rayrep.buffer.replay import ReplayBuffer, pool_exists, pool_shards, shard_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,9 +166,13 @@ def test_a_question_routes_to_the_same_shard_in_a_pool_and_a_run(pool):
         assert [uid for uid, _ in entries] == [f"q{q}"]
 
 
-def pool_job(*args: str, address: str) -> dict:
+def pool_job(*args: str, address: str, fails: bool = False) -> dict | str:
+    """`jobs/pool.py ARGS`'s printed result; with `fails`, its error (it must fail)."""
     done = subprocess.run([sys.executable, str(ROOT / "jobs" / "pool.py"), *args], capture_output=True, text=True,
                           env={**os.environ, "RAY_ADDRESS": address}, timeout=300)
+    if fails:
+        assert done.returncode != 0, done.stdout[-3000:]
+        return done.stderr
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -180,6 +184,11 @@ def test_jobs_pool_commands_work_end_to_end_in_other_processes(ray_cluster, tmp_
              "text": f"{q}", "reward": 1.0, "version": 0} for q in range(10) for i in range(3)]
     write_pool(rows, tmp_path / "seed.parquet", source_checkpoint="base-ckpt")
     name = f"job-{uuid.uuid4().hex[:8]}"
+    # A source that cannot be read fails the start before any shard starts or file is written.
+    (tmp_path / "broken.parquet").write_text("not parquet")
+    error = pool_job("start", "--name", name, "--snapshot-dir", str(tmp_path / "home"), "--from",
+                     str(tmp_path / "broken.parquet"), address=address, fails=True)
+    assert "broken.parquet" in error and not pool_exists(name) and not (tmp_path / "home").exists()
     started = pool_job("start", "--name", name, "--snapshot-dir", str(tmp_path / "home"), "--shards", "2",
                        "--from", str(tmp_path / "seed.parquet"), address=address)
     try:
@@ -197,6 +206,10 @@ def test_jobs_pool_commands_work_end_to_end_in_other_processes(ray_cluster, tmp_
         run_buffer = ReplayBuffer(0, 0)
         run_buffer.apply(items(range(5, 15), 2, first=20), buckets={f"q{q}": 3 for q in range(5, 15)})
         run_buffer.snapshot(tmp_path / "run" / "replay")
+        # One bad source among good ones: nothing imported.
+        error = pool_job("import", "--name", name, str(tmp_path / "run"), str(tmp_path / "broken.parquet"),
+                         address=address, fails=True)
+        assert "broken.parquet" in error and pool_job("stats", "--name", name, address=address)["answers"] == 30
         imported = pool_job("import", "--name", name, str(tmp_path / "run"), str(tmp_path / "out.parquet"),
                             address=address)["imported"]
         assert [i["stored"] for i in imported] == [20, 0]
@@ -255,14 +268,17 @@ def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_polic
         "data_source": ["math_dapo"] * rows,
         "prompt": [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(rows)],
         "reward_model": [{"ground_truth": str(2 * i), "style": "rule",
-                          "candidates": [f"{i} + {i} = \\boxed{{{2 * i}}}", f"\\boxed{{{2 * i + 1}}}"]}
+                          "candidates": [f"{i} + {i} = \\boxed{{{2 * i}}}", f"\\boxed{{{2 * i + 1}}}"]
+                          + ([f"{i} + {i} is {i} + {i}, " * 20 + f"\\boxed{{{2 * i}}}"] if i == 0 else [])}
                          for i in range(rows)],
         "extra_info": [{"index": f"t{i}"} for i in range(rows)],
     }), tmp_path / "traces.parquet")
     buffer = ReplayBuffer(0, 0, pool=name, writer="import")
     imported = import_text(tiny_cfg, tiny_policy, tmp_path / "traces.parquet", buffer, writer="a stronger model",
                            log=lambda _: None)
-    assert (imported["candidates"], imported["verified"], imported["wrong"], imported["stored"]) == (12, 6, 6, 6)
+    # The long one is right, but cut to the policy's answer length it would not be: left out.
+    assert (imported["candidates"], imported["too_long"], imported["verified"], imported["wrong"],
+            imported["stored"]) == (13, 1, 6, 6, 6)
     drawn = buffer.sample_answers([(f"t{i}", 5) for i in range(rows)])
     assert sorted(drawn) == [f"t{i}" for i in range(rows)] and all(len(a) == 1 for a in drawn.values())
     model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
@@ -281,17 +297,42 @@ def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_polic
 
 
 def test_a_pool_holding_a_runs_questions_under_other_prompt_tokens_is_refused(pool):
-    from rayrep.algos.grpo import GRPO
-    from rayrep.config import InputError
+    from rayrep.buffer.replay import PoolError, check_attachable
 
     name, _ = pool
     buffer = ReplayBuffer(0, 0, pool=name, writer="other-tokenizer")
     buffer.apply(items(range(4), 1))  # prompts [1, 2, q]
     same = {f"q{q}": [1, 2, q] for q in range(4)} | {"new": [5]}
     assert buffer.prompts_differing(same) == []
-    GRPO.check_shared_pool(buffer, same, name)
-    with pytest.raises(InputError, match=f"replay pool '{name}' holds 1 of this run's questions .*first: 'q2'"):
-        GRPO.check_shared_pool(buffer, same | {"q2": [1, 3, 2]}, name)
+    check_attachable(name, same)
+    with pytest.raises(PoolError, match=f"replay pool '{name}' holds 1 of this run's questions .*first: 'q2'"):
+        check_attachable(name, same | {"q2": [1, 3, 2]})
+
+
+def test_a_pool_is_refused_where_it_cannot_work_and_a_run_without_its_pool_starts_nothing(pool, tiny_cfg, tmp_path):
+    """No shards, a negative cap, or the folder of a running pool under another name: refused
+    before anything starts. A run attached to a pool that is not running fails before its
+    folder is written or an actor starts."""
+    from rayrep.buffer.replay import PoolError
+    from rayrep.train import train
+
+    name, home = pool
+    with pytest.raises(PoolError, match="shards=0; a pool needs 1 shard or more"):
+        start_pool("other", tmp_path / "other", 0)
+    with pytest.raises(PoolError, match="max_answers_per_question=-1"):
+        start_pool("other", tmp_path / "other", 2, -1)
+    with pytest.raises(PoolError, match=f"is the folder of pool '{name}', which is running"):
+        start_pool("other", home, 2)
+    assert not pool_exists("other") and not (tmp_path / "other").exists()
+    # A pool file without behaviour log-probs (a converted text pool) is refused, naming it.
+    write_pool([{"uid": "q1", "prompt": [], "ground_truth": "1", "data_source": "t", "prompt_ids": [1], "response_ids": [2],
+                 "logprobs": [float("nan")], "text": "1", "reward": 1.0}], tmp_path / "text.parquet", "imported:t")
+    with pytest.raises(BufferFileError, match="text.parquet: question 'q1' has answers without behaviour log-probs"):
+        read_source(tmp_path / "text.parquet")
+    with pytest.raises(PoolError, match="no replay pool named 'missing' is running"):
+        train(tiny_cfg.replace(**{"algorithm.name": "rlep", "replay.pool": "missing", "logging.out_dir": str(tmp_path),
+                                  "logging.run_name": "attached"}), log=lambda _: None)
+    assert not (tmp_path / "attached").exists()
 
 
 def test_two_runs_at_once_on_one_pool_lose_no_answer_and_replay_each_others(pool, tmp_path):

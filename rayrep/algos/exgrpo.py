@@ -66,8 +66,6 @@ class ExGRPO(GRPO):
         """The one-way switch; with the buffer, the only state that lives across steps."""
         self.replayed_last: frozenset[str] = frozenset()
         """The questions the last replaying step replayed (for `exgrpo_replayed_again` only)."""
-        if buffer.attached:
-            self.check_shared_pool(buffer, prompt_ids, cfg.replay.pool)
         self.retires_for_all = not buffer.attached or cfg.replay.retire_scope == "pool"
         self.retired_here: set[str] = set()
         """Questions this run retired, on a shared pool that retires per run: never drawn by

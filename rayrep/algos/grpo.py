@@ -18,7 +18,7 @@ from typing import Literal
 
 from rayrep.algos.advantages import group_advantages
 from rayrep.buffer.answers import DrawLimit, Origin
-from rayrep.config import Config, InputError, derive_seed
+from rayrep.config import Config, derive_seed
 from rayrep.data import PromptSampler
 from rayrep.types import TOKEN_SUM_AGGREGATIONS, Group, LossSpec, StepBatch, StepPlan, TrainBatch
 from rayrep.verifier.reward import rewards
@@ -63,16 +63,6 @@ class GRPO:
         samples them (what a replay method's draw limit counts from)."""
         group_size = self.cfg.algorithm.group_size
         return StepPlan(tuple((p, group_size) for p in sampler.next(questions) if p.uid not in exclude))
-
-    @staticmethod
-    def check_shared_pool(buffer, prompt_ids: dict[str, list[int]], pool: str) -> None:
-        """A shared pool that holds this run's questions under other prompt tokens (another
-        tokenizer or chat template wrote them) would replay answers to other prompts: refused."""
-        differing = buffer.prompts_differing(prompt_ids)
-        if differing:
-            raise InputError(f"replay pool {pool!r} holds {len(differing)} of this run's questions under other prompt "
-                             f"tokens than this run's tokenizer and chat template give (first: {differing[0]!r}); "
-                             f"attach runs of one tokenizer to one pool")
 
     def draw_limit(self, version: int) -> DrawLimit | None:
         """Which stored answers a replay method may draw at policy version `version`

@@ -56,8 +56,6 @@ class RLEP(GRPO):
         self.buffer = buffer
         if pool is not None:
             self.buffer.add([(uid, ids, answers) for uid, (ids, answers) in pool.items()])
-        if buffer.attached:
-            self.check_shared_pool(buffer, prompt_ids, cfg.replay.pool)
 
     def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset(),
              version: int = 0) -> StepPlan:

@@ -34,6 +34,7 @@ import os
 import shutil
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -252,6 +253,11 @@ def start_pool(name: str, home: str | Path, shards: int, max_answers_per_questio
     cap and seed, and a different `shards` is refused). Returns the shards, each ready."""
     if not name or "/" in name:
         raise PoolError(f"pool name {name!r}: must be non-empty and without '/'")
+    if shards < 1:
+        raise PoolError(f"pool {name!r}: shards={shards}; a pool needs 1 shard or more")
+    if max_answers_per_question < 0:
+        raise PoolError(f"pool {name!r}: max_answers_per_question={max_answers_per_question}; 0 keeps every answer, "
+                        f"N > 0 the newest N per question")
     if pool_exists(name):
         raise PoolError(f"a pool named {name!r} is already running (jobs/pool.py stop --name {name})")
     home = Path(home).resolve()
@@ -262,6 +268,10 @@ def start_pool(name: str, home: str | Path, shards: int, max_answers_per_questio
             kept = json.loads(described.read_text())
         except ValueError as err:
             raise PoolError(f"{described}: not valid JSON ({err})") from None
+        if kept.get("name") != name and pool_exists(str(kept.get("name"))):
+            # Two pools' shards would append to the same journals and replace each other's pointers.
+            raise PoolError(f"{home} is the folder of pool {kept.get('name')!r}, which is running: one folder "
+                            f"keeps one pool")
         if kept.get("shards") != shards:
             raise PoolError(f"{described}: the pool in {home} has {kept.get('shards')} shards, not {shards} "
                             f"(questions are routed by the shard count)")
@@ -309,11 +319,21 @@ def export_pool(buffer: ReplayBuffer, path: str | Path) -> dict:
             "version": sum(part["version"] for part in parts)}
 
 
-def import_into(buffer: ReplayBuffer, source: str | Path) -> dict:
-    """Add what `source` holds to the buffer, deduplicated by token ids: a Parquet experience
-    pool (`jobs/collect.py`, an export), a buffer snapshot folder, or a run folder (its last
-    snapshot, `<run>/replay`). A snapshot's buckets and retired questions come along. Text
-    pools need the policy to tokenize and score them: `rayrep.pipelines.pool.import_text`."""
+@dataclass(frozen=True)
+class Imported:
+    """What a source holds for a buffer (`read_source`), read whole before anything is written."""
+
+    source: str
+    items: list
+    """(question id, prompt ids, answers)."""
+    buckets: dict[str, int]
+    retire: list[str]
+
+
+def read_source(source: str | Path) -> Imported:
+    """What `source` holds: a Parquet experience pool (`jobs/collect.py`, an export), a buffer
+    snapshot folder, or a run folder (its last snapshot, `<run>/replay`), with a snapshot's
+    buckets and retired questions. A BufferFileError names what is wrong with it."""
     source = Path(source)
     if source.is_dir():
         folder = source / "replay" if (source / "replay" / "answers.parquet").is_file() else source
@@ -324,15 +344,29 @@ def import_into(buffer: ReplayBuffer, source: str | Path) -> dict:
         items = [(uid, entry.prompt_ids, entry.packed(uid, snapshot.origins).unpack()[uid])
                  for uid, entry in snapshot.questions]
         buckets = {uid: entry.bucket for uid, entry in snapshot.questions if entry.bucket >= 0}
-        retire = snapshot.retired
-    else:
-        pool = read_pool(source)
-        items = [(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in pool.items()]
-        buckets, retire = {}, []
-    stored = add_in_parts(buffer, items)
-    stats = buffer.apply(buckets=buckets, retire=retire)
-    return {"source": str(source), "questions": len(items), "answers": sum(len(a) for _, _, a in items),
-            "stored": stored, "retired": len(retire), "pool_questions": stats["questions"],
+        return Imported(str(source), items, buckets, list(snapshot.retired))
+    if not source.is_file():
+        raise BufferFileError(f"{source}: no such file or folder to import")
+    pool = read_pool(source)
+    # Runs draw a pool's answers with their recorded behaviour log-probs (RLEP's 'recorded',
+    # ExGRPO's shaped loss): every answer must have them.
+    lacking = next((uid for uid, (_, answers) in pool.items() if any(np.isnan(a.logprobs).any() for a in answers)), None)
+    if lacking is not None:
+        raise BufferFileError(f"{source}: question {lacking!r} has answers without behaviour log-probs (a text pool "
+                              f"converted by jobs/collect.py --import-text); import the text with `import --text`, "
+                              f"which scores it with the policy")
+    return Imported(str(source), [(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in pool.items()], {}, [])
+
+
+def import_into(buffer: ReplayBuffer, source: str | Path | Imported) -> dict:
+    """Add what `source` holds (`read_source`'s, or a path it reads first) to the buffer,
+    deduplicated by token ids; a snapshot's buckets and retired questions come along. Text
+    pools need the policy to tokenize and score them: `rayrep.pipelines.pool.import_text`."""
+    read = source if isinstance(source, Imported) else read_source(source)
+    stored = add_in_parts(buffer, read.items)
+    stats = buffer.apply(buckets=read.buckets, retire=read.retire) if read.buckets or read.retire else buffer.stats()
+    return {"source": read.source, "questions": len(read.items), "answers": sum(len(a) for _, _, a in read.items),
+            "stored": stored, "retired": len(read.retire), "pool_questions": stats["questions"],
             "pool_answers": stats["answers"]}
 
 

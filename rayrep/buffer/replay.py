@@ -40,8 +40,6 @@ from rayrep.cluster.supervisor import Supervisor
 from rayrep.errors import InputError
 
 
-SNAPSHOT_SCHEMA_VERSION = 1
-
 
 def shard_of(uid: str, num_shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(uid.encode(), digest_size=8).digest(), "big") % num_shards
@@ -77,6 +75,17 @@ def pool_shards(name: str) -> tuple[list, dict]:
                         f"(start one with: python jobs/pool.py start --name {name} --snapshot-dir DIR)") from None
     description = ray.get(first.describe.remote())
     return [first] + [pool_shard(name, i) for i in range(1, description["shards"])], description
+
+
+def check_attachable(name: str, prompt_ids: dict[str, list[int]]) -> None:
+    """A run may attach to pool `name` only if it runs on this cluster and holds none of the
+    run's questions under other prompt tokens (another tokenizer or chat template wrote them:
+    it would replay answers to other prompts). A PoolError names what is wrong."""
+    differing = ReplayBuffer(0, 0, pool=name, writer="check").prompts_differing(prompt_ids)
+    if differing:
+        raise PoolError(f"replay pool {name!r} holds {len(differing)} of this run's questions under other prompt "
+                        f"tokens than this run's tokenizer and chat template give (first: {differing[0]!r}); "
+                        f"attach runs of one tokenizer to one pool")
 
 
 def bucket_weights(K: int, scale: str) -> dict[int, float]:

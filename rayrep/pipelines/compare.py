@@ -63,6 +63,9 @@ def compare_with_baseline(
     `restarts`: how many times a training stage whose learner died continues on its own
     (`rayrep.train.train_resuming`)."""
     # What is given on the command line is checked before any stage starts.
+    if cfg.replay.pool:
+        raise InputError(f"replay.pool={cfg.replay.pool!r}: this pipeline compares runs of their own buffers; to "
+                         f"replay a shared pool, train with jobs/train.py --algorithm.name {method} --replay.pool {cfg.replay.pool}")
     if baseline_checkpoint and not (Path(baseline_checkpoint) / "config.json").is_file():
         raise InputError(f"baseline checkpoint {baseline_checkpoint}: not a checkpoint folder (no config.json in it)")
     if pool:

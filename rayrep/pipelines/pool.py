@@ -22,7 +22,7 @@ import torch
 
 from rayrep.buffer.answers import Answer
 from rayrep.buffer.files import text_pool_rows
-from rayrep.buffer.pool import add_in_parts
+from rayrep.buffer.pool import Imported, add_in_parts
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.learner.logprobs import token_logprobs
@@ -67,20 +67,23 @@ def policy_logprobs(model, sequences: list[tuple[list[int], list[int]]], tempera
     return results
 
 
-def import_text(cfg: Config, policy: str, source: str | Path, buffer: ReplayBuffer, writer: str = "",
-                log=print) -> dict:
-    """Add the text pool `source`'s candidate answers that the verifier accepts to `buffer`,
-    encoded and scored by `policy` (see the module docstring); `writer`: the model that wrote
-    them, as their origin's checkpoint. Returns what was read, kept and stored."""
+def read_text(cfg: Config, policy: str, source: str | Path, writer: str = "", log=print) -> tuple[Imported, dict]:
+    """The text pool `source`'s candidate answers that the verifier accepts, encoded and scored
+    by `policy` (see the module docstring), ready for a buffer (`import_into`); `writer`: the
+    model that wrote them, as their origin's checkpoint. Also what was read and kept.
+
+    A candidate longer than `generator.max_response_tokens` is left out (counted): cut to
+    that length it would no longer be the answer the verifier accepted."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(policy)
     rows, questions, without = text_pool_rows(source, tokenizer, 1.0, cfg.generator.max_response_tokens)
-    verdicts = verify_batch([row["text"] for row in rows], [row["ground_truth"] for row in rows],
+    whole = [row for row in rows if row["response_ids"][-1] == tokenizer.eos_token_id]  # a cut one lost its end
+    verdicts = verify_batch([row["text"] for row in whole], [row["ground_truth"] for row in whole],
                             cfg.verifier.timeout_s)
-    kept = [row for row, verdict in zip(rows, verdicts) if verdict.correct]
-    log(f"{source}: {len(rows)} candidate answers of {questions - without} questions; the verifier accepts "
-        f"{len(kept)}")
+    kept = [row for row, verdict in zip(whole, verdicts) if verdict.correct]
+    log(f"{source}: {len(rows)} candidate answers of {questions - without} questions, {len(rows) - len(whole)} "
+        f"longer than {cfg.generator.max_response_tokens} tokens; the verifier accepts {len(kept)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32, **config_overrides(cfg, policy))
     model.to(device).eval()
@@ -93,6 +96,14 @@ def import_text(cfg: Config, policy: str, source: str | Path, buffer: ReplayBuff
         answers.append(Answer(np.array(row["response_ids"], np.int32), own, 1.0, 0, "external", 0,
                               cfg.generator.temperature, "correct", *origin))
     flat = [(uid, np.array(ids, np.int32), answers) for uid, (ids, answers) in items.items()]
-    stored = add_in_parts(buffer, flat)
-    return {"source": str(source), "questions": questions, "questions_without_candidates": without,
-            "candidates": len(rows), "verified": len(kept), "wrong": len(rows) - len(kept), "stored": stored}
+    counts = {"source": str(source), "questions": questions, "questions_without_candidates": without,
+              "candidates": len(rows), "too_long": len(rows) - len(whole), "verified": len(kept),
+              "wrong": len(whole) - len(kept)}
+    return Imported(str(source), flat, {}, []), counts
+
+
+def import_text(cfg: Config, policy: str, source: str | Path, buffer: ReplayBuffer, writer: str = "",
+                log=print) -> dict:
+    """`read_text`'s answers added to `buffer`. Returns what was read, kept and stored."""
+    read, counts = read_text(cfg, policy, source, writer, log)
+    return {**counts, "stored": add_in_parts(buffer, read.items)}

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from rayrep.algos import AlgorithmInputs, check_inputs
 from rayrep.algos.interface import Algorithm
 from rayrep.buffer.answers import Origin
+from rayrep.buffer.replay import check_attachable
 from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.heap import long_lived
@@ -29,7 +30,7 @@ from rayrep.run.layout import RunFolder
 from rayrep.run.log import MetricsLog, keep_metrics_until, step_fields
 from rayrep.run.record import StepRecord
 from rayrep.run.supervision import learner_death
-from rayrep.runtime.system import Runtime
+from rayrep.runtime.system import Runtime, join_pool_cluster
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Run:
     @staticmethod
     def open(cfg: Config, resume: bool = False, log=print) -> "Run":
         """Everything that can be wrong with the policy, the prompt sets, the algorithm's inputs
-        (RLEP's pool), the checkpoint to resume from or another run's start fails here, before
+        (RLEP's pool, a shared pool to attach to), the checkpoint to resume from or another run's start fails here, before
         any actor starts and before the run's folder is written; then the folder gets the
         config, and a resumed run its sampler position, evaluations and log up to its checkpoint."""
         policy = resolve_policy(cfg, log=log)
@@ -71,6 +72,9 @@ class Run:
         # policy versions count the updates since) and its sampling temperature.
         origin = Origin(str(folder.path.resolve()), str(policy), cfg.generator.temperature)
         inputs = check_inputs(cfg, train_prompts, prompt_ids, origin)
+        if cfg.replay.pool and cfg.algorithm.uses_replay:  # it lives on a running cluster: join it, check it now
+            join_pool_cluster(cfg.replay.pool)
+            check_attachable(cfg.replay.pool, prompt_ids)
         checkpoint, state = resume_point(cfg, folder) if resume else (None, None)
         known_start = known_start_evaluation(cfg) if cfg.run.start_eval and state is None else None
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import PoolError, ReplayBuffer
 from rayrep.cluster.placement import Placement, Plan, make_plan
 from rayrep.config import Config
 from rayrep.generator.engine import check_vllm_version
@@ -47,6 +47,19 @@ def connect_ray(plan: Plan) -> bool:
     cpus = max(os.cpu_count() or 1, math.ceil(plan.total.get("CPU", 1)))
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.ERROR)
     return True
+
+
+def join_pool_cluster(pool: str) -> None:
+    """A run attached to a named pool joins the cluster the pool lives on before anything
+    starts: RAY_ADDRESS's, else the one `ray start` runs on this machine (a local cluster of
+    its own would hold no pool). A PoolError if there is none."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True, logging_level=logging.ERROR)
+    except ConnectionError as err:
+        raise PoolError(f"replay.pool {pool!r}: no Ray cluster to find the pool on ({err}); a pool lives on a "
+                        f"running cluster (ray start --head; jobs/pool.py start): run there, or set RAY_ADDRESS") from None
 
 
 def actor_environment(cfg: Config, log_dir: str | Path | None = None) -> dict[str, str]:
