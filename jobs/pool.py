@@ -66,18 +66,22 @@ def main(argv: list[str]) -> dict:
         command.add_argument("--name", required=True, help="the pool's name")
     args = parser.parse_args(argv)
 
-    from rayrep.buffer.pool import export_pool, import_into, read_source, snapshot_pool, start_pool, stop_pool
+    from rayrep.buffer.pool import (check_pool_settings, export_pool, import_into, read_source, snapshot_pool,
+                                    start_pool, stop_pool)
     from rayrep.buffer.replay import ReplayBuffer
 
-    if args.command == "start" and args.source and args.from_run:
-        parser.error("start: --from and --from-run are two sources; give one (import adds more)")
-    if args.command == "start" and (args.shards < 1 or args.cap < 0):
-        parser.error(f"start: --shards {args.shards} --cap {args.cap}: a pool has 1 shard or more, and keeps every "
-                     f"answer (--cap 0) or the newest N > 0 per question")
+    paths = []
+    if args.command == "start":
+        if args.source and args.from_run:
+            parser.error("start: --from and --from-run are two sources; give one (import adds more)")
+        check_pool_settings(args.name, args.shards, args.cap)
+        paths = [args.source or args.from_run] if args.source or args.from_run else []
+    elif args.command == "import":
+        paths = args.sources
     # Every source is read (and a text pool verified and scored) before anything starts or is
     # written: a bad one fails the command with the pool as it was.
-    sources = [read_source(source) for source in ([args.source or args.from_run] if args.command == "start" else
-                                                  args.sources if args.command == "import" else []) if source]
+    sources = [read_source(path) for path in paths]
+    texts = []
     if args.command == "import" and args.text:
         from rayrep.config import load_preset
         from rayrep.models import resolve_policy
@@ -106,7 +110,7 @@ def main(argv: list[str]) -> dict:
             result = export_pool(pool, args.out)
         else:
             result = {"name": args.name, "imported": [import_into(pool, source) for source in sources]}
-            for text, counts in texts if args.text else ():
+            for text, counts in texts:
                 result["imported"].append({**import_into(pool, text), **counts})
     print(json.dumps(result, indent=1))
     return result

@@ -153,7 +153,6 @@ def test_direct_construction_is_validated_too():
         Config(learner=LearnerConfig(strategy="deepspeed", skip_grad_norm_above=500.0))
 
 
-
 def test_shared_pool_settings_need_a_pool_and_one_source_of_replays():
     cfg = load_preset("tiny-cpu")
     with pytest.raises(ConfigError, match="replay.others_only=True.*these are for a shared pool"):

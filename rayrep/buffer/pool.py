@@ -247,10 +247,8 @@ RemotePoolShard = ray.remote(PoolShard)
 
 # ---------------------------------------------------------------------- starting and stopping
 
-def start_pool(name: str, home: str | Path, shards: int, max_answers_per_question: int = 0, seed: int = 0) -> list:
-    """Start pool `name`'s shards, detached, keeping themselves in `home`: empty, or as `home`
-    holds it (a pool stopped or lost before: then its description decides the shard count,
-    cap and seed, and a different `shards` is refused). Returns the shards, each ready."""
+def check_pool_settings(name: str, shards: int, max_answers_per_question: int) -> None:
+    """A PoolError unless a pool can be started with this name, shard count and cap."""
     if not name or "/" in name:
         raise PoolError(f"pool name {name!r}: must be non-empty and without '/'")
     if shards < 1:
@@ -258,6 +256,13 @@ def start_pool(name: str, home: str | Path, shards: int, max_answers_per_questio
     if max_answers_per_question < 0:
         raise PoolError(f"pool {name!r}: max_answers_per_question={max_answers_per_question}; 0 keeps every answer, "
                         f"N > 0 the newest N per question")
+
+
+def start_pool(name: str, home: str | Path, shards: int, max_answers_per_question: int = 0, seed: int = 0) -> list:
+    """Start pool `name`'s shards, detached, keeping themselves in `home`: empty, or as `home`
+    holds it (a pool stopped or lost before: then its description decides the shard count,
+    cap and seed, and a different `shards` is refused). Returns the shards, each ready."""
+    check_pool_settings(name, shards, max_answers_per_question)
     if pool_exists(name):
         raise PoolError(f"a pool named {name!r} is already running (jobs/pool.py stop --name {name})")
     home = Path(home).resolve()

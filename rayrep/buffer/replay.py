@@ -40,7 +40,6 @@ from rayrep.cluster.supervisor import Supervisor
 from rayrep.errors import InputError
 
 
-
 def shard_of(uid: str, num_shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(uid.encode(), digest_size=8).digest(), "big") % num_shards
 

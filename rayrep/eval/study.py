@@ -17,9 +17,9 @@ def series(records: Sequence[dict], metric: str) -> list[tuple[int, float]]:
 def compare_runs(baseline: list[dict], other: list[dict], metric: str = "test_pass@1") -> dict:
     """Peak and final of both eval curves, and the first step where `other` reaches the baseline's peak."""
     base, mine = series(baseline, metric), series(other, metric)
-    base_peak_step, base_peak = max(base, key=lambda p: (p[1], -p[0]))
-    mine_peak_step, mine_peak = max(mine, key=lambda p: (p[1], -p[0]))
-    reached = next((step for step, value in mine if value >= base_peak), None)
+    base_peak_step, base_peak = peak(base)
+    mine_peak_step, mine_peak = peak(mine)
+    reached = first_step_reaching(mine, base_peak)
     return {
         "metric": metric,
         "baseline": {"peak": base_peak, "peak_step": base_peak_step, "final": base[-1][1], "final_step": base[-1][0]},
@@ -35,6 +35,11 @@ def mean_curve(runs: Sequence[Sequence[dict]], metric: str = "test_pass@1") -> l
         for step, value in series(run, metric):
             by_step.setdefault(step, []).append(value)
     return [(step, *mean_and_se(by_step[step])) for step in sorted(by_step) if len(by_step[step]) == len(runs)]
+
+
+def peak(points: Sequence[tuple[int, float]]) -> tuple[int, float]:
+    """(step, value) of the highest value; the earliest step among equal ones."""
+    return max(points, key=lambda p: (p[1], -p[0]))
 
 
 def first_step_reaching(points: Sequence[tuple[int, float]], level: float) -> int | None:
@@ -111,9 +116,8 @@ def paired_differences(runs: dict[int, list[tuple[int, float]]], others: dict[in
               for part in (lambda step: step <= middle, lambda step: step > middle)]
     # The papers' speed measure: the step at which a run first reaches its own seed's baseline
     # peak, against the step of that peak.
-    own = [(first_step_reaching(run, max(v for _, v in other)), max(other, key=lambda p: (p[1], -p[0]))[0])
-           for run, other in paired]
-    ratios = [reached / peak for reached, peak in own if reached is not None and peak > 0]
+    own = [(first_step_reaching(run, peak(other)[1]), peak(other)[0]) for run, other in paired]
+    ratios = [reached / at for reached, at in own if reached is not None and at > 0]
     return {"paired_seeds": len(paired), "final_gain": mean_and_se(finals), "final_gains": finals,
             "curve_gain": mean_and_se([_curve_mean(run, other) - _curve_mean(other, run) for run, other in paired]),
             "half_middle": middle, "half_gains": [mean_and_se(half) for half in halves],

@@ -22,7 +22,7 @@ import torch
 
 from rayrep.buffer.answers import Answer
 from rayrep.buffer.files import text_pool_rows
-from rayrep.buffer.pool import Imported, add_in_parts
+from rayrep.buffer.pool import Imported, import_into
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config
 from rayrep.learner.logprobs import token_logprobs
@@ -106,4 +106,4 @@ def import_text(cfg: Config, policy: str, source: str | Path, buffer: ReplayBuff
                 log=print) -> dict:
     """`read_text`'s answers added to `buffer`. Returns what was read, kept and stored."""
     read, counts = read_text(cfg, policy, source, writer, log)
-    return {**counts, "stored": add_in_parts(buffer, read.items)}
+    return {**import_into(buffer, read), **counts}

@@ -57,9 +57,10 @@ class Run:
     @staticmethod
     def open(cfg: Config, resume: bool = False, log=print) -> "Run":
         """Everything that can be wrong with the policy, the prompt sets, the algorithm's inputs
-        (RLEP's pool, a shared pool to attach to), the checkpoint to resume from or another run's start fails here, before
-        any actor starts and before the run's folder is written; then the folder gets the
-        config, and a resumed run its sampler position, evaluations and log up to its checkpoint."""
+        (RLEP's pool, a shared pool to attach to), the checkpoint to resume from or another
+        run's start fails here, before any actor starts and before the run's folder is written;
+        then the folder gets the config, and a resumed run its sampler position, evaluations
+        and log up to its checkpoint."""
         policy = resolve_policy(cfg, log=log)
         with long_lived():  # the prompt sets and their token ids: as long as the run
             tokenizer = AutoTokenizer.from_pretrained(policy)
