@@ -13,7 +13,10 @@ run's own shards in the same run of the script:
 - add: answers/s of `ReplayBuffer.add` in calls of 256 questions (dedup off, as when RLEP
   loads its pool; the test data are made beforehand and not timed);
 - RLEP: latency of `sample_answers` for 512 questions x M = 2 (the issue's target: under
-  10 ms at 1M trajectories);
+  10 ms at 1M trajectories), as RLEP draws by default: token ids without the behaviour
+  log-probs, which its learner recomputes (`algorithm.rlep.old_logprobs = recompute`);
+- RLEP +log-probs: the same draw with them (`old_logprobs = recorded`, or importance-
+  corrected replay), timed alternately with the one before, call by call;
 - ExGRPO: latency of `sample_questions(64)` with K = 8 (one call per shard), questions
   spread over buckets 1..7;
 - call floor: latency of a call to every shard actor that does nothing (`pid`), measured
@@ -95,13 +98,20 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
 
 
 def timed(call, repeats: int) -> tuple[float, float]:
-    call()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return timed_alternately([call], repeats)[0]
+
+
+def timed_alternately(calls: list, repeats: int) -> list[tuple[float, float]]:
+    """Each call's percentiles, the calls taking turns (side by side on a noisy machine)."""
+    for call in calls:
         call()
-        seconds.append(time.perf_counter() - start)
-    return percentiles(seconds)
+    seconds: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for call, times in zip(calls, seconds):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+    return [percentiles(times) for times in seconds]
 
 
 def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapshot: bool, seed: int = 0,
@@ -133,7 +143,11 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
     rss_grown, uss_grown = held_memory(buffer) - memory_before
 
     pick = random.Random(seed)
-    rlep = timed(lambda: buffer.sample_answers([(uid, 2) for uid in pick.sample(uids, min(512, len(uids)))]), repeats)
+    def rlep_draw(logprobs: bool):
+        return lambda: buffer.sample_answers([(uid, 2) for uid in pick.sample(uids, min(512, len(uids)))],
+                                             logprobs=logprobs)
+
+    rlep, rlep_logprobs = timed_alternately([rlep_draw(False), rlep_draw(True)], repeats)
     exgrpo = timed(lambda: buffer.sample_questions(64, K, "code"), repeats)
     floor = timed(lambda: ray.get([shard.pid.remote() for shard in buffer.shards]), repeats) if shards else (0.0, 0.0)
     files = None
@@ -176,7 +190,7 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
     raw = questions * answers * tokens * 8
     return {
         "shards": shards, "pool": pool, "stored": questions * answers, "add_per_s": questions * answers / add_seconds,
-        "add_mb_per_s": raw / add_seconds / 1e6, "rlep": rlep, "exgrpo": exgrpo, "floor": floor,
+        "add_mb_per_s": raw / add_seconds / 1e6, "rlep": rlep, "rlep_logprobs": rlep_logprobs, "exgrpo": exgrpo, "floor": floor,
         "held": stats["bytes"], "raw": raw, "rss": rss_grown, "uss": uss_grown, "files": files,
     }
 
@@ -214,14 +228,15 @@ def main(argv=None):
     print(f"\nreplay buffer: {args.tokens}-token trajectories, {args.answers_per_question} per question; "
           f"latencies p50 / p90 over {args.repeats} calls; "
           f"raw = token ids + log-probs ({8 * args.tokens} B per trajectory)")
-    header = (f"{'shards':>8}{'stored':>11}{'add ans/s':>11}{'add MB/s':>10}{'RLEP 512x2 ms':>16}{'ExGRPO 64 ms':>15}{'floor ms':>10}"
+    header = (f"{'shards':>8}{'stored':>11}{'add ans/s':>11}{'add MB/s':>10}{'RLEP 512x2 ms':>16}{'+log-probs ms':>16}{'ExGRPO 64 ms':>15}{'floor ms':>10}"
               f"{'held MB':>10}{'held/raw':>10}{'RSS+ MB':>10}{'RSS/raw':>9}{'USS+ MB':>10}{'USS/raw':>9}")
     print(header)
     print("-" * len(header))
     for r in results:
         shards = label(r)
         print(f"{shards:>8}{r['stored']:>11,}{r['add_per_s']:>11,.0f}{r['add_mb_per_s']:>10.0f}"
-              f"{r['rlep'][0]:>9.2f} /{r['rlep'][1]:>5.1f}{r['exgrpo'][0]:>8.2f} /{r['exgrpo'][1]:>5.1f}"
+              f"{r['rlep'][0]:>9.2f} /{r['rlep'][1]:>5.1f}{r['rlep_logprobs'][0]:>9.2f} /{r['rlep_logprobs'][1]:>5.1f}"
+              f"{r['exgrpo'][0]:>8.2f} /{r['exgrpo'][1]:>5.1f}"
               f"{r['floor'][0]:>10.2f}{r['held'] / 1e6:>10.1f}{r['held'] / r['raw']:>10.3f}"
               f"{r['rss'] / 1e6:>10.1f}{r['rss'] / r['raw']:>9.3f}{r['uss'] / 1e6:>10.1f}{r['uss'] / r['raw']:>9.3f}")
     if args.snapshot or args.pool:
@@ -241,7 +256,8 @@ def main(argv=None):
             verdict = "meets" if r["rlep"][0] < 10 else "misses"
             where = f"{r['shards']} shard(s){' of a pool' if r['pool'] else ''}" if r["shards"] else "in-process shard"
             print(f"RLEP sampling of 512 questions at {largest:,} trajectories, {where}: "
-                  f"median {r['rlep'][0]:.2f} ms, {verdict} the 10 ms target")
+                  f"median {r['rlep'][0]:.2f} ms, {verdict} the 10 ms target "
+                  f"({r['rlep_logprobs'][0]:.2f} ms with log-probs)")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -198,11 +199,11 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
     assert groups[1].rollouts[4].response_ids == [50, 51]
     replayed_q2 = [tuple(r.response_ids) for r, rep in zip(groups[2].rollouts, groups[2].replayed) if rep]
     assert len(set(replayed_q2)) == 2 and all(ids[0] in range(60, 65) for ids in replayed_q2)
-    for group in groups:  # replayed rollouts are the verified successes, with their recorded log-probs
+    for group in groups:  # replayed rollouts are the verified successes; the learner recomputes their log-probs
         for r, rep, ok in zip(group.rollouts, group.replayed, group.correct):
             if rep:
-                assert ok and r.logprobs == [-0.25] * len(r.response_ids) and r.version == 3
-                assert r.prompt_ids == PROMPT_IDS
+                assert ok and len(r.logprobs) == len(r.response_ids) and np.isnan(r.logprobs).all()
+                assert r.version == 3 and r.prompt_ids == PROMPT_IDS
     step = algo.build(groups, step=1)
     position = {g.prompt.uid: i for i, g in enumerate(step.groups)}  # the batch's own order
     # Advantages over all G' rollouts: q1 has 4 failures and 1 success.
@@ -215,9 +216,23 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
 
 
 def test_rlep_old_logprob_modes(pool_file):
-    for mode, expected in (("recompute", [True] * 6), ("recorded", [True] * 4 + [False] * 2)):
-        algo = rlep(pool_file, **{"algorithm.rlep.old_logprobs": mode})
-        step = algo.build(roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1)), step=1)
+    """Replayed answers come with their recorded log-probs only where the learner reads them:
+    as their old policy ('recorded') or as the behaviour policy of importance-corrected
+    replay. A draw for 'recompute' leaves them behind (NaN, unknown), half the bytes."""
+    for changes, expected, recorded in (
+        ({"algorithm.rlep.old_logprobs": "recompute"}, [True] * 6, False),
+        ({"algorithm.rlep.old_logprobs": "recorded"}, [True] * 4 + [False] * 2, True),
+        ({"algorithm.rlep.old_logprobs": "recompute", "learner.behaviour_cap": 2.0}, [True] * 6, True),
+    ):
+        algo = rlep(pool_file, **changes)
+        groups = roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1))
+        replayed = [r.logprobs for g in groups for r, rep in zip(g.rollouts, g.replayed) if rep]
+        assert len(replayed) == 2
+        if recorded:
+            assert all(logprobs == [-0.25] * 2 for logprobs in replayed), changes
+        else:
+            assert all(len(logprobs) == 2 and np.isnan(logprobs).all() for logprobs in replayed), changes
+        step = algo.build(groups, step=1)
         assert step.batch.recompute_old.tolist() == expected
 
 

@@ -214,6 +214,32 @@ def test_sample_answers_across_ray_shards(buffers):
         assert_same_answer(answer, answers_of(0, n)[answer.response_ids[0]])
 
 
+@pytest.mark.parametrize("shards", [0, 2])
+def test_a_draw_without_logprobs_is_the_same_draw_less_its_logprobs(buffers, shards):
+    """RLEP's default draw leaves the log-probs on the shards (its learner recomputes them):
+    the same answers as a draw with them from the same seed, each with NaN log-probs of its
+    length, and every other fact the same."""
+    questions, n, m = 12, 6, 3
+    stored = {f"q{q}": answers_of(q, n, length=3 + q % 4) for q in range(questions)}
+    requests = [(uid, m) for uid in stored]
+    drawn = []
+    for logprobs in (True, False):
+        buffer = buffers(shards, seed=9)
+        buffer.add([(uid, prompt(q), stored[uid]) for q, uid in enumerate(stored)])
+        drawn.append([buffer.sample_answers(requests, logprobs=logprobs) for _ in range(3)])
+    for full, bare in zip(*drawn):
+        assert full.keys() == bare.keys() == stored.keys()
+        for uid in stored:
+            assert first_tokens(bare[uid]) == first_tokens(full[uid]) and len(bare[uid]) == m
+            for with_them, without in zip(full[uid], bare[uid]):
+                assert_same_answer(with_them, stored[uid][with_them.response_ids[0] % 1000])
+                assert np.array_equal(without.response_ids, with_them.response_ids)
+                assert without.logprobs.dtype == np.float32 and len(without.logprobs) == len(without.response_ids)
+                assert np.isnan(without.logprobs).all()
+                assert (without.reward, without.version, without.source, without.step) == (
+                    with_them.reward, with_them.version, with_them.source, with_them.step)
+
+
 # ---------------------------------------------------------------------- caps and dedup
 
 

@@ -53,6 +53,10 @@ class RLEP(GRPO):
         super().__init__(cfg, origin)
         self.prompt_ids = prompt_ids
         self.replay_old_logprobs = cfg.algorithm.rlep.old_logprobs
+        self.draws_logprobs = self.replay_old_logprobs == "recorded" or bool(cfg.learner.behaviour_cap)
+        """Whether the learner reads replayed answers' behaviour log-probs: as their old
+        policy ('recorded'), or for the importance weight (`behaviour_cap`). By default it
+        recomputes them, and a draw without them moves half the bytes."""
         self.buffer = buffer
         if pool is not None:
             self.buffer.add([(uid, ids, answers) for uid, (ids, answers) in pool.items()])
@@ -64,7 +68,7 @@ class RLEP(GRPO):
         fresh = super().plan(sampler, questions, exclude)
         wanted = self.cfg.algorithm.rlep.replays_per_group
         requests = [(p.uid, wanted) for p in fresh.prompts]
-        drawn = self.buffer.sample_answers(requests, self.draw_limit(version)) if wanted else {}
+        drawn = self.buffer.sample_answers(requests, self.draw_limit(version), self.draws_logprobs) if wanted else {}
         replays = {
             uid: tuple(answer.rollout(self.prompt_ids[uid]) for answer in answers)
             for uid, answers in drawn.items() if answers

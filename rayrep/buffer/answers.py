@@ -97,6 +97,7 @@ class Answer:
 
 
 _VERDICT_NAMES = {code: name for name, code in VERDICTS.items()}
+_NO_ORIGIN = ("", "")
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,9 @@ class PackedAnswers:
     offsets: np.ndarray
     """int64 [N + 1]: answer i's tokens are tokens[offsets[i] : offsets[i + 1]]."""
     tokens: np.ndarray
-    logprobs: np.ndarray
+    logprobs: np.ndarray | None
+    """float32 [offsets[-1]]; None: not carried (a draw for a caller that does not read
+    them), unpacked as NaN, unknown."""
     facts: np.ndarray
     """FACTS [N]: each answer's reward, version, source, step, temperature, verdict, origin."""
     origins: Origins = field(default_factory=dict)
@@ -186,8 +189,19 @@ class PackedAnswers:
         return self.prompts[self.prompt_offsets[q] : self.prompt_offsets[q + 1]]
 
     def unpack(self) -> dict[str, list[Answer]]:
-        """Answers by question; their arrays are views of the packed ones, never of a shard's storage."""
-        return {uid: answers for _, uid, answers in self._groups()}
+        """Answers by question; their arrays are views of the packed ones, never of a shard's
+        storage."""
+        ends = self.offsets.tolist()
+        logprobs = self.logprobs if self.logprobs is not None else np.full(len(self.tokens), np.nan, np.float32)
+        origins = self.origins
+        answers = [
+            Answer(self.tokens[start:end], logprobs[start:end], reward, version, SOURCES[source], step, temperature,
+                   _VERDICT_NAMES[verdict], *origins.get(origin, _NO_ORIGIN))
+            for start, end, (reward, version, source, step, temperature, verdict, origin)
+            in zip(ends, ends[1:], self.facts.tolist())  # facts: tuples in FACTS' field order
+        ]
+        firsts = cumulative_offsets(self.counts).tolist()
+        return {uid: answers[first:last] for uid, first, last in zip(self.uids, firsts, firsts[1:])}
 
     def sequences(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(prompt ids, response ids) of every answer, in order (packed with prompts): what a
@@ -195,22 +209,6 @@ class PackedAnswers:
         prompts = [self.prompt(q) for q, count in enumerate(self.counts.tolist()) for _ in range(count)]
         responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.facts))]
         return prompts, responses
-
-    def _groups(self):
-        offsets = self.offsets.tolist()
-        facts = self.facts.tolist()  # tuples in FACTS' field order
-        first = 0
-        for q, (uid, count) in enumerate(zip(self.uids, self.counts.tolist())):
-            answers = []
-            for i in range(first, first + count):
-                reward, version, source, step, temperature, verdict, origin = facts[i]
-                run, checkpoint = self.origins.get(origin, ("", ""))
-                answers.append(Answer(self.tokens[offsets[i] : offsets[i + 1]], self.logprobs[offsets[i] : offsets[i + 1]],
-                                      reward, version, SOURCES[source], step, temperature, _VERDICT_NAMES[verdict],
-                                      run, checkpoint))
-            yield q, uid, answers
-            first += count
-
 
 def cumulative_offsets(lengths: np.ndarray) -> np.ndarray:
     offsets = np.zeros(len(lengths) + 1, np.int64)

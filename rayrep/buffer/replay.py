@@ -229,12 +229,16 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ reads
 
-    def sample_answers(self, requests: list[tuple[str, int]], limit: DrawLimit | None = None) -> dict[str, list[Answer]]:
+    def sample_answers(self, requests: list[tuple[str, int]], limit: DrawLimit | None = None,
+                       logprobs: bool = True) -> dict[str, list[Answer]]:
         """Up to `count` stored answers of each question that `limit` allows, uniformly
-        without replacement (RLEP); those it held back are counted (`take_counts`)."""
+        without replacement (RLEP); those it held back are counted (`take_counts`). Without
+        `logprobs`, the answers come without their behaviour log-probs (NaN), and the draw
+        moves half the bytes."""
         seeds = self.rng.getrandbits(63)
         results = self._call(lambda shard: shard.sample_packed, {
-            s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s, limit)
+            s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s, limit,
+                logprobs)
             for s, group in self._by_shard(requests).items()
         })
         merged: dict[str, list[Answer]] = {}

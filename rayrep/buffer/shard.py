@@ -209,11 +209,12 @@ class ReplayShard:
         question = np.repeat(np.arange(len(entries)), sizes)
         return rows[keep], np.bincount(question[keep], minlength=len(entries)).astype(np.int64), int((~keep).sum())
 
-    def sample_packed(self, uids: list[str], wanted, seed: int | None = None, limit: DrawLimit | None = None
-                      ) -> PackedAnswers:
+    def sample_packed(self, uids: list[str], wanted, seed: int | None = None, limit: DrawLimit | None = None,
+                      logprobs: bool = True) -> PackedAnswers:
         """Up to `wanted[q]` stored answers of question `uids[q]` that `limit` allows,
         uniformly without replacement (what it has when a question has fewer: never
-        placeholders), packed; `held_back`: the answers the limit left out.
+        placeholders), packed, with their log-probs unless `logprobs` is false (they are
+        half of the bytes); `held_back`: the answers the limit left out.
 
         Ids and counts as a list of strings and an array cross a Ray call about three times
         faster than a list of (id, count) tuples."""
@@ -227,7 +228,7 @@ class ReplayShard:
         order = np.argsort(question + rng.random(len(question)))
         starts = cumulative_offsets(sizes)
         keep = np.arange(len(question)) - starts[question] < counts[question]
-        packed = self.store.gather(uids, counts, rows[order[keep]])
+        packed = self.store.gather(uids, counts, rows[order[keep]], logprobs=logprobs)
         packed.held_back = held_back
         return packed
 

@@ -107,12 +107,15 @@ class AnswerStore:
         start = self.columns["starts"][row]
         return self.tokens[start : start + self.columns["lengths"][row]]
 
-    def gather(self, uids: list[str], counts, rows: np.ndarray, prompts: list[np.ndarray] | None = None) -> PackedAnswers:
-        """The answers `rows`, `counts[q]` of them for question `uids[q]` in turn, packed."""
+    def gather(self, uids: list[str], counts, rows: np.ndarray, prompts: list[np.ndarray] | None = None,
+               logprobs: bool = True) -> PackedAnswers:
+        """The answers `rows`, `counts[q]` of them for question `uids[q]` in turn, packed;
+        without their log-probs where `logprobs` is false."""
         starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
         packed = PackedAnswers(
             uids=list(uids), counts=np.asarray(counts, np.int64), offsets=cumulative_offsets(lengths),
-            tokens=spans(self.tokens, starts, lengths), logprobs=spans(self.logprobs, starts, lengths),
+            tokens=spans(self.tokens, starts, lengths),
+            logprobs=spans(self.logprobs, starts, lengths) if logprobs else None,
             facts=self.columns["facts"][rows],
         )
         packed.origins = {int(o): self.origins[int(o)] for o in np.unique(packed.facts["origin"]) if o}
