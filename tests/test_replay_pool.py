@@ -408,3 +408,55 @@ def test_a_run_killed_mid_write_leaves_every_question_whole(pool):
     stop_pool(name)
     start_pool(name, home, 2)
     assert content(ReplayBuffer(0, 0, pool=name, writer="after")) == held
+
+
+def test_exgrpo_retires_a_question_for_every_run_or_only_for_itself_as_configured(pool):
+    """`replay.retire_scope`: a question one run finds all right leaves the pool for every
+    run (`pool`), or stays in the pool for the others while the run that retired it never
+    replays it again (`run`)."""
+    from test_algorithms import PROMPT_IDS, base_cfg, prompt, step
+
+    from rayrep.algos.exgrpo import ExGRPO
+    from rayrep.data import PromptSampler
+
+    name, _ = pool
+    K, uids = 4, ["q0", "q1", "q2", "q3"]
+    seed = ReplayBuffer(0, 0, pool=name, writer="seed")
+    seed.apply([(uid, np.array(PROMPT_IDS, np.int32), [answer(q, i) for i in range(3)]) for q, uid in enumerate(uids)],
+               buckets={uid: 2 for uid in uids})
+
+    def attached(run: str, scope: str) -> ExGRPO:
+        cfg = base_cfg(**{"algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.group_size": K,
+                          "algorithm.prompts_per_step": 4, "learner.mini_batch_prompts": 4,
+                          "algorithm.exgrpo.replay_ratio": 0.5, "algorithm.exgrpo.start_pass_rate": 0.99,
+                          "replay.pool": name, "replay.retire_scope": scope})
+        prompts = [prompt(uid) for uid in uids]
+        return ExGRPO(cfg, prompts, {uid: PROMPT_IDS for uid in uids}, ReplayBuffer(0, 0, pool=name, writer=run),
+                      learners=None, sampler=PromptSampler(prompts, seed=0, keep_at_least=4))
+
+    def replayed_by(algo: ExGRPO, plans: int = 25) -> set[str]:
+        """The questions `algo` draws from the pool over many plans (collecting, as after its switch)."""
+        algo.collecting = True
+        drawn = set()
+        for _ in range(plans):
+            drawn |= {p.uid for p, n in algo.plan(algo.sampler, 4).requests if n == K - 1}
+        algo.collecting = False
+        return drawn
+
+    def drawn_by_others() -> set[str]:
+        return {uid for _ in range(25) for uid in seed.sample_questions(4, K, "code")}
+
+    assert drawn_by_others() == set(uids)
+    per_run, for_all = attached("run-a", "run"), attached("run-b", "pool")
+    # Run a finds q1 all right (its first step, before its switch: it stores nothing).
+    _, _, metrics = step(per_run, 1, lambda uid, n: [True] * n if uid == "q1" else [True] + [False] * (n - 1))
+    assert per_run.retired_here == {"q1"} and metrics["buffer_retired"] == 0
+    assert "q1" in content(seed, range(4))["answers"]  # still in the pool ...
+    assert drawn_by_others() == set(uids)  # ... where the others draw it
+    assert replayed_by(per_run) == {"q0", "q2", "q3"}  # never again by the run that retired it
+    # Run b finds q2 all right: it leaves the pool, for every run.
+    _, _, metrics = step(for_all, 1, lambda uid, n: [True] * n if uid == "q2" else [True] + [False] * (n - 1))
+    assert for_all.retired_here == set() and metrics["buffer_retired"] == 1
+    assert "q2" not in content(seed, range(4))["answers"]
+    assert drawn_by_others() == {"q0", "q1", "q3"}
+    assert replayed_by(for_all) == {"q0", "q1", "q3"} and replayed_by(per_run) == {"q0", "q3"}
