@@ -143,9 +143,13 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
     rss_grown, uss_grown = held_memory(buffer) - memory_before
 
     pick = random.Random(seed)
+    # Each call's 512 questions drawn beforehand (the draw is timed, not the bench's choice),
+    # the same ones for both kinds of draw.
+    questions_per_call = [[(uid, 2) for uid in pick.sample(uids, min(512, len(uids)))] for _ in range(repeats + 1)]
+
     def rlep_draw(logprobs: bool):
-        return lambda: buffer.sample_answers([(uid, 2) for uid in pick.sample(uids, min(512, len(uids)))],
-                                             logprobs=logprobs)
+        requests = iter(questions_per_call)
+        return lambda: buffer.sample_answers(next(requests), logprobs=logprobs)
 
     rlep, rlep_logprobs = timed_alternately([rlep_draw(False), rlep_draw(True)], repeats)
     exgrpo = timed(lambda: buffer.sample_questions(64, K, "code"), repeats)
