@@ -210,6 +210,7 @@ class PackedAnswers:
         responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.facts))]
         return prompts, responses
 
+
 def cumulative_offsets(lengths: np.ndarray) -> np.ndarray:
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
