@@ -18,7 +18,7 @@ from rayrep.config.loading import cli_sources
 from rayrep.errors import InputError
 from rayrep.learner import LearnerDied
 from rayrep.run.layout import RunFolder
-from rayrep.runtime.memory import memory_plan
+from rayrep.cluster.memory import memory_plan
 
 
 def resume_base(run_dir: str) -> dict:

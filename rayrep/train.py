@@ -42,7 +42,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                     record.add(runtime.learners.update(step_batch.batch, step_batch.loss))
                 with record.timed("sync"):
                     record.add(runtime.sync_weights())
-                    runtime.hand_over_to_generators()
+                    record.add(runtime.hand_over_to_generators())  # (and the step's GPU memory, where it is modelled)
                 record.add(algorithm.after_update(step, step_batch))  # what enters and leaves the buffer
                 record.add(step_batch.metrics)
                 record.add(rollouts.stats(step_batch, record))

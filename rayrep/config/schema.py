@@ -162,13 +162,20 @@ class PlacementConfig:
     cluster_can_grow: Literal["auto", "yes", "no"] = option("auto", "whether the cluster can add nodes; auto: when an autoscaler runs (v2 publishes its node types; v1's are read from placement.autoscaling_config)")
     autoscaling_config: str = option("~/ray_bootstrap_config.yaml", "the autoscaler's config on the head node, where Ray's cluster launcher writes it: the node types of an autoscaler v1, which publishes none, for the plan's check")
     gpus_per_node: int = option(8, "GPUs per node of the cluster (for the plan's node count)", min=1)
-    gpu_memory_gib: float = option(80.0, "memory of one GPU in GiB, for the memory plan checked before a GPU run starts", min=1.0)
+    gpu_memory_gib: float = option(80.0, "memory of one GPU in GiB, for the memory plan checked before a GPU run starts (and the GPUs that placement.emulate_gpus models)", min=1.0)
+    emulate_gpus: bool = option(False, "CPU runs act as a GPU run of placement.gpu_memory_gib GPUs would, for tests and for debugging a GPU run's sequence on a CPU: colocated roles take turns (vLLM's sleep and wake calls, the learners' state on and off), every operation checks where the memory it needs is, and a device-memory ledger models each GPU from the memory plan, stopping the run where a GPU would overflow or outgrow its plan; the compute stays on the CPU", added=True)
 
     @property
     def takes_turns(self) -> bool:
         """Generators and learners share GPUs and take turns with their memory (vLLM sleep
-        mode while the learners update; the learners' state off the GPU while generating)."""
-        return self.device == "gpu" and self.mode == "colocated"
+        mode while the learners update; the learners' state off the GPU while generating):
+        colocated on GPUs, or on CPUs that emulate them."""
+        return self.mode == "colocated" and self.models_gpus
+
+    @property
+    def models_gpus(self) -> bool:
+        """The run's GPU memory is planned and kept in a ledger (`rayrep.cluster.memory`): GPU runs, and CPU runs that emulate GPUs."""
+        return self.device == "gpu" or self.emulate_gpus
 
     @property
     def collective_backend(self) -> Literal["gloo", "nccl"]:
@@ -179,6 +186,7 @@ class PlacementConfig:
 @dataclass
 class SyncConfig:
     bucket_mb: float = option(64.0, "weights travel in flat buckets of at most this many MiB", min=0.001)
+    timeout_s: float = option(600.0, "how long a member of the weight transport waits for the others (joining, each bucket) before the sync fails", min=0.1, added=True)
 
 
 @dataclass
@@ -336,6 +344,8 @@ def validate(cfg: Config) -> None:
         )
     if learner.dual_clip and learner.dual_clip <= 1:
         raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
+    if place.emulate_gpus and place.device != "cpu":
+        raise ConfigError("placement.emulate_gpus is for CPU runs (placement.device='cpu'); a GPU run has its GPUs")
     if cfg.run.max_policy_lag and place.takes_turns:
         raise ConfigError(f"run.max_policy_lag={cfg.run.max_policy_lag} needs generators that keep their GPUs while "
                           "the learners update: placement.mode='disaggregated' (colocated GPUs take turns)")

@@ -98,19 +98,21 @@ class GeneratorPool:
                on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorPool":
         """The pool, its engines up."""
         pool = GeneratorPool.start(cfg, model_path, placement, version, on_replaced)
-        pool.wait_until_up()
+        pool.wait_until_idle()
         return pool
 
     @staticmethod
     def start(cfg: Config, model_path: str, placement: Placement, version: int = 0,
               on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorPool":
-        """The pool, its engines starting: other roles may set up meanwhile (`wait_until_up`)."""
+        """The pool, its engines starting: other roles may set up meanwhile (`wait_until_idle`)."""
         workers = [start_worker(cfg, model_path, placement, i, version)
                    for i in range(len(placement.plan.slots["generator"]))]
         return GeneratorPool(workers, cfg, model_path, placement, version, on_replaced)
 
-    def wait_until_up(self) -> None:
-        """Every engine built (an engine that cannot start raises here, not in a step)."""
+    def wait_until_idle(self) -> None:
+        """Until every engine has done all it was asked before (an actor runs its calls in
+        order): built (an engine that cannot start raises here, not in a step), or done
+        sampling the rounds started ahead (asynchronous rollouts) before a weight sync."""
         ray.get([w.policy_version.remote() for w in self.workers])
 
     def generate(
@@ -203,11 +205,26 @@ class GeneratorPool:
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Every engine frees its GPU memory for the learners (where the roles take turns),
-        its weights kept on the CPU only if `keep_weights` (see `GeneratorWorker.sleep`)."""
-        ray.get([worker.sleep.remote(keep_weights) for worker in self.workers])
+        its weights kept in host memory only if `keep_weights` (see `GeneratorWorker.sleep`)."""
+        self._every_engine(lambda worker: worker.sleep.remote(keep_weights))
 
     def wake_up(self) -> None:
-        ray.get([worker.wake_up.remote() for worker in self.workers])
+        """Every engine takes back what sleeps of its memory."""
+        self._every_engine(lambda worker: worker.wake_up.remote())
+
+    def _every_engine(self, call: Callable) -> None:
+        """`call` on every engine; an engine that died is replaced (and brought to the policy,
+        `on_replaced`), then every engine is asked again: a hand-over is idempotent, so the
+        ones that had done it do nothing."""
+        try:
+            ray.get([call(worker) for worker in self.workers])
+        except RayActorError as error:
+            self.supervisor.replace_dead(error)
+            ray.get([call(worker) for worker in self.workers])
+
+    def memory_reports(self) -> list[ray.ObjectRef]:
+        """Refs to every engine's `Holding` (what it held on each of its GPUs since its last report)."""
+        return [worker.memory_report.remote() for worker in self.workers]
 
 
 def start_worker(cfg: Config, model_path: str, placement: Placement, index: int, version: int) -> ray.actor.ActorHandle:

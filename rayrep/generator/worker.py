@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import ray
 
+from rayrep.cluster.memory import ENGINE, ENGINE_RUNTIME, KV_CACHE, RECEIVED, WEIGHTS, memory_plan
+from rayrep.cluster.residency import DEVICE, DROPPED, HOST, Holding, Residency, ResidencyError
 from rayrep.config import Config
 from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
@@ -19,9 +21,9 @@ from rayrep.sync.vllm_ext import EXTENSION_CLASS
 from rayrep.types import Rollout
 
 
-SLEEP_TAGS = ("weights", "kv_cache")
-"""What vLLM's sleep frees (level 1 keeps the weights in CPU memory, level 2 drops them), in the order
-a hand-over takes it back."""
+SLEEP_TAGS = {WEIGHTS: "weights", KV_CACHE: "kv_cache"}
+"""What vLLM's sleep frees (level 1 keeps the weights in host memory, level 2 drops them), by
+vLLM's tag, in the order a hand-over takes it back."""
 
 
 class GeneratorWorker:
@@ -41,10 +43,18 @@ class GeneratorWorker:
         torch.set_num_threads(threads)
         self.cfg = cfg
         self.version = version  # the policy version of `model_path` (a resumed run's checkpoint: its own)
-        self.sleeping: tuple[str, ...] = ()
-        """The engine's memory that sleeps now, of `SLEEP_TAGS`, in their order."""
-        self.weights_dropped = False
-        """Whether the sleeping weights were dropped (sleep level 2), not kept on the CPU."""
+        plan = memory_plan(cfg, trains=False)
+        # Measured where this process drives the engine's one GPU itself (in-process, no tensor parallelism).
+        measured = cfg.placement.device == "gpu" and cfg.generator.tensor_parallel_size == 1
+        self.residency = Residency(f"generator {worker_index}", ENGINE,
+                                   {WEIGHTS: DEVICE, KV_CACHE: DEVICE, ENGINE_RUNTIME: DEVICE},
+                                   plan.sizes[ENGINE] if plan else None,
+                                   torch.device("cuda", torch.cuda.current_device()) if measured else None,
+                                   pooled=SLEEP_TAGS)
+        """Where the engine's weights and KV cache are (awake, asleep in host memory, dropped),
+        per GPU of the engine: sampling and loading check it first."""
+        self.half_loaded = False
+        """A weight sync into this engine failed half way: its weights are no policy."""
         self.llm = make_engine(
             cfg,
             model_path,
@@ -63,6 +73,11 @@ class GeneratorWorker:
         pass the rollouts on (to the verifiers) as soon as they exist."""
         from rayrep.generator.engine import sample_as_finished
 
+        # Asleep, vLLM's scheduler waits to be woken and the call would hang: refused instead.
+        self.residency.require("sampling", WEIGHTS, KV_CACHE)
+        if self.half_loaded:
+            raise ResidencyError(f"{self.residency.owner}: sampling needs a whole policy, and its last weight sync "
+                                 "failed half way (the runtime sends the weights again)")
         for positions, rollouts in sample_as_finished(self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p,
                                                       max_tokens=max_tokens, seeds=seeds, version=self.version,
                                                       parts=parts, min_tokens=self.cfg.generator.min_response_tokens):
@@ -74,54 +89,66 @@ class GeneratorWorker:
         from rayrep.cluster.placement import weight_transport
 
         backend = self.cfg.placement.collective_backend
-        self.llm.collective_rpc("rayrep_join_weight_group",
-                                args=(host, port, world_size, first_rank, backend, weight_transport(self.cfg)))
+        self.llm.collective_rpc("rayrep_join_weight_group", args=(host, port, world_size, first_rank, backend,
+                                                                  weight_transport(self.cfg), self.cfg.sync.timeout_s))
 
     def leave_weight_group(self) -> None:
         """Every worker of the engine leaves the group (it is rebuilt when a generator is replaced)."""
         self.llm.collective_rpc("rayrep_leave_weight_group")
 
     def sleep(self, keep_weights: bool = False) -> bool:
-        """Free the GPU for the learners, where the roles take turns on GPUs (elsewhere, CPU,
-        nothing to free); returns whether the engine went to sleep. The KV cache is dropped;
-        the weights are dropped too (vLLM sleep level 2) unless `keep_weights` (level 1:
-        copied to CPU memory and back, 14 GiB each way for a 7B policy): a weight sync that
-        follows overwrites them all, and wakes them itself (`receive_weights`). The engine's
-        own buffers (rotary tables) vLLM keeps and restores at either level."""
-        if self.cfg.placement.takes_turns and not self.sleeping:
-            self.llm.sleep(level=1 if keep_weights else 2)
-            self.sleeping = SLEEP_TAGS
-            self.weights_dropped = not keep_weights
-            return True
-        return False
+        """Free the GPU for the learners, where the roles take turns (vLLM's sleep mode; a CPU
+        run that emulates GPUs makes the same calls, which vLLM's CPU worker takes as no-ops);
+        returns whether the engine went to sleep. The KV cache is dropped; the weights are
+        dropped too (vLLM sleep level 2) unless `keep_weights` (level 1: copied to host memory
+        and back, 14 GiB each way for a 7B policy): a weight sync that follows overwrites them
+        all, and wakes them itself (`receive_weights`). The engine's runtime stays. An engine
+        already asleep, or between a sync and its KV cache's waking (its weights awake for the
+        sync, which needs them), has nothing to free: False, and no call."""
+        awake = self.residency.on_device(WEIGHTS) and self.residency.on_device(KV_CACHE)
+        if not (self.cfg.placement.takes_turns and awake):
+            return False
+        self.llm.sleep(level=1 if keep_weights else 2)
+        self.residency.move(WEIGHTS, HOST if keep_weights else DROPPED)
+        self.residency.move(KV_CACHE, DROPPED)
+        return True
 
     def wake_up(self, tags: list[str] | None = None) -> tuple[str, ...]:
         """Take back what sleeps of `tags` ("weights", "kv_cache"; all when None), weights
-        first; returns what was woken. Each tag is woken once per sleep: the weights when new
-        ones arrive (`receive_weights`), the KV cache after they are loaded. (vLLM 0.32's
-        executor warns and does nothing for a tag that is not asleep, and its allocator skips
-        memory already mapped; asking only for what sleeps keeps the hand-over exact.)
-        Dropped weights wake only to be overwritten: asked for here, ValueError."""
-        if self.weights_dropped and "weights" in self.sleeping and (tags is None or "weights" in tags):
-            raise ValueError("the engine's weights were dropped as it slept (vLLM sleep level 2): "
-                             "only a weight sync (`receive_weights`) wakes them, with new weights")
-        return self._wake(tags)
+        first; returns the tags woken. Each is woken once per sleep: the weights when new ones
+        arrive (`receive_weights`), the KV cache after they are loaded. (vLLM 0.32's executor
+        warns and does nothing for a tag that is not asleep, and its allocator skips memory
+        already mapped: asking only for what sleeps keeps the hand-over exact.) Weights dropped
+        at sleep wake only to be overwritten: asked for here, a ResidencyError."""
+        parts = [part for part, tag in SLEEP_TAGS.items() if tags is None or tag in tags]
+        if WEIGHTS in parts and self.residency.at(WEIGHTS) == DROPPED:
+            raise ResidencyError(f"{self.residency.owner}: its weights were dropped as it slept (vLLM sleep level 2): "
+                                 "only a weight sync (receive_weights) wakes them, with new weights")
+        return self._wake(parts)
 
-    def _wake(self, tags: list[str] | None) -> tuple[str, ...]:
-        woken = tuple(tag for tag in self.sleeping if tags is None or tag in tags)
-        if woken:
-            self.llm.wake_up(tags=list(woken))
-            self.sleeping = tuple(tag for tag in self.sleeping if tag not in woken)
-        return woken
+    def _wake(self, parts: list[str]) -> tuple[str, ...]:
+        asleep = [part for part in SLEEP_TAGS if part in parts and not self.residency.on_device(part)]
+        if asleep:
+            self.llm.wake_up(tags=[SLEEP_TAGS[part] for part in asleep])
+            for part in asleep:
+                self.residency.move(part, DEVICE)
+        return tuple(SLEEP_TAGS[part] for part in asleep)
 
     def receive_weights(self, manifest: WeightManifest, version: int) -> int:
-        self._wake(["weights"])  # a sleeping engine's weight memory back on the GPU, then every tensor loaded into it
-        loaded = self.llm.collective_rpc("rayrep_receive_weights", args=(manifest,))[0]
-        self.weights_dropped = False  # (only once all arrived: a sync that failed is sent again whole)
+        self._wake([WEIGHTS])  # a sleeping engine's weight memory back on the GPU, then every tensor loaded into it
+        self.half_loaded = True  # until every tensor arrived: a sync that failed is sent again whole
+        with self.residency.working_on((RECEIVED,)):
+            loaded = self.llm.collective_rpc("rayrep_receive_weights", args=(manifest,))[0]
+        self.half_loaded = False
+        self.residency.release_cache()  # (the extension empties the workers' caches on GPUs)
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         self.version = version
         return loaded
+
+    def memory_report(self) -> Holding:
+        """What this engine holds on each of its GPUs, now and at its peak since the last report."""
+        return self.residency.report()
 
     def policy_version(self) -> int:
         return self.version

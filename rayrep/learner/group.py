@@ -72,12 +72,18 @@ class LearnerGroup:
     def load_state(self, folder: str, shared: dict) -> None:
         ray.get([w.load_state.remote(folder, shared) for w in self.workers])
 
-    def offload(self) -> None:
-        """Every rank's state off the GPU while the colocated generators run (where the roles take turns)."""
-        ray.get([w.offload.remote() for w in self.workers])
+    def offload(self, parameters: bool = True, optimizer: bool = True) -> None:
+        """Every rank's parameters and/or optimizer state to host memory, its allocator's
+        cache released (where the roles take turns; a part already there does not move)."""
+        ray.get([w.offload.remote(parameters, optimizer) for w in self.workers])
 
     def onload(self) -> None:
+        """Every rank's parameters and optimizer state back on its GPU (where the roles take turns)."""
         ray.get([w.onload.remote() for w in self.workers])
+
+    def memory_reports(self) -> list[ray.ObjectRef]:
+        """Refs to every rank's `Holding` (what it held on its GPU since its last report)."""
+        return [w.memory_report.remote() for w in self.workers]
 
     def weight_manifest(self, bucket_bytes: int) -> WeightManifest:
         specs = ray.get(self.workers[0].weight_specs.remote())

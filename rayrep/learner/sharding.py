@@ -191,9 +191,10 @@ class FSDP2Sharding:
 
     def load_state(self, folder: Path, shared: dict) -> None:
         """Load a learner checkpoint written by a group of any size: each tensor is rebuilt
-        whole from the old shards, one at a time, and this rank keeps its own shard of it."""
+        whole in host memory from the old shards, one at a time, and this rank copies its own
+        rows of it where its parameter lies (host memory while colocated engines hold the
+        GPU); the optimizer state is made there too. Nothing whole reaches the device."""
         from safetensors import safe_open
-        from torch.distributed.tensor import DTensor, distribute_tensor
 
         files = sorted(folder.glob("rank-*.safetensors"))
         if len(files) != shared["world_size"]:
@@ -201,22 +202,24 @@ class FSDP2Sharding:
                                     f"{shared['world_size']} learners")
         handles = [safe_open(str(f), framework="pt") for f in files]
 
-        def shard_of(kind: str, name: str, like: torch.Tensor) -> torch.Tensor:
+        def rows_of(kind: str, name: str, like: torch.Tensor) -> torch.Tensor:
+            """This rank's rows of the whole tensor (FSDP2 shards dim 0 as torch.chunk does)."""
             full = torch.cat([h.get_tensor(f"{kind}/{name}") for h in handles], dim=0)
-            full = full.to(_local(like).device)
-            if isinstance(like, DTensor):  # every rank holds the full tensor: no communication
-                return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-            return full
+            if not hasattr(like, "device_mesh"):
+                return full
+            per_rank = -(-full.shape[0] // like.device_mesh.size())
+            start = like.device_mesh.get_local_rank() * per_rank
+            return full[start : start + _local(like).shape[0]]
 
         with torch.no_grad():
             for name, param in self.model.named_parameters():
-                _local(param).copy_(_local(shard_of("param", name, param)))
+                _local(param).copy_(rows_of("param", name, param))
                 if name in shared["adam_steps"]:
+                    moments = {kind: torch.zeros_like(param) for kind in ("exp_avg", "exp_avg_sq")}
+                    for kind, moment in moments.items():
+                        _local(moment).copy_(rows_of(kind, name, param))
                     self.optimizer.state[param] = {
-                        "step": torch.tensor(shared["adam_steps"][name], dtype=torch.float32),
-                        "exp_avg": shard_of("exp_avg", name, param),
-                        "exp_avg_sq": shard_of("exp_avg_sq", name, param),
-                    }
+                        "step": torch.tensor(shared["adam_steps"][name], dtype=torch.float32), **moments}
         # The schedule resumes where it stopped, and so does the optimizer's learning rate.
         self.scheduler.load_state_dict(shared["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):

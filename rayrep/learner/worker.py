@@ -22,6 +22,9 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rayrep.cluster.memory import (FORWARD_PASS, GRADIENTS, LEARNER, OPTIMIZER, PARAMETERS, UPDATE, WHOLE_TENSOR,
+                                   memory_plan)
+from rayrep.cluster.residency import ABSENT, DEVICE, HOST, Holding, Residency
 from rayrep.config import Config
 from rayrep.heap import long_lived
 from rayrep.learner.logprobs import token_logprobs
@@ -92,6 +95,11 @@ class LearnerWorker:
         on_gpu = cfg.placement.device == "gpu"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.weight_channel: WeightChannel | None = None
+        plan = memory_plan(cfg)
+        self.residency = Residency(f"learner rank {rank}", LEARNER, {PARAMETERS: ABSENT, OPTIMIZER: ABSENT},
+                                   plan.sizes[LEARNER] if plan else None, self.device)
+        """Where this rank's parameters and optimizer state are (and, where the run models
+        its GPUs, what it holds on its GPU): every operation below checks it first."""
 
     def pid(self) -> int:
         """The process holding this rank (whether it still answers: `LearnerGroup.dead`)."""
@@ -135,7 +143,14 @@ class LearnerWorker:
         self.tied_embedding = TIED_EMBEDDING if model.config.tie_word_embeddings else None
         self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device)
         self.sharding.model.train()
-        self.offload()  # colocated GPUs: the engines generate first
+        if cfg.learner.strategy == "fsdp2":  # this rank's fp32 shards, as they are: parameters, AdamW's two moments, gradients
+            shard = 4 * sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                            for p in self.sharding.model.parameters())
+            self.residency.sizes.update({PARAMETERS: shard, OPTIMIZER: 2 * shard, GRADIENTS: shard})
+        self.residency.move(PARAMETERS, DEVICE)
+        if cfg.learner.strategy == "deepspeed":  # its fp32 partitions exist from the start, on the GPU for good
+            self.residency.move(OPTIMIZER, DEVICE)
+        self.offload()  # colocated: the engines start once the learners' state has left the GPU
 
     # ------------------------------------------------------------------ forward passes
 
@@ -272,23 +287,42 @@ class LearnerWorker:
         batch = TrainBatch.of_sequences(prompts, responses, range(len(responses)))
         shares = rows_per_rank(batch.prompt_index, range(batch.num_prompts), self.world_size)
         means = []
-        moved = self.onload(optimizer=False)  # colocated GPUs: the weights only, for this pass
+        # Colocated, the hand-over to the learners brought the state back; this pass moves nothing.
+        self.residency.require("ExGRPO's entropy pass", PARAMETERS)
         self.sharding.model.eval()
         chunks = self._micro_chunks(batch, shares)
-        for chunk in chunks:
-            _, entropy, width, dummy = self._forward(batch, chunk, "detached")
-            if not dummy:
-                mask = batch.response_mask[chunk, :width].to(self.device)
-                means.append(((entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)).cpu())
+        with self.residency.working_on(FORWARD_PASS):
+            for chunk in chunks:
+                _, entropy, width, dummy = self._forward(batch, chunk, "detached")
+                if not dummy:
+                    mask = batch.response_mask[chunk, :width].to(self.device)
+                    means.append(((entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)).cpu())
         self.sharding.model.train()
-        if moved:
-            self.offload(optimizer=False)
         return torch.cat(chunks), torch.cat(means) if means else torch.zeros(0)
 
     # ------------------------------------------------------------------ training
 
     def update(self, batch: TrainBatch, loss: LossSpec) -> dict:
-        """Mini-batch policy-gradient updates over `batch`; returns metric sums to merge across ranks."""
+        """Mini-batch policy-gradient updates over `batch`; returns metric sums to merge across ranks.
+
+        Needs the parameters and the optimizer state on the device (the state appears there
+        with the first step). Where the roles take turns, the allocator's cache is released at
+        the end: it would keep the update's peak through the weight sync that follows."""
+        self._require_state("an update")
+        with self.residency.working_on(UPDATE):
+            sums = self._update(batch, loss)
+        if self.sharding.optimizer.state and self.residency.at(OPTIMIZER) == ABSENT:
+            self.residency.move(OPTIMIZER, self.residency.at(PARAMETERS))  # AdamW made it beside the parameters
+        if self.cfg.placement.takes_turns:
+            self.residency.release_cache()
+        return sums
+
+    def _require_state(self, operation: str) -> None:
+        self.residency.require(operation, PARAMETERS)
+        if self.residency.at(OPTIMIZER) != ABSENT:  # (absent until the first step makes it)
+            self.residency.require(operation, OPTIMIZER)
+
+    def _update(self, batch: TrainBatch, loss: LossSpec) -> dict:
         learner = self.cfg.learner
         steps = mini_batches(batch.num_prompts, learner.mini_batch_prompts)
         sums = MetricSums()
@@ -361,29 +395,43 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ taking turns with the generators
 
-    def offload(self, optimizer: bool = True) -> bool:
-        """Move this rank's shards (and optimizer state) to CPU memory while the colocated
-        generators run (FSDP2 on GPUs, where the roles take turns); elsewhere a no-op.
-        Returns whether anything moved."""
-        return self._move_state(torch.device("cpu"), optimizer)
+    def onload(self, optimizer: bool = True) -> list[str]:
+        """Bring the parameters (and the optimizer state) back to the GPU, where the roles take
+        turns (FSDP2; DeepSpeed's state never leaves); returns the parts that moved: none when
+        they are there already (or, the optimizer's, not made yet)."""
+        return self._move((PARAMETERS, OPTIMIZER) if optimizer else (PARAMETERS,), DEVICE)
 
-    def onload(self, optimizer: bool = True) -> bool:
-        """Bring the shards (and optimizer state) back to the GPU."""
-        return self._move_state(self.device, optimizer)
+    def offload(self, parameters: bool = True, optimizer: bool = True) -> list[str]:
+        """Move the parameters and/or the optimizer state to host memory while the colocated
+        engines use the GPU, and release the allocator's cache; returns the parts that moved."""
+        moved = self._move(tuple(part for part, asked in ((PARAMETERS, parameters), (OPTIMIZER, optimizer)) if asked),
+                           HOST)
+        if moved:
+            self.residency.release_cache()
+        return moved
 
-    def _move_state(self, device: torch.device, optimizer: bool) -> bool:
+    def _move(self, parts: tuple[str, ...], to: str) -> list[str]:
         if not (self.cfg.placement.takes_turns and self.cfg.learner.strategy == "fsdp2"):
-            return False  # CPU runs, or DeepSpeed (which manages its own buffers): nothing to hand over
-        self.sharding.model.to(device)
-        if optimizer:
-            for state in self.sharding.optimizer.state.values():
-                for name, value in state.items():
-                    if torch.is_tensor(value) and value.dim() > 0:
-                        state[name] = value.to(device, non_blocking=True)
-        if device.type == "cpu":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        return True
+            return []
+        target = self.device if to == DEVICE else torch.device("cpu")
+        moved = []
+        for part in parts:
+            if self.residency.at(part) in (to, ABSENT):
+                continue
+            if part == PARAMETERS:
+                self.sharding.model.to(target)  # FSDP2 moves each rank's shards
+            else:
+                for state in self.sharding.optimizer.state.values():
+                    for name, value in state.items():
+                        if torch.is_tensor(value) and value.dim() > 0:
+                            state[name] = value.to(target, non_blocking=True)
+            self.residency.move(part, to)
+            moved.append(part)
+        return moved
+
+    def memory_report(self) -> Holding:
+        """What this rank holds on its GPU, now and at its peak since the last report (`Residency.report`)."""
+        return self.residency.report()
 
     # ------------------------------------------------------------------ weights out
 
@@ -403,7 +451,8 @@ class LearnerWorker:
         from rayrep.sync.transport import join_as_learner
 
         self.weight_channel = join_as_learner(weight_transport(self.cfg), host, port, world_size, self.rank,
-                                              self.cfg.placement.collective_backend, self.device)
+                                              self.cfg.placement.collective_backend, self.device,
+                                              timedelta(seconds=self.cfg.sync.timeout_s))
 
     def leave_weight_group(self) -> None:
         """Leave the weight transport (it is rebuilt when a generator is replaced)."""
@@ -417,13 +466,14 @@ class LearnerWorker:
         sync while colocated generators hold it, for a replaced generator): the weights come
         back for the gathers and leave again."""
         start = time.perf_counter()
-        moved = onload and self.onload(optimizer=False)
-        with torch.no_grad():
+        moved = self.onload(optimizer=False) if onload else []
+        self.residency.require("a weight sync", PARAMETERS)
+        with torch.no_grad(), self.residency.working_on((WHOLE_TENSOR,)):
             # Every rank iterates together: under FSDP2 each tensor is an all-gather.
             tensors = (tensor for _, tensor in self.sharding.full_tensors(compute_dtype(self.cfg)))
             try:
                 if self.weight_channel is not None:
-                    self.weight_channel.send(manifest, tensors)
+                    self.weight_channel.send(manifest, tensors, self.residency)
             except Exception:  # a generator died mid-sync (`WeightSync.push` replaces it)
                 self.leave_weight_group()  # the live generators' receives fail now, not at the timeout
                 raise
@@ -459,13 +509,14 @@ class LearnerWorker:
         return shared if self.rank == 0 else None
 
     def load_state(self, folder: str, shared: dict) -> None:
-        """Continue from a learner checkpoint, written by a group of this size or another."""
+        """Continue from a learner checkpoint, written by a group of this size or another.
+        Each shard is loaded where the parameters are (host memory while colocated engines
+        hold the GPU) and the optimizer state made there: nothing comes to the GPU for it."""
         from pathlib import Path
 
-        moved = self.onload()
         self.sharding.load_state(Path(folder), shared)
-        if moved:
-            self.offload()
+        if self.sharding.optimizer.state:
+            self.residency.move(OPTIMIZER, self.residency.at(PARAMETERS))
 
     def shutdown(self) -> None:
         if dist.is_initialized():

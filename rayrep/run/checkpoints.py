@@ -250,7 +250,7 @@ def save_run(cfg: Config, folder: RunFolder, step: int, runtime: Runtime, algori
 def restore_run(checkpoint: Path, state: RunState, runtime: Runtime, algorithm: Algorithm) -> None:
     """The learners', buffer's and algorithm's state of `checkpoint` (the sampler's and the
     evaluations' are restored before anything starts; the generators start from its weights)."""
-    runtime.learners.load_state(str(checkpoint / "learner"), state.learner)
+    runtime.restore_learners(str(checkpoint / "learner"), state.learner)
     if runtime.buffer is not None:
         if not runtime.buffer.attached:  # a shared pool went on without this run
             runtime.buffer.restore(checkpoint / "buffer")

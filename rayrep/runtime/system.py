@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rayrep.buffer.replay import PoolError, ReplayBuffer
+from rayrep.cluster.memory import DeviceLedger, check_memory, ledger_gpus, memory_plan
 from rayrep.cluster.placement import Placement, Plan, make_plan
 from rayrep.config import Config
 from rayrep.generator.engine import check_vllm_version
@@ -23,7 +24,6 @@ from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
 from rayrep.library_output import library_log_env
 from rayrep.models import check_context
-from rayrep.runtime.memory import check_memory
 from rayrep.runtime.weights import WeightSync
 from rayrep.sync.collective import nccl_environment
 from rayrep.verifier.pool import VerifierPool
@@ -74,11 +74,19 @@ def actor_environment(cfg: Config, log_dir: str | Path | None = None) -> dict[st
 
 
 class Runtime:
-    """Every role's actors, started together (`start`) and stopped together (`shutdown`).
+    """Every role's actors, started together (`start`) and stopped together (`shutdown`), and
+    the turns they take on shared GPUs.
 
     The runtime holds the policy version the generators sample, and so brings a replacement
     generator to it: the generator pool's supervisor calls `bring_to_policy` once a new one
-    is ready, and a generator that dies during a weight sync is replaced here."""
+    is ready, and a generator that dies during a weight sync is replaced here.
+
+    Colocated, a learner rank and an engine worker share each GPU and take turns
+    (`placement.takes_turns`): the hand-overs below are the only places that move memory
+    between them, in the order the memory plan's timeline gives (`rayrep.cluster.memory`).
+    Where the run models its GPUs, every transition is reported to the device-memory ledger
+    (`observe`), which refuses (CPU runs emulating GPUs) or logs (GPU runs) a GPU that would
+    overflow or a holder beyond its plan."""
 
     cfg: Config
     placement: Placement
@@ -88,6 +96,10 @@ class Runtime:
     sync: WeightSync | None
     buffer: ReplayBuffer | None
     """The replay buffer of a run whose algorithm replays (`algorithm.uses_replay`), else None."""
+    ledger: DeviceLedger | None
+    """Each GPU as the run fills it (a run that models its GPUs), else None."""
+    turn: str
+    """Whose turn it is on shared GPUs: "generators", "learners", or "sync" (the weights moving)."""
 
     @staticmethod
     def start(cfg: Config, model_path: str, train: bool = True, policy_version: int = 0,
@@ -112,13 +124,30 @@ class Runtime:
         self.placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
                                    actor_env=actor_environment(cfg, log_dir),
                                    autoscaling_config=cfg.placement.autoscaling_config)
-        self.learners = self.sync = self.buffer = None
-        self.generators = GeneratorPool.start(cfg, generator_path or model_path, self.placement, policy_version,
-                                              on_replaced=self.bring_to_policy)
-        self.verifiers = VerifierPool.create(cfg, self.placement)
-        if train:
-            self.learners = self._start_learners(model_path)
-        self.generators.wait_until_up()
+        memory = memory_plan(cfg, trains=train, local_only=False)
+        self.ledger = (DeviceLedger(memory, ledger_gpus(cfg, train), strict=cfg.placement.emulate_gpus)
+                       if memory is not None else None)
+        self.turn = "generators"
+        self.generators = self.learners = self.sync = self.buffer = None
+
+        def start_generators() -> GeneratorPool:
+            return GeneratorPool.start(cfg, generator_path or model_path, self.placement, policy_version,
+                                       on_replaced=self.bring_to_policy)
+
+        if train and cfg.placement.takes_turns:
+            # The learners set up first and leave their state in host memory; the engines then
+            # start on the GPUs they left, and take their share of each.
+            self.learners = LearnerGroup(cfg, model_path, self.placement)
+            self.observe("learner set-up")
+            self.generators = start_generators()
+            self.verifiers = VerifierPool.create(cfg, self.placement)
+        else:  # the engines start while the learners set up (on a CPU machine their imports and loads overlap)
+            self.generators = start_generators()
+            self.verifiers = VerifierPool.create(cfg, self.placement)
+            if train:
+                self.learners = LearnerGroup(cfg, model_path, self.placement)
+        self.generators.wait_until_idle()
+        self.observe("engine start-up")
         if train:
             self.sync = WeightSync(cfg, self.learners, self.generators, policy_version)
             if cfg.algorithm.uses_replay:
@@ -126,55 +155,93 @@ class Runtime:
                 self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed,
                                            self.placement, pool=replay.pool, writer=cfg.logging.run_name)
 
-    def _start_learners(self, model_path: str) -> LearnerGroup:
-        """The learners, set up while the engines start: on a CPU machine their imports and
-        model loads overlap. Colocated GPUs: the engines take their memory first, then sleep
-        while the learners set up (sharding moves each module's fp32 weights to the GPU), and
-        wake once the learners' state left it."""
-        if not self.cfg.placement.takes_turns:
-            return LearnerGroup(self.cfg, model_path, self.placement)
-        self.generators.wait_until_up()
-        self.generators.sleep(keep_weights=True)  # no sync follows: the engines sample the checkpoint's weights
-        learners = LearnerGroup(self.cfg, model_path, self.placement)
-        self.generators.wake_up()
-        return learners
-
     @property
     def version(self) -> int:
         """The policy version the generators sample (the learners' is one ahead during an update)."""
         return self.sync.version if self.sync is not None else self.generators.version
 
+    def observe(self, phase: str) -> None:
+        """The device-memory ledger's view of the transition that ends `phase` (where the run
+        models its GPUs): what every live learner rank and engine held since the last one."""
+        if self.ledger is None:
+            return
+        refs = [ref for pool in (self.generators, self.learners) if pool is not None for ref in pool.memory_reports()]
+        holdings = []
+        for ref in refs:
+            try:
+                holdings.append(ray.get(ref))
+            except RayActorError:
+                pass  # a dead actor holds nothing; its replacement reports from its start
+        self.ledger.observe(phase, holdings)
+
+    def hand_over_to_learners(self) -> None:
+        """Where colocated roles take turns: the engines sleep, dropping their weights (the
+        weight sync after the update overwrites them all), then the learners bring their state
+        back. Elsewhere (disaggregated, CPU) nothing to do, and no call made: a call would wait
+        behind the generators' work in flight (asynchronous rollouts)."""
+        if not self.cfg.placement.takes_turns:
+            return
+        self.generators.sleep(keep_weights=False)
+        self.observe("generate")
+        self.learners.onload()
+        self.observe("hand-over")
+        self.turn = "learners"
+
+    def restore_learners(self, folder: str, shared: dict) -> None:
+        """A resumed run's learner state, loaded where it lies (host memory while the engines
+        hold shared GPUs)."""
+        self.learners.load_state(folder, shared)
+        self.observe("resume")
+
     def sync_weights(self) -> dict[str, float]:
         """The learners' weights to every generator, as the next policy version; a generator
-        that died in it is replaced (`sync_generator_replaced`), and the weights sent again."""
+        that died in it is replaced (`sync_generator_replaced`), and the weights sent again.
+        Where the roles take turns, the optimizer state leaves the GPU first: the sync needs the
+        parameters alone, and the room for the engines' weights."""
+        self.observe("update")
+        if self.cfg.placement.takes_turns:
+            self.learners.offload(parameters=False)
+            self.observe("update")
+            self.turn = "sync"
         try:
-            return self.sync.push()
+            pushed = self.sync.push()
         except (RayActorError, RayTaskError) as error:
             start = time.perf_counter()
+            if self.cfg.placement.takes_turns:  # a new engine starts awake on its GPU: the learners' state leaves it first
+                self.learners.offload()
+            self.observe("sync")
             replaced = self.generators.supervisor.replace_dead(error)  # then `bring_to_policy` sends again
             return {**self.sync.timing(time.perf_counter() - start), "sync_generator_replaced": replaced}
+        self.observe("sync")
+        return pushed
 
     def bring_to_policy(self, replaced: list[int]) -> None:
         """New generators (`replaced`) take the current weights and version: through a rebuilt
-        weight sync in training; elsewhere the pool's checkpoint is the policy already."""
-        if self.sync is not None:
-            self.sync.rebuild()
-
-    def hand_over_to_learners(self) -> None:
-        """Where colocated roles take turns on GPUs: the engines sleep, dropping their weights
-        (the weight sync after the update overwrites them all), the learners bring their state
-        back. Elsewhere (CPU, disaggregated) nothing to do, and no call made: a call would wait
-        behind the generators' work in flight (asynchronous rollouts)."""
+        weight sync in training; elsewhere the pool's checkpoint is the policy already. Where
+        the roles take turns, the engines sleep for it (it overwrites every weight) and wake
+        again if it was their turn."""
+        if self.sync is None:
+            return
+        self.observe("replacement")
         if self.cfg.placement.takes_turns:
             self.generators.sleep(keep_weights=False)
-            self.learners.onload()
+            self.observe("replacement")
+        self.sync.rebuild()
+        self.observe("sync")
+        if self.cfg.placement.takes_turns and self.turn == "generators":
+            self.generators.wake_up()
 
-    def hand_over_to_generators(self) -> None:
-        """After the weight sync (which wakes the engines' weights): the learners' state
-        leaves the GPU and the engines take their KV cache back."""
+    def hand_over_to_generators(self) -> dict[str, float]:
+        """After the weight sync (which woke the engines' weights): where the roles take turns,
+        the learners' parameters leave the GPU and the engines take their KV cache back.
+        Returns the device-memory ledger's figures since the last call (a run that models its
+        GPUs: the most each phase held on a GPU, in GiB)."""
         if self.cfg.placement.takes_turns:
             self.learners.offload()
+            self.observe("sync")
             self.generators.wake_up()
+            self.turn = "generators"
+        return self.ledger.take_figures() if self.ledger is not None else {}
 
     def shutdown(self) -> None:
         if self.buffer is not None:

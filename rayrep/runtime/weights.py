@@ -61,14 +61,18 @@ class WeightSync:
         """After a generator was replaced (`GeneratorPool.complete`): a group admits no new
         member, so every member leaves it and a new one is made with the pool's generators as
         they are now; then the current weights go to all of them at the current version (no
-        new version: the survivors receive what they hold). Called while the generators hold
-        the GPUs, so the learners bring their weights back for it."""
+        new version: the survivors receive what they hold). The learners' parameters may be in
+        host memory (the engines' turn on shared GPUs): they come back for it and leave after."""
         ray.get(self.learners.leave_weight_group() + [g.leave_weight_group.remote() for g in self.generators.workers])
         self._join()
         return self._send(onload=True)
 
     def _send(self, onload: bool) -> dict[str, float]:
         start = time.perf_counter()
+        # No collective is queued before every engine is free to receive: a receive queued
+        # behind a round sampled ahead (asynchronous rollouts) would leave learner rank 0's
+        # first broadcast waiting on the group's timeout for as long as that round samples.
+        self.generators.wait_until_idle()
         ray.get(
             self.learners.broadcast_weights(self.manifest, onload)
             + [g.receive_weights.remote(self.manifest, self.version) for g in self.generators.workers]

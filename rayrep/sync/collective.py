@@ -23,8 +23,12 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from rayrep.cluster.memory import SEND_BUFFERS
+from rayrep.cluster.residency import ABSENT, DEVICE, Residency
+
 GROUP_TIMEOUT = timedelta(minutes=10)
-"""How long a member waits for the others (store, gloo and NCCL collectives alike)."""
+"""How long a member waits for the others (store, gloo and NCCL collectives alike), unless
+the run says otherwise (`sync.timeout_s`)."""
 
 NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0"}
 """NCCL settings every process of a run shares unless the driver's environment sets them.
@@ -103,6 +107,10 @@ class WeightManifest:
     def bucket_bytes(self, bucket: tuple[int, ...]) -> int:
         return sum(self.tensors[i].numel * self.tensors[i].dtype.itemsize for i in bucket)
 
+    @property
+    def largest_bucket_bytes(self) -> int:
+        return max((self.bucket_bytes(b) for b in self.buckets), default=0)
+
     def views(self, bucket: tuple[int, ...], flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of each of the bucket's tensors: views into its flat buffer."""
         offset = 0
@@ -128,20 +136,26 @@ class WeightGroup:
         options.rootRank = root
         return self.group.broadcast([tensor], options)
 
-    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor]) -> None:
+    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor], residency: Residency | None = None) -> None:
         """Broadcast `tensors` (in manifest order, full shapes) from group rank 0, pipelined:
         the next bucket is gathered and packed while this one is on the wire, and bucket b
         is packed only once bucket b - 2 has left (`IN_FLIGHT`), so two buckets at most are
-        in memory."""
+        in memory (`residency`, the sender's: its send buffers for the sync's length)."""
         pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
-        for bucket in manifest.buckets:
-            if len(pending) == IN_FLIGHT:
+        if residency is not None:
+            residency.move(SEND_BUFFERS, DEVICE, IN_FLIGHT * manifest.largest_bucket_bytes)
+        try:
+            for bucket in manifest.buckets:
+                if len(pending) == IN_FLIGHT:
+                    _settle(*pending.popleft(), self.device)
+                buffer = torch.empty(manifest.bucket_bytes(bucket), dtype=torch.uint8, device=self.device)
+                flat = pack_bucket(manifest, bucket, tensors, buffer)
+                pending.append((self.start_broadcast(flat, root=0), flat))
+            while pending:
                 _settle(*pending.popleft(), self.device)
-            buffer = torch.empty(manifest.bucket_bytes(bucket), dtype=torch.uint8, device=self.device)
-            flat = pack_bucket(manifest, bucket, tensors, buffer)
-            pending.append((self.start_broadcast(flat, root=0), flat))
-        while pending:
-            _settle(*pending.popleft(), self.device)
+        finally:
+            if residency is not None:
+                residency.move(SEND_BUFFERS, ABSENT)
 
     def receive(self, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive every bucket and yield (name, tensor) views into it, in manifest order; the
@@ -186,15 +200,17 @@ def _settle(work: dist.Work, flat: torch.Tensor, device: torch.device) -> None:
         event.synchronize()
 
 
-def open_group(host: str, port: int, world_size: int, rank: int, backend: str, device: torch.device) -> WeightGroup:
-    """Join the weight group; every member's call must be in flight at the same time."""
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=GROUP_TIMEOUT)
+def open_group(host: str, port: int, world_size: int, rank: int, backend: str, device: torch.device,
+               timeout: timedelta = GROUP_TIMEOUT) -> WeightGroup:
+    """Join the weight group; every member's call must be in flight at the same time.
+    `timeout`: how long a member waits for the others (`sync.timeout_s`)."""
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore("rayrep-weight-sync", store)
     if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=GROUP_TIMEOUT)
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=timeout)
     elif backend == "nccl":
         torch.cuda.set_device(device)
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options())
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options(timeout))
     else:
         raise ValueError(f"unknown weight-sync backend {backend!r}; expected 'gloo' or 'nccl'")
     handle = WeightGroup(store, group, rank, world_size, device)

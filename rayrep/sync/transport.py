@@ -13,6 +13,9 @@
   CPU tests run the colocated path. Handles and acknowledgements travel through a `TCPStore`
   hosted by learner rank 0; a sender fills a buffer again only once the worker has copied
   what it held (two buffers: the next bucket is packed while the worker copies this one).
+  The buffers last one sync (the GPU is the engines' between syncs), and a learner rank
+  finds the engine worker on its own GPU by the GPU's UUID: with tensor parallelism vLLM's
+  Ray executor numbers its workers' GPUs its own way, not in the bundles' order.
 
 `rayrep.cluster.placement.weight_transport` is the one place the choice is made; the placement plan
 (and so `--dry-run`) names it.
@@ -26,12 +29,15 @@ import tempfile
 import time
 import uuid
 import weakref
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Literal
 
 import torch
 import torch.distributed as dist
 
+from rayrep.cluster.memory import SEND_BUFFERS
+from rayrep.cluster.residency import ABSENT, DEVICE, Residency
 from rayrep.sync.collective import GROUP_TIMEOUT, WeightGroup, WeightManifest, open_group, pack_bucket, unpack_bucket
 
 Transport = Literal["broadcast", "handles"]
@@ -54,12 +60,13 @@ def share(buffer: torch.Tensor) -> dict:
 
     _, args = reduce_tensor(buffer)
     (_, size, stride, offset, _, dtype, _, storage_handle, storage_bytes, storage_offset, _,
-     counter_handle, counter_offset, event_handle, event_sync) = args
+     counter_handle, counter_offset, _, _) = args
+    # No CUDA event travels: the sender synchronises its stream before it publishes a bucket,
+    # so the worker has nothing to wait on, and opens (and leaks) no event handle per share.
     return {"kind": "cuda", "size": list(size), "stride": list(stride), "offset": offset,
             "dtype": str(dtype).removeprefix("torch."), "storage_handle": storage_handle.hex(),
             "storage_bytes": storage_bytes, "storage_offset": storage_offset, "counter_handle": counter_handle.hex(),
-            "counter_offset": counter_offset, "event_handle": event_handle.hex() if event_handle else None,
-            "event_sync": event_sync}
+            "counter_offset": counter_offset}
 
 
 def open_shared(handle: dict, device: torch.device) -> torch.Tensor:
@@ -71,12 +78,11 @@ def open_shared(handle: dict, device: torch.device) -> torch.Tensor:
     # The sender's device index means the sender's visible devices; this process names the
     # same GPU by its own (Ray gives both the GPU of their bundle), as OpenRLHF does.
     index = device.index if device.index is not None else torch.cuda.current_device()
-    event = bytes.fromhex(handle["event_handle"]) if handle["event_handle"] else None
     return rebuild_cuda_tensor(
         torch.Tensor, tuple(handle["size"]), tuple(handle["stride"]), handle["offset"], torch.storage.TypedStorage,
         getattr(torch, handle["dtype"]), index, bytes.fromhex(handle["storage_handle"]), handle["storage_bytes"],
-        handle["storage_offset"], False, bytes.fromhex(handle["counter_handle"]), handle["counter_offset"], event,
-        handle["event_sync"])
+        handle["storage_offset"], False, bytes.fromhex(handle["counter_handle"]), handle["counter_offset"], None,
+        False)
 
 
 _shared_files: dict[int, str] = {}
@@ -112,39 +118,50 @@ class HandleChannel:
     """One learner rank and the engine worker beside it: `send` on the learner's side,
     `receive` on the worker's. Keys are numbered by sync, so both sides count their syncs."""
 
-    def __init__(self, store: dist.TCPStore, worker: int, device: torch.device, peer_pid: int | None = None):
-        self.store, self.worker, self.device, self.peer_pid = store, worker, device, peer_pid
+    def __init__(self, store: dist.TCPStore, worker: int, device: torch.device, peer_pid: int | None = None,
+                 timeout: timedelta = GROUP_TIMEOUT):
+        self.store, self.worker, self.device, self.peer_pid, self.timeout = store, worker, device, peer_pid, timeout
         self.syncs = 0
-        self.slots: list[torch.Tensor] = []
 
     def _key(self, kind: str, bucket: int) -> str:
         return f"sync{self.syncs}/worker{self.worker}/{kind}{bucket}"
 
-    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor]) -> None:
-        """Pack every bucket of `tensors` (manifest order, full shapes) and hand it over."""
+    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor], residency: Residency | None = None) -> None:
+        """Pack every bucket of `tensors` (manifest order, full shapes) and hand it over. The
+        two buffers are made for this sync and freed after it (`residency`, the sender's,
+        holds them meanwhile): between syncs the GPU is the engine's."""
         self.syncs += 1
-        largest = max((manifest.bucket_bytes(b) for b in manifest.buckets), default=0)
-        if not self.slots or self.slots[0].numel() < largest:
-            self.slots = [shared_buffer(largest, self.device) for _ in range(SLOTS)]
-        handles = [share(slot) for slot in self.slots]
-        for index, bucket in enumerate(manifest.buckets):
-            if index >= SLOTS:
-                self._wait(self._key("copied", index - SLOTS))
-            slot = index % SLOTS
-            pack_bucket(manifest, bucket, tensors, self.slots[slot])
+        largest = manifest.largest_bucket_bytes
+        slots = [shared_buffer(largest, self.device) for _ in range(SLOTS)]
+        if residency is not None:
+            residency.move(SEND_BUFFERS, DEVICE, SLOTS * largest)
+        try:
+            handles = [share(slot) for slot in slots]
+            for index, bucket in enumerate(manifest.buckets):
+                if index >= SLOTS:
+                    self._wait(self._key("copied", index - SLOTS))
+                slot = index % SLOTS
+                pack_bucket(manifest, bucket, tensors, slots[slot])
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # packed before the worker reads
+                self.store.set(self._key("bucket", index), json.dumps([slot, handles[slot]]))
+            for index in range(max(0, len(manifest.buckets) - SLOTS), len(manifest.buckets)):
+                self._wait(self._key("copied", index))
+            for index in range(len(manifest.buckets)):
+                self.store.delete_key(self._key("bucket", index))
+                self.store.delete_key(self._key("copied", index))
+        finally:
+            del slots
             if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # packed before the worker reads
-            self.store.set(self._key("bucket", index), json.dumps([slot, handles[slot]]))
-        for index in range(max(0, len(manifest.buckets) - SLOTS), len(manifest.buckets)):
-            self._wait(self._key("copied", index))
-        for index in range(len(manifest.buckets)):
-            self.store.delete_key(self._key("bucket", index))
-            self.store.delete_key(self._key("copied", index))
+                torch.cuda.ipc_collect()  # the shares the worker has let go of: freed, not kept by torch's IPC bookkeeping
+            if residency is not None:
+                residency.move(SEND_BUFFERS, ABSENT)
 
     def receive(self, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
         """Every bucket's (name, tensor) views, in manifest order. Each bucket is copied out
         of the sender's buffer at once (the loader may hold views until a whole layer
-        arrived), so the sender can fill that buffer again."""
+        arrived), so the sender can fill that buffer again; the buffers' mappings are let go
+        of when the sync ends."""
         self.syncs += 1
         opened: dict[int, torch.Tensor] = {}
         for index, bucket in enumerate(manifest.buckets):
@@ -155,23 +172,24 @@ class HandleChannel:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # copied before the buffer is refilled
             self.store.set(self._key("copied", index), b"")
+            if index >= len(manifest.buckets) - SLOTS:  # the sender may free this buffer now
+                opened.pop(slot, None)
             yield from manifest.views(bucket, flat)
 
     def _wait(self, key: str) -> None:
         """Until the worker has set `key`; fails at once if its process is gone (it shares
-        this node), and after the group's timeout otherwise."""
-        deadline, pause = time.monotonic() + GROUP_TIMEOUT.total_seconds(), 1e-4
+        this node), and after the transport's timeout otherwise."""
+        deadline, pause = time.monotonic() + self.timeout.total_seconds(), 1e-4
         while not self.store.check([key]):
             if self.peer_pid is not None and not _alive(self.peer_pid):
                 raise PeerDied(f"weight sync: engine worker {self.worker} (pid {self.peer_pid}) died during the sync")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"weight sync: engine worker {self.worker} did not take bucket {key} "
-                                   f"within {GROUP_TIMEOUT}")
+                                   f"within {self.timeout}")
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
 
     def close(self) -> None:
-        self.slots = []
         self.store = None
 
 
@@ -197,27 +215,52 @@ def _alive(pid: int) -> bool:
 WeightChannel = WeightGroup | HandleChannel
 
 
+def device_identity(device: torch.device) -> str:
+    """What names this process's GPU in every process (its UUID: each process numbers the
+    GPUs it sees its own way); empty on CPU, where ranks and workers pair by index."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def paired_worker(rank: int, identity: str, workers: dict[int, str]) -> int:
+    """The engine worker that learner rank `rank`, on the GPU named `identity`, hands its
+    tensors to: the one on the same GPU (`workers`: each worker's GPU), or on CPU the one of
+    the same index. A rank whose GPU holds no engine worker is a placement error, named."""
+    if not identity:
+        return rank
+    for worker, theirs in sorted(workers.items()):
+        if theirs == identity:
+            return worker
+    raise RuntimeError(f"weight sync: no engine worker shares learner rank {rank}'s GPU ({identity}); the engine "
+                       f"workers' GPUs: {dict(sorted(workers.items()))}")
+
+
 def join_as_learner(transport: Transport, host: str, port: int, world_size: int, rank: int, backend: str,
-                    device: torch.device) -> WeightChannel | None:
+                    device: torch.device, timeout: timedelta = GROUP_TIMEOUT) -> WeightChannel | None:
     """Learner rank `rank`'s end of the weight transport, or None when it sends nothing
     (`broadcast`: ranks other than 0). Every member's join must be in flight together."""
     if transport == "broadcast":
-        return open_group(host, port, world_size, 0, backend, device) if rank == 0 else None
-    store = _store(host, port, hosts=rank == 0)
-    peer_pid = int(store.get(f"pid{rank}"))  # the worker beside this rank has joined
-    return HandleChannel(store, rank, device, peer_pid)
+        return open_group(host, port, world_size, 0, backend, device, timeout) if rank == 0 else None
+    store = _store(host, port, rank == 0, timeout)
+    identity = device_identity(device)
+    workers = {w: store.get(f"device{w}").decode() for w in range(world_size - 1)} if identity else {}
+    worker = paired_worker(rank, identity, workers)
+    peer_pid = int(store.get(f"pid{worker}"))  # the worker beside this rank has joined
+    return HandleChannel(store, worker, device, peer_pid, timeout)
 
 
 def join_as_engine_worker(transport: Transport, host: str, port: int, world_size: int, group_rank: int,
-                          backend: str, device: torch.device) -> WeightChannel:
+                          backend: str, device: torch.device, timeout: timedelta = GROUP_TIMEOUT) -> WeightChannel:
     """Engine worker `group_rank - 1`'s end (group rank 0 is learner rank 0's)."""
     if transport == "broadcast":
-        return open_group(host, port, world_size, group_rank, backend, device)
+        return open_group(host, port, world_size, group_rank, backend, device, timeout)
     worker = group_rank - 1
-    store = _store(host, port, hosts=False)
+    store = _store(host, port, False, timeout)
+    store.set(f"device{worker}", device_identity(device))
     store.set(f"pid{worker}", str(os.getpid()))
-    return HandleChannel(store, worker, device)
+    return HandleChannel(store, worker, device, timeout=timeout)
 
 
-def _store(host: str, port: int, hosts: bool) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=hosts, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+def _store(host: str, port: int, hosts: bool, timeout: timedelta) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=hosts, timeout=timeout, wait_for_workers=False)

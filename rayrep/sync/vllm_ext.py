@@ -34,6 +34,19 @@ class _RotaryReloadNotice(logging.Filter):
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadNotice())
 
 
+class _CpuSleepNotice(logging.Filter):
+    """Drops vLLM's CPU worker's notice that sleep mode is not supported, which a CPU run that
+    emulates GPUs (`placement.emulate_gpus`) would print at every sleep and wake: it makes the
+    calls for their order and for vLLM's own bookkeeping (its scheduler pauses until the engine
+    is fully awake again), and a CPU has no memory to free."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sleep mode is not supported on CPU" not in record.getMessage()
+
+
+logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_CpuSleepNotice())
+
+
 def with_tied_head(weights: Iterable[tuple[str, torch.Tensor]], tied: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """`weights`, and after the input embedding `tied` (when the output head shares it) the
     same tensor again as "lm_head.weight": vLLM keeps a head of its own, which its reload
@@ -48,16 +61,18 @@ class WeightSyncExtension:
     """Methods that run inside each vLLM worker (one per tensor-parallel rank)."""
 
     def rayrep_join_weight_group(self, host: str, port: int, world_size: int, first_rank: int, backend: str,
-                                 transport: str) -> None:
+                                 transport: str, timeout_s: float) -> None:
         # Our own transport, beside the group vLLM created for itself (a world of size 1 on
         # CPU): a broadcast from the learner's rank 0, or colocated, handles from the learner
         # rank beside this worker. This worker's rank within its engine (its tensor-parallel
         # rank) follows the engine's first.
+        from datetime import timedelta
+
         from rayrep.sync.transport import join_as_engine_worker
 
         rank = first_rank + getattr(self, "rank", 0)
         self._rayrep_channel = join_as_engine_worker(transport, host, port, world_size, rank, backend,
-                                                     self._rayrep_device())
+                                                     self._rayrep_device(), timedelta(seconds=timeout_s))
 
     def rayrep_leave_weight_group(self) -> None:
         """Leave the transport (to join a rebuilt one, after a generator was replaced); a worker
@@ -71,7 +86,12 @@ class WeightSyncExtension:
         """Receive every bucket and load them in one `reload_weights` call; returns tensors loaded."""
         # One reload over all buckets: reloading per bucket can split a layer's fused q/k/v
         # projection across calls and leave part of it stale.
-        return self._rayrep_reload(with_tied_head(self._rayrep_channel.receive(manifest), manifest.tied_embedding))
+        loaded = self._rayrep_reload(with_tied_head(self._rayrep_channel.receive(manifest), manifest.tied_embedding))
+        if self._rayrep_device().type == "cuda":
+            # The received copies and the layers the reload materialised went back to torch's
+            # cache: the KV cache that wakes next is mapped by vLLM outside it, and needs the room.
+            torch.cuda.empty_cache()
+        return loaded
 
     def rayrep_load_folder(self, folder: str) -> int:
         """Load a checkpoint folder's weights (its *.safetensors, tensor by tensor) in place;

@@ -1,0 +1,512 @@
+"""The memory plan of a GPU run, as a timeline, and the ledger that holds a run to it.
+
+The plan: what each GPU holds in each phase of the run, per holder (a learner rank, an
+engine worker) and part, estimated before anything starts from the config and the policy's
+shape; a plan that cannot fit is refused with its numbers (`check_memory`), and `--dry-run`
+prints it (`MemoryPlan.describe`), with the host memory each node needs.
+
+Per GPU, in bytes (P parameters, W learner ranks, T tokens of one micro-batch:
+`learner.micro_batch_size` rows of the longest sequence, or with `learner.micro_batch_tokens`
+at most that many padded tokens, one row at least; `c` the compute dtype's bytes):
+
+- learner, FSDP2: parameters (the fp32 master shard) 4P/W, optimizer state (AdamW's two
+  moments) 8P/W; an update adds the fp32 gradient shard 4P/W, the layers gathered in the
+  compute dtype (the root's embedding and head, and two layers: the one computing and the
+  one prefetched), the activations of one micro-batch (each layer's input with gradient
+  checkpointing, else all of each layer's, plus one layer's during its backward), the logits
+  and their gradient (2Tc per vocabulary entry) and the fp32 working set of the log-prob
+  chunks (four vocabulary-wide fp32 copies of `learner.logit_chunk_tokens` tokens:
+  rayrep/learner/logprobs.py). ExGRPO's entropy pass (no graph) holds one layer's
+  activations and one copy of the logits instead. A sync gathers each tensor whole in the
+  compute dtype and packs the buckets into two send buffers of the largest bucket.
+- learner, DeepSpeed ZeRO-2: the whole compute-dtype model and the fp32 master partition,
+  moment and gradient partitions, the same activations; its state never leaves the GPU.
+- engine (vLLM): `generator.gpu_memory_utilization` of the GPU awake: its weights (split over
+  the tensor-parallel group), its runtime (what stays on the GPU asleep), the KV cache in the
+  rest. Receiving weights it holds a copy of the tensors of a layer (the loader keeps them
+  until the layer is whole) and the layer vLLM materialises to load them: about twice the
+  largest of a layer and the largest tensor, and a bucket in flight.
+
+Colocated, a learner rank and an engine worker share each GPU and take turns; the timeline
+(`timeline`) is the order the runtime takes them in, and each phase says what each holder
+may hold then. Disaggregated, each role has GPUs of its own. `RESERVED_BYTES` per GPU come on
+top (CUDA contexts, NCCL buffers, fragmentation).
+
+The ledger (`DeviceLedger`): in a running run, the processes' residencies
+(`rayrep.cluster.residency`) report what they held at each transition, and the ledger sums
+them per GPU: no GPU may go over its size, and no holder beyond its phase's plan (within
+`TOLERANCE`). A CPU run that emulates GPUs (`placement.emulate_gpus`) stops at the first
+breach; a GPU run logs it, and records torch's measured figures beside the model's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from rayrep.cluster.placement import generator_count, weight_transport
+from rayrep.cluster.residency import Holding
+from rayrep.config import Config, InputError
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+RESERVED_BYTES = 3 * GIB
+"""CUDA contexts, NCCL buffers and the allocator's fragmentation, per GPU."""
+SLEEPING_ENGINE_BYTES = 1 * GIB
+"""What a vLLM engine keeps on its GPU asleep (at level 1 or 2): its runtime."""
+TOLERANCE = 0.10
+"""How far a holder's measured peak may go past its phase's plan before the ledger calls it a breach."""
+
+LEARNER, ENGINE = "learner", "engine"
+"""The holders of GPU memory: a learner rank, an engine worker (one per GPU of an engine)."""
+
+# The parts, as the plan and the holders (rayrep.learner.worker, rayrep.generator.worker,
+# rayrep.sync.transport) name them.
+PARAMETERS = "parameters"
+OPTIMIZER = "optimizer state"
+GRADIENTS = "gradients"
+GATHERED = "gathered layers"
+ACTIVATIONS = "activations"
+LOGITS = "logits and their gradient"
+LOGPROB_CHUNK = "fp32 log-prob chunk"
+PASS_ACTIVATIONS = "activations of a pass without a graph"
+PASS_LOGITS = "logits of a pass without a graph"
+WHOLE_TENSOR = "tensor gathered whole"
+SEND_BUFFERS = "send buffers"
+WEIGHTS = "weights"
+KV_CACHE = "KV cache"
+ENGINE_RUNTIME = "engine runtime"
+RECEIVED = "received tensors"
+
+LEARNER_STATE = (PARAMETERS, OPTIMIZER)
+UPDATE = (GRADIENTS, GATHERED, ACTIVATIONS, LOGITS, LOGPROB_CHUNK)
+"""What an update allocates for itself (the old log-prob pass inside it holds less)."""
+FORWARD_PASS = (GATHERED, PASS_ACTIVATIONS, PASS_LOGITS, LOGPROB_CHUNK)
+"""What a pass without a graph allocates (ExGRPO's entropy pass)."""
+ENGINE_AWAKE = (WEIGHTS, KV_CACHE, ENGINE_RUNTIME)
+
+KNOWN_SHAPES: dict[str, dict] = {
+    # From the model's published config.json, for dry runs on machines without the weights.
+    "Qwen/Qwen2.5-Math-7B": dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=4096,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimates need of a decoder-only (Qwen2 / Llama-shaped) policy."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def of(cls, config) -> "ModelShape":
+        """From a transformers config or a dict of the same fields."""
+        get = config.get if isinstance(config, dict) else lambda name, default=None: getattr(config, name, default)
+        return cls(
+            vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
+            num_hidden_layers=get("num_hidden_layers"), num_attention_heads=get("num_attention_heads"),
+            num_key_value_heads=get("num_key_value_heads") or get("num_attention_heads"),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer_parameters(self) -> int:
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k and v (bias), o
+        return attention + 3 * h * self.intermediate_size + 2 * h  # gate, up, down; two norms
+
+    @property
+    def parameters(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_hidden_layers * self.layer_parameters + self.hidden_size
+
+    @property
+    def largest_tensor(self) -> int:
+        """Elements of the largest weight: the embedding (or the head) or an MLP projection."""
+        return max(self.vocab_size * self.hidden_size, self.intermediate_size * self.hidden_size)
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the run's timeline: what each holder may hold on one GPU then, by part."""
+
+    name: str
+    what: str
+    held: dict[str, dict[str, int]]
+    """Holder (`LEARNER`, `ENGINE`) -> part -> bytes on one GPU."""
+
+    def holds(self, holder: str) -> int:
+        return sum(self.held.get(holder, {}).values())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The run's GPUs through its phases, and whether they fit."""
+
+    capacity: int
+    sizes: dict[str, dict[str, int]]
+    """Holder -> each part's bytes on one GPU."""
+    phases: tuple[Phase, ...]
+    gpus: tuple[tuple[str, ...], ...]
+    """The kinds of GPU, each as the holders that share one: colocated, a learner rank and an
+    engine worker; disaggregated, a learner's GPUs and an engine's; sampling, an engine's."""
+    colocated: bool
+    trains: bool
+    transport: str
+    longest_sequence: int
+    kv_cache_tokens: int
+    host: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Host memory per node at the moments that need most of it: bytes and what holds them."""
+
+    def phase(self, name: str) -> Phase:
+        for phase in self.phases:
+            if phase.name == name:
+                return phase
+        raise KeyError(f"the memory plan has no phase {name!r}: {[p.name for p in self.phases]}")
+
+    def per_gpu(self, phase: Phase) -> int:
+        """The phase's bytes on its fullest GPU, `RESERVED_BYTES` included."""
+        return max(sum(phase.holds(h) for h in kind) for kind in self.gpus) + RESERVED_BYTES
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=self.per_gpu)
+
+    def problems(self) -> list[str]:
+        found = [f"the {phase.name} phase needs {self.per_gpu(phase) / GIB:.1f} GiB per GPU, more than the "
+                 f"{self.capacity / GIB:.0f} GiB of placement.gpu_memory_gib"
+                 for phase in self.phases if self.per_gpu(phase) > self.capacity]
+        if self.kv_cache_tokens < self.longest_sequence:
+            found.append(f"vLLM's KV cache holds {self.kv_cache_tokens} tokens, less than one sequence of "
+                         f"{self.longest_sequence}")
+        return found
+
+    def describe(self) -> str:
+        if not self.trains:
+            how = "sampling only: each GPU an engine's"
+        elif self.colocated:
+            how = "colocated: a learner rank and an engine worker on each GPU, taking turns"
+        else:
+            how = "disaggregated: learners and engines on GPUs of their own"
+        lines = [f"memory plan per GPU ({self.capacity / GIB:.0f} GiB; {how}; GiB), phase by phase:"]
+        width = max(len(p.name) for p in self.phases)
+        for phase in self.phases:
+            holders = []
+            for kind in self.gpus:
+                for holder in kind:
+                    parts = phase.held.get(holder, {})
+                    inside = ", ".join(f"{name} {value / GIB:.2f}" for name, value in parts.items() if value)
+                    label = holder if len(self.gpus) == 1 else f"{holder} GPU"
+                    holders.append(f"{label} {phase.holds(holder) / GIB:.2f}" + (f" ({inside})" if inside else ""))
+            lines.append(f"  {phase.name:<{width}} {self.per_gpu(phase) / GIB:5.1f}  {'; '.join(holders)}")
+            lines.append(f"  {'':<{width}}        {phase.what}")
+        lines.append(f"  (each GPU also keeps {RESERVED_BYTES / GIB:.2f} for CUDA contexts, NCCL and fragmentation; "
+                     f"the weights travel by {self.transport or 'no sync'}; an engine's KV cache holds "
+                     f"{self.kv_cache_tokens:,} tokens: {self.kv_cache_tokens // max(1, self.longest_sequence):,} "
+                     f"sequences of {self.longest_sequence:,})")
+        if self.host:
+            lines.append("host memory per node: " + "; ".join(
+                f"{moment} {value / 1e9:.1f} GB ({what})" for moment, (value, what) in self.host.items()))
+        problems = self.problems()
+        lines.append(f"  peak {self.per_gpu(self.peak) / GIB:.1f} GiB per GPU ({self.peak.name}): "
+                     + ("does not fit: " + "; ".join(problems) if problems else "fits"))
+        return "\n".join(lines)
+
+
+def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
+    """Each holder's parts, in bytes on one GPU (see the module's docstring)."""
+    learner, gen, place = cfg.learner, cfg.generator, cfg.placement
+    c = 2 if cfg.model.dtype == "bfloat16" else 4
+    P, W, H, L, V = shape.parameters, learner.num_workers, shape.hidden_size, shape.num_hidden_layers, shape.vocab_size
+    sequence = cfg.data.max_prompt_tokens + gen.max_response_tokens
+    tokens = learner.micro_batch_size * sequence
+    if learner.micro_batch_tokens:  # passes of rows of like length, at most this many padded tokens (one row at least)
+        tokens = min(tokens, max(sequence, learner.micro_batch_tokens))
+    per_layer = tokens * (16 * H + 6 * shape.intermediate_size) * c
+    embeddings = V * H * (1 if shape.tie_word_embeddings else 2)
+    bucket = int(cfg.sync.bucket_mb * 2**20)
+    largest_bucket = max(bucket, shape.largest_tensor * c)
+    fsdp = learner.strategy == "fsdp2"
+    learner_parts = {
+        PARAMETERS: 4 * P // W if fsdp else P * c + 4 * P // W,  # DeepSpeed: the whole compute-dtype model too
+        OPTIMIZER: 8 * P // W,
+        GRADIENTS: 4 * P // W,
+        GATHERED: (embeddings + 2 * shape.layer_parameters) * c if fsdp else 0,
+        ACTIVATIONS: L * tokens * H * c + per_layer if learner.gradient_checkpointing else L * per_layer,
+        LOGITS: 2 * tokens * V * c,  # the model's output and, in backward, its gradient
+        LOGPROB_CHUNK: 4 * min(tokens, learner.logit_chunk_tokens) * V * 4,
+        PASS_ACTIVATIONS: per_layer,
+        PASS_LOGITS: tokens * V * c,
+        # FSDP2: each rank's shard cast to the compute dtype, then gathered; DeepSpeed gathers
+        # the fp32 master from the optimizer's partitions, then casts it.
+        WHOLE_TENSOR: shape.largest_tensor * (c if fsdp else 4 + c),
+        SEND_BUFFERS: 2 * largest_bucket,
+    }
+    budget = int(gen.gpu_memory_utilization * place.gpu_memory_gib * GIB)
+    weights = P * c // gen.tensor_parallel_size
+    engine_parts = {
+        WEIGHTS: weights,
+        ENGINE_RUNTIME: SLEEPING_ENGINE_BYTES,
+        KV_CACHE: max(0, budget - weights - SLEEPING_ENGINE_BYTES),
+        RECEIVED: 2 * max(shape.largest_tensor, shape.layer_parameters) * c + bucket,
+    }
+    return {LEARNER: learner_parts, ENGINE: engine_parts}
+
+
+def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True) -> tuple[Phase, ...]:
+    """The run's phases in the order the runtime takes them (`rayrep.runtime.system`), each
+    with what each holder may hold on one GPU then."""
+    learner, engine = sizes[LEARNER], sizes[ENGINE]
+
+    def of(holder: dict[str, int], *parts: str) -> dict[str, int]:
+        return {part: holder[part] for part in parts}
+
+    awake = of(engine, *ENGINE_AWAKE)
+    if not trains:
+        return (Phase("engine start-up", "the engines load the policy and take their share of the GPU", {ENGINE: awake}),
+                Phase("generate", "the engines sample", {ENGINE: awake}))
+    state = of(learner, *LEARNER_STATE)
+    update = {**state, **of(learner, *UPDATE)}
+    send = of(learner, WHOLE_TENSOR, SEND_BUFFERS)
+    receiving = {**of(engine, WEIGHTS, ENGINE_RUNTIME, RECEIVED)}
+    if cfg.placement.mode != "colocated":
+        return (
+            Phase("learner set-up", "the learners load the policy and keep their shards on their GPUs",
+                  {LEARNER: of(learner, PARAMETERS)}),
+            Phase("engine start-up", "the engines load the policy on GPUs of their own", {LEARNER: state, ENGINE: awake}),
+            Phase("resume", "a resumed run's learners load their checkpoint", {LEARNER: state, ENGINE: awake}),
+            Phase("update", "the learners train (ExGRPO's entropy pass first); the engines may sample ahead",
+                  {LEARNER: update, ENGINE: awake}),
+            Phase("sync", "each tensor gathered whole and broadcast; the engines load it as they keep sampling room",
+                  {LEARNER: {**state, **send}, ENGINE: {**awake, RECEIVED: engine[RECEIVED]}}),
+            Phase("replacement", "a generator that died starts again, then a sync reaches it",
+                  {LEARNER: state, ENGINE: awake}),
+        )
+    resident = state if cfg.learner.strategy == "deepspeed" else {}  # DeepSpeed's state never leaves the GPU
+    asleep = of(engine, ENGINE_RUNTIME)
+    return (
+        Phase("learner set-up", "each learner rank loads the policy in host memory and keeps its shard on its GPU, "
+              "then moves it to host memory; the engines start after", {LEARNER: of(learner, PARAMETERS)}),
+        Phase("engine start-up", "the engines load the policy and take their share of the GPU "
+              "(generator.gpu_memory_utilization)", {LEARNER: resident, ENGINE: awake}),
+        Phase("resume", "a resumed run's learners load their checkpoint into host memory beside the awake engines",
+              {LEARNER: resident, ENGINE: awake}),
+        Phase("generate", "the engines sample (rollouts, evaluations); the learners' state is in host memory",
+              {LEARNER: resident, ENGINE: awake}),
+        Phase("hand-over", "the engines sleep (level 2: weights and KV cache dropped); the learners' state comes back",
+              {LEARNER: state, ENGINE: asleep}),
+        Phase("update", "the learners train (ExGRPO's entropy pass first), then release the allocator's cache",
+              {LEARNER: update, ENGINE: asleep}),
+        Phase("sync", "the optimizer state leaves; each tensor is gathered whole and handed over in buckets; the "
+              "engines wake their weights and load them; then the parameters leave and the KV cache wakes",
+              {LEARNER: {**(state if resident else of(learner, PARAMETERS)), **send}, ENGINE: receiving}),
+        Phase("replacement", "a generator that died starts again (awake) while the learners' state is in host "
+              "memory; it sleeps, and a sync reaches it", {LEARNER: resident, ENGINE: awake}),
+    )
+
+
+def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple[int, str]]:
+    """Host memory per node at the moments that need most of it (learner set-up, training)."""
+    if not trains:
+        return {}
+    place, W = cfg.placement, cfg.learner.num_workers
+    ranks = min(W, place.gpus_per_node) if place.device == "gpu" else W
+    P = shape.parameters
+    loading = 4 * P + 4 * P // W  # from_pretrained's fp32 model, and this rank's shard beside it
+    host = {"learner set-up": (ranks * loading, f"{ranks} learner rank(s), each loading the policy in fp32: "
+                                                 f"{loading / 1e9:.1f} GB")}
+    if place.mode == "colocated" and cfg.learner.strategy == "fsdp2":
+        state = 12 * P // W
+        host["training"] = (ranks * state, f"{ranks} learner rank(s)' parameters and optimizer state while the "
+                                           f"engines run: {state / 1e9:.1f} GB each")
+    return host
+
+
+def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:
+    gen, place = cfg.generator, cfg.placement
+    c = 2 if cfg.model.dtype == "bfloat16" else 4
+    sizes = part_sizes(cfg, shape)
+    colocated = place.mode == "colocated"
+    if not trains:
+        gpus: tuple[tuple[str, ...], ...] = ((ENGINE,),)
+    elif colocated:
+        gpus = ((LEARNER, ENGINE),)
+    else:
+        gpus = ((LEARNER,), (ENGINE,))
+    kv_per_token = shape.kv_bytes_per_token(c) // gen.tensor_parallel_size
+    return MemoryPlan(
+        capacity=int(place.gpu_memory_gib * GIB),
+        sizes=sizes,
+        phases=timeline(cfg, sizes, trains),
+        gpus=gpus,
+        colocated=colocated,
+        trains=trains,
+        transport=weight_transport(cfg) if trains else "",
+        longest_sequence=cfg.data.max_prompt_tokens + gen.max_response_tokens,
+        kv_cache_tokens=sizes[ENGINE][KV_CACHE] // max(1, kv_per_token),
+        host=host_memory(cfg, shape, trains),
+    )
+
+
+def model_shape(cfg: Config, local_only: bool = True) -> ModelShape | None:
+    """The policy's shape: the embedded tiny policy's recipe, the table of known models (the
+    published shapes of those hub ids: a dry run of a paper preset needs no transformers,
+    which takes seconds to import), the checkpoint's config.json from a folder or the local
+    cache, or (unless `local_only`) the config.json fetched from the hub; None when none of
+    them can tell."""
+    if cfg.model.path == "tiny":
+        from rayrep.models import tiny_spec
+        from rayrep.models.recipe import padded_vocab_size
+        from rayrep.models.tokenizer import build_char_tokenizer
+
+        spec = tiny_spec(cfg)
+        return ModelShape(padded_vocab_size(build_char_tokenizer()), spec.hidden_size, spec.intermediate_size,
+                          spec.num_layers, spec.num_heads, spec.num_kv_heads, True)
+    if cfg.model.path in KNOWN_SHAPES:
+        return ModelShape.of(KNOWN_SHAPES[cfg.model.path])
+    from rayrep.models import read_model_config
+
+    try:
+        return ModelShape.of(read_model_config(cfg.model.path, local_only=True))
+    except InputError:
+        pass
+    if local_only:
+        return None
+    return ModelShape.of(read_model_config(cfg.model.path))
+
+
+def memory_plan(cfg: Config, trains: bool = True, local_only: bool = True) -> MemoryPlan | None:
+    """The plan of a run that models its GPUs (a GPU run, or a CPU run emulating one);
+    None for other CPU runs, or when the policy's shape is unknown."""
+    if not cfg.placement.models_gpus:
+        return None
+    shape = model_shape(cfg, local_only)
+    return estimate(cfg, shape, trains) if shape else None
+
+
+def check_memory(cfg: Config, trains: bool = True) -> None:
+    """Refuse, before anything starts, a GPU plan that cannot fit, with its numbers."""
+    plan = memory_plan(cfg, trains, local_only=False)
+    if plan is not None and plan.problems():
+        raise InputError("the memory plan does not fit: " + "; ".join(plan.problems()) + "\n" + plan.describe())
+
+
+# ---------------------------------------------------------------------------- the ledger
+
+
+class MemoryLedgerError(RuntimeError):
+    """A run's sequence put more on a GPU than it has, or more than its plan says, at a transition."""
+
+
+@dataclass
+class Observation:
+    """One transition of the run as the ledger saw it."""
+
+    phase: str
+    gpus: dict[int, int]
+    """GPU index -> the most its holders held together since the last transition (reserved included)."""
+    measured: dict[int, int]
+    """GPU index -> what torch measured there (GPU runs only)."""
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.2f}"
+
+
+class DeviceLedger:
+    """Each GPU of the run as the real call sequence fills it: at every transition the runtime
+    hands over what each process reported (`Holding`), and the ledger sums the processes that
+    share a GPU, checks the sums against the GPU's size and each holder against its phase of
+    the plan, and keeps the timeline (`observations`) and the step's figures."""
+
+    def __init__(self, plan: MemoryPlan, gpus_of: dict[str, tuple[int, ...]], strict: bool, log=logger.warning):
+        """`gpus_of`: each holder (a `Holding.owner`) -> the GPUs it holds memory on (an engine
+        worker's holding is the same on each GPU of its engine). `strict`: a breach stops the
+        run (`MemoryLedgerError`); else it is logged once per phase and holder."""
+        self.plan, self.gpus_of, self.strict, self.log = plan, gpus_of, strict, log
+        self.observations: list[Observation] = []
+        self.figures: dict[str, float] = {}
+        self._logged: set[tuple[str, str]] = set()
+
+    def observe(self, phase: str, holdings: Iterable[Holding]) -> None:
+        """The transition that ends `phase`: each holder's peak since the last one."""
+        planned = self.plan.phase(phase)
+        on_gpu: dict[int, list[Holding]] = defaultdict(list)
+        breaches = []
+        for holding in holdings:
+            for gpu in self.gpus_of[holding.owner]:
+                on_gpu[gpu].append(holding)
+            allowed = planned.holds(holding.role)
+            if holding.peak > allowed * (1 + TOLERANCE):
+                breaches.append((holding.owner, (
+                    f"{holding.owner} held {gib(holding.peak)} GiB ({_parts(holding.at_peak)}), and the plan gives "
+                    f"a {holding.role} {gib(allowed)} GiB in this phase ({_parts(planned.held.get(holding.role, {}))})")))
+        totals = {gpu: sum(h.peak for h in held) + RESERVED_BYTES for gpu, held in on_gpu.items()}
+        for gpu, total in totals.items():
+            if total > self.plan.capacity:
+                breaches.append((f"gpu {gpu}", f"GPU {gpu} held {gib(total)} GiB, more than its "
+                                               f"{gib(self.plan.capacity)} GiB ({'; '.join(h.owner + ': ' + _parts(h.at_peak) for h in on_gpu[gpu])})"))
+        measured = {gpu: max(h.measured_peak for h in held) for gpu, held in on_gpu.items()
+                    if all(h.measured_peak is not None for h in held)}
+        self.observations.append(Observation(phase, totals, measured))
+        key = f"memory_{phase.replace(' ', '_').replace('-', '_')}_gib"
+        if totals:
+            self.figures[key] = max(self.figures.get(key, 0.0), max(totals.values()) / GIB)
+        if measured:
+            self.figures[key.replace("_gib", "_measured_gib")] = max(measured.values()) / GIB
+        if breaches:
+            message = f"device-memory ledger, {phase} phase: " + "; ".join(text for _, text in breaches)
+            if self.strict:
+                raise MemoryLedgerError(message)
+            for who, text in breaches:
+                if (phase, who) not in self._logged:
+                    self._logged.add((phase, who))
+                    self.log(f"device-memory ledger, {phase} phase: {text}")
+
+    def take_figures(self) -> dict[str, float]:
+        """The most each phase held on a GPU since the last call (GiB; GPU runs: torch's figure beside it)."""
+        figures, self.figures = self.figures, {}
+        return figures
+
+
+def _parts(parts: dict[str, int]) -> str:
+    shown = [f"{name} {gib(value)}" for name, value in parts.items() if value]
+    return ", ".join(shown) if shown else "nothing"
+
+
+def engine_gpus(cfg: Config, engine: int) -> tuple[int, ...]:
+    """The GPUs engine `engine` holds memory on, numbered as the ledger numbers them: colocated,
+    the policy's bundles (learner rank j's GPU is j); disaggregated, after the learners' GPUs."""
+    tp = cfg.generator.tensor_parallel_size
+    first = engine * tp if cfg.placement.mode == "colocated" else cfg.learner.num_workers + engine * tp
+    return tuple(range(first, first + tp))
+
+
+def ledger_gpus(cfg: Config, trains: bool = True) -> dict[str, tuple[int, ...]]:
+    """Each holder's GPUs (see `engine_gpus`); holders are named as their residencies name them."""
+    gpus = {f"generator {e}": engine_gpus(cfg, e) for e in range(generator_count(cfg))}
+    if trains:
+        gpus.update({f"learner rank {r}": (r,) for r in range(cfg.learner.num_workers)})
+    return gpus
+
