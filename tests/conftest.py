@@ -19,8 +19,11 @@ def tiny_policy(tiny_cfg) -> str:
 
 
 SHORT_RUN = {"run.steps": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
-             "data.arithmetic_test_size": 32, "learner.behaviour_cap": 2.0, "logging.plots": False}
-"""Two cheap GRPO steps of the tiny preset: the run that several tests vary one knob of."""
+             "data.arithmetic_test_size": 32, "learner.behaviour_cap": 2.0, "logging.plots": False,
+             "placement.emulate_gpus": True}
+"""Two cheap GRPO steps of the tiny preset: the run that several tests vary one knob of. It
+takes turns as a colocated GPU run does (`placement.emulate_gpus`): its engines sleep and
+wake, its learners' state moves, and the device-memory ledger checks every transition."""
 
 
 @pytest.fixture(scope="session")

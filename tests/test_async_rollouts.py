@@ -40,16 +40,24 @@ def test_groups_with_answers_beyond_the_lag_are_dropped_and_counted():
 def test_colocated_gpus_cannot_sample_ahead(tiny_cfg):
     with pytest.raises(ConfigError, match="max_policy_lag=1 needs generators that keep their GPUs"):
         tiny_cfg.replace(**{"run.max_policy_lag": 1, "placement.device": "gpu", "placement.mode": "colocated"})
+    with pytest.raises(ConfigError, match="max_policy_lag=1 needs generators that keep their GPUs"):
+        tiny_cfg.replace(**{"run.max_policy_lag": 1, "placement.emulate_gpus": True})  # nor emulated ones
 
 
 def comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(("time_", "fresh_lag_")) and k not in CLOCK}
+    """What two runs that took the same steps share (their GPUs' memory aside: the short run is
+    colocated, this one disaggregated)."""
+    return {k: v for k, v in record.items()
+            if not k.startswith(("time_", "fresh_lag_", "memory_")) and k not in CLOCK}
 
 
 @pytest.mark.timeout(900)
 def test_one_step_ahead_trains_on_answers_one_version_old(ray_cluster, tiny_cfg, short_run, tmp_path):
+    """As a GPU run samples ahead: disaggregated, the residency checks and the ledger of the
+    learners' and the engine's GPUs live (`placement.emulate_gpus`, from the short run)."""
     cfg = tiny_cfg.replace(**SHORT_RUN, **{"run.max_policy_lag": 1, "logging.out_dir": str(tmp_path),
-                                           "logging.run_name": "lag-1"})
+                                           "logging.run_name": "lag-1", "placement.mode": "disaggregated",
+                                           "generator.num_workers": 1})
     runs = {0: short_run, 1: read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl")}
     sync, ahead = runs[0][1:], runs[1][1:]
     answers = 16 * 8
@@ -66,6 +74,8 @@ def test_one_step_ahead_trains_on_answers_one_version_old(ray_cluster, tiny_cfg,
     assert all(r["behaviour_weight_max"] < 1.05 for r in sync)
     assert all(r["behaviour_weight_max"] > s["behaviour_weight_max"] for r, s in zip(ahead[1:], sync[1:]))
     assert ahead[1]["policy_version"] == sync[1]["policy_version"] == 2
+    # The ledger saw each role's GPUs: the engine's awake while the learner updated and synced.
+    assert all(r["memory_update_gib"] > 68 and r["memory_sync_gib"] > 68 for r in ahead)
 
 
 def test_pinned_cores_keep_generators_and_learners_apart(ray_cluster, tiny_cfg, tiny_policy):

@@ -25,6 +25,7 @@ from rayrep.data import encode_prompts, load_split
 from rayrep.generator.pool import GeneratorPool
 from rayrep.runtime.system import Runtime
 from rayrep.types import LossSpec
+from test_learner_and_sync import synthetic_batch
 
 
 SHARE = 16
@@ -127,27 +128,47 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
         placement.remove()
 
 
+def train_once(runtime, seed: int = 0) -> dict:
+    """One update and sync, in the order the driver takes them (`rayrep.train`): where the
+    roles take turns, the engines sleep for it and the learners' state moves."""
+    runtime.hand_over_to_learners()
+    runtime.learners.update(synthetic_batch(seed=seed), LossSpec())
+    pushed = runtime.sync_weights()
+    runtime.hand_over_to_generators()
+    return pushed
+
+
 @pytest.mark.parametrize(("learner_ranks", "transport"), [(1, "broadcast"), (2, "handles")])
 def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_policy(
         ray_cluster, tiny_cfg, tiny_policy, learner_ranks, transport):
     """The learners moved the policy away from the checkpoint (version 1): the replacement,
     which loads the checkpoint, must get the learners' weights and version before it samples;
-    later syncs reach every generator through the rebuilt transport. With one learner rank the
-    second engine shares no learner's bundle (a broadcast); with two, each rank hands the
-    engine beside it its tensors (colocated handles)."""
-    from test_learner_and_sync import synthetic_batch
+    later syncs reach every generator through the rebuilt transport.
 
-    cfg = two_generators(tiny_cfg).replace(**{"learner.num_workers": learner_ranks, "learner.lr": 1e-3,
-                                              "learner.warmup_steps": 0})
-    assert weight_transport(cfg) == transport
+    With one learner rank, disaggregated: a broadcast, and a sync asked for while the engines
+    still sample (as asynchronous rollouts ask for it) waits for them before learner rank 0
+    queues its broadcast, which would otherwise wait on the group's timeout (shrunk here to
+    4 s) for as long as they sample. With two, colocated and taking turns as GPUs do
+    (`placement.emulate_gpus`): each rank hands the engine beside it its tensors, and the
+    device-memory ledger checks every transition, a replacement's included."""
+    turns = transport == "handles"
+    cfg = two_generators(tiny_cfg).replace(**{
+        "learner.num_workers": learner_ranks, "learner.lr": 1e-3, "learner.warmup_steps": 0,
+        **({"placement.emulate_gpus": True} if turns else {"placement.mode": "disaggregated", "sync.timeout_s": 4.0})})
+    assert weight_transport(cfg) == transport and cfg.placement.takes_turns == turns
     runtime = Runtime.start(cfg, tiny_policy)  # it brings a replacement to the current policy
     learners, generators = runtime.learners, runtime.generators
     try:
         prompt_ids = questions(cfg, tiny_policy, 16)
         seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
+        if not turns:
+            busy = generators.generate(prompt_ids * 10, n=32, temperature=1.0, top_p=1.0, max_tokens=48)
+            start = time.monotonic()
+            assert train_once(runtime, seed=3)["policy_version"] == 1
+            assert time.monotonic() - start > cfg.sync.timeout_s  # it waited for the engines, and no timeout fired
+            assert len(generators.gather(busy)) == 16 * 10
         base = sample(generators, prompt_ids, seeds)
-        learners.update(synthetic_batch(), LossSpec())
-        assert runtime.sync_weights()["policy_version"] == 1
+        version = train_once(runtime)["policy_version"]
         trained = sample(generators, prompt_ids, seeds)
         assert trained[8:] != base[8:]  # generator 1's share: the weights moved enough to change its answers
 
@@ -155,27 +176,33 @@ def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_poli
         counts = Counter()
         recovered = sample(generators, prompt_ids, seeds, counts)
         assert counts == {"replaced": 1, "retried_prompts": 8}
-        assert recovered == trained  # version 1's answers, not the checkpoint's
-        assert {r.version for rollouts in recovered for r in rollouts} == {1}
-        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [1, 1]
-        assert runtime.version == 1  # the rebuild sent the same weights again: no new version
+        assert recovered == trained  # the current version's answers, not the checkpoint's
+        assert {r.version for rollouts in recovered for r in rollouts} == {version}
+        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [version, version]
+        assert runtime.version == version  # the rebuild sent the same weights again: no new version
 
-        learners.update(synthetic_batch(seed=1), LossSpec())
-        assert runtime.sync_weights()["policy_version"] == 2  # through the rebuilt group, to both generators
-        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [2, 2]
+        assert train_once(runtime, seed=1)["policy_version"] == version + 1  # through the rebuilt group, to both
+        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [version + 1] * 2
         again = sample(generators, prompt_ids, seeds)
-        assert again[:8] != trained[:8] and again[8:] != trained[8:]  # both engines took version 2's weights
+        assert again[:8] != trained[:8] and again[8:] != trained[8:]  # both engines took the new weights
 
-        # A generator that dies where the sync finds it (its broadcast fails): replaced by the
+        # A generator that dies where the sync finds it (its transfer fails): replaced by the
         # runtime, which sends the new version to the replacement and the survivor alike.
+        # Colocated, the learners' state leaves the GPU before the new engine starts on it
+        # (the ledger refuses a replacement beside it).
+        runtime.hand_over_to_learners()
         learners.update(synthetic_batch(seed=2), LossSpec())
         os.kill(ray.get(generators.workers[0].pid.remote()), signal.SIGKILL)
         pushed = runtime.sync_weights()
-        assert (pushed["policy_version"], pushed["sync_generator_replaced"]) == (3, 1)
-        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [3, 3]
+        runtime.hand_over_to_generators()
+        assert (pushed["policy_version"], pushed["sync_generator_replaced"]) == (version + 2, 1)
+        assert ray.get([w.policy_version.remote() for w in generators.workers]) == [version + 2] * 2
         third = sample(generators, prompt_ids, seeds)
         assert third[:8] != again[:8] and third[8:] != again[8:]
-        assert {r.version for rollouts in third for r in rollouts} == {3}
+        assert {r.version for rollouts in third for r in rollouts} == {version + 2}
+        if turns:  # every transition, the replacement's too, within the GPUs and the plan
+            phases = {o.phase for o in runtime.ledger.observations}
+            assert {"learner set-up", "engine start-up", "hand-over", "update", "sync", "replacement"} <= phases
     finally:
         runtime.shutdown()
 

@@ -57,35 +57,41 @@ class RecordingEngine:
 
 
 def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
-    """A colocated GPU run, in the driver's order. At start the engines sleep while the
-    learners set up and keep their weights (level 1: no sync follows). Then two steps (the
-    learners' turn: the engine sleeps, dropping its weights, level 2; the weight sync: new
-    weights arrive; the generators' turn): every step sleeps once, wakes the weights before
-    loading them and the KV cache after, and wakes no memory twice. Dropped weights are never
-    woken but by a sync. On CPU (the roles do not take turns) nothing sleeps or wakes."""
+    """A colocated GPU run, in the driver's order: every step sleeps once (the learners' turn:
+    level 2, the weights dropped), wakes the weights before loading them (the weight sync) and
+    the KV cache after (the generators' turn), and wakes no memory twice; dropped weights are
+    woken only by a sync, and an engine asleep refuses to sample. A CPU run that emulates GPUs
+    makes exactly the same calls; a plain CPU run makes none."""
+    from rayrep.cluster.residency import ResidencyError
     from rayrep.config import load_preset
-    from rayrep.generator.worker import GeneratorWorker
+    from rayrep.generator.worker import GeneratorWorker, engine_residency
 
     def worker_for(cfg):
         worker = GeneratorWorker.__new__(GeneratorWorker)  # the engine-facing logic, on a recording engine
-        worker.cfg, worker.llm, worker.sleeping, worker.weights_dropped, worker.version = cfg, RecordingEngine(), (), False, 0
+        worker.cfg, worker.llm, worker.version, worker.half_loaded = cfg, RecordingEngine(), 0, False
+        worker.residency = engine_residency(cfg, 0)
         return worker
 
-    gpu = worker_for(load_preset("qwen2.5-math-7b-rlep"))
-    assert gpu.cfg.placement.takes_turns
-    assert gpu.sleep(keep_weights=True)  # Runtime._start_learners
-    assert gpu.wake_up() == ("weights", "kv_cache")
-    start = [("sleep", 1), ("wake_up", ("weights", "kv_cache"))]
-    for step in (1, 2):
-        assert gpu.sleep() and not gpu.sleep()  # Runtime.hand_over_to_learners (a second call: already asleep)
-        with pytest.raises(ValueError, match="dropped as it slept.*only a weight sync"):
-            gpu.wake_up()
-        gpu.receive_weights(manifest=None, version=step)  # WeightSync.push
-        assert gpu.wake_up() == ("kv_cache",)  # Runtime.hand_over_to_generators
-        assert gpu.wake_up() == () and gpu.version == step
+    def two_steps(worker):
+        for step in (1, 2):
+            assert worker.sleep() and not worker.sleep()  # Runtime.hand_over_to_learners (again: already asleep)
+            with pytest.raises(ResidencyError, match="dropped as it slept.*only a weight sync"):
+                worker.wake_up()
+            with pytest.raises(ResidencyError, match="sampling needs its weights on the device, and it is dropped"):
+                next(worker.generate_as_finished([[1, 2]], 1, 1.0, 1.0, 4, None, 1))
+            worker.receive_weights(manifest=None, version=step)  # WeightSync.push
+            assert not worker.sleep()  # between the sync and the KV cache's waking: nothing to free
+            assert worker.wake_up() == ("kv_cache",)  # Runtime.hand_over_to_generators
+            assert worker.wake_up() == () and worker.version == step
+
     one_step = [("sleep", 2), ("wake_up", ("weights",)), ("rayrep_receive_weights",), ("reset_prefix_cache",),
                 ("wake_up", ("kv_cache",))]
-    assert gpu.llm.calls == start + one_step * 2
+    gpu = worker_for(load_preset("qwen2.5-math-7b-rlep"))
+    emulated = worker_for(load_preset("tiny-cpu").replace(**{"placement.emulate_gpus": True}))
+    for worker in (gpu, emulated):
+        assert worker.cfg.placement.takes_turns
+        two_steps(worker)
+        assert worker.llm.calls == one_step * 2
     cpu = worker_for(load_preset("tiny-cpu"))
     assert not cpu.sleep() and not cpu.sleep(keep_weights=True)
     cpu.receive_weights(manifest=None, version=1)
@@ -176,8 +182,8 @@ def test_answers_arrive_in_parts_as_they_finish_and_are_those_of_one_part(pool, 
 
 
 def test_sleep_and_wake_are_no_ops_on_cpu(pool, tiny_policy):
-    """vLLM sleep mode frees GPU memory for colocated learners; on CPU there is nothing to
-    free, and the engines keep generating."""
+    """vLLM sleep mode frees GPU memory for colocated learners; on CPU (unless it emulates GPUs)
+    there is nothing to free, and the engines keep generating."""
     cfg, generators = pool
     assert ray.get([w.sleep.remote() for w in generators.workers]) == [False, False]
     assert ray.get([w.wake_up.remote() for w in generators.workers]) == [(), ()]  # nothing was asleep

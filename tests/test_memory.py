@@ -1,4 +1,6 @@
-"""The memory plan: parameter counts against transformers, the presets' plans, refusals."""
+"""GPU memory: parameter counts against transformers, the presets' plans as timelines, refusals,
+the residency of one process (places, idempotent moves, the allocator's cache), and the
+device-memory ledger that holds a run's transitions to the plan."""
 
 import subprocess
 import sys
@@ -6,10 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from rayrep.cluster.memory import (ENGINE, ENGINE_RUNTIME, GIB, KNOWN_SHAPES, KV_CACHE, LEARNER, OPTIMIZER,
+                                   PARAMETERS, RECEIVED, RESERVED_BYTES, SEND_BUFFERS, UPDATE, WEIGHTS, WHOLE_TENSOR,
+                                   DeviceLedger, MemoryLedgerError, ModelShape, check_memory, memory_plan, model_shape)
+from rayrep.cluster.residency import ABSENT, ALLOCATOR_CACHE, DEVICE, DROPPED, HOST, Holding, Residency, ResidencyError
 from rayrep.config import InputError, load_preset
-from rayrep.runtime.memory import GIB, KNOWN_SHAPES, ModelShape, check_memory, memory_plan, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
+PRESETS = ("qwen2.5-math-7b-rlep", "qwen2.5-math-7b-exgrpo")
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -20,6 +26,7 @@ def test_parameter_count_matches_a_real_model(tied):
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_config(config)
     assert ModelShape.of(config).parameters == sum(p.numel() for p in model.parameters())
+    assert ModelShape.of(config).largest_tensor == max(p.numel() for p in model.parameters())
 
 
 def test_the_7b_shape_has_7_6_billion_parameters():
@@ -28,33 +35,55 @@ def test_the_7b_shape_has_7_6_billion_parameters():
     assert shape.kv_bytes_per_token(2) == 2 * 28 * 4 * 128 * 2
 
 
-def test_the_paper_presets_fit_on_80_gib_gpus():
-    for preset in ("qwen2.5-math-7b-rlep", "qwen2.5-math-7b-exgrpo"):
-        plan = memory_plan(load_preset(preset))
-        assert plan is not None and plan.problems() == [], plan.describe()
-        assert plan.learner_phase < 80 * GIB and plan.generator_phase < 80 * GIB and plan.sync_phase < 80 * GIB
-        # the sync holds the learner's state and the woken engine weights (bf16, 2 bytes a parameter)
-        assert plan.sync["engine weights, woken"] == 2 * model_shape(load_preset(preset)).parameters
-        assert plan.transport == "handles" and "sync phase" in plan.describe() and "(handles)" in plan.describe()
-        # no vocabulary-wide fp32 tensor of the whole micro-batch: the logits stay bf16, fp32 in chunks
-        chunked = plan.learner["fp32 log-prob chunk"]
-        wider = memory_plan(load_preset(preset).replace(**{"learner.logit_chunk_tokens": 4096}))
-        assert wider.learner["fp32 log-prob chunk"] == 4 * chunked and chunked < plan.learner["logits and their gradient"]
-        # FSDP2 splits the fp32 state over the learners: 16 bytes per parameter in all
-        cfg = load_preset(preset)
-        state = plan.learner["fp32 master shard"] + plan.learner["AdamW moments"] + plan.learner["fp32 gradient shard"]
-        assert state == pytest.approx(16 * model_shape(cfg).parameters / cfg.learner.num_workers, rel=1e-6)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_paper_presets_fit_on_80_gib_gpus_phase_by_phase(preset):
+    cfg = load_preset(preset)
+    plan = memory_plan(cfg)
+    shape = model_shape(cfg)
+    assert plan is not None and plan.problems() == [], plan.describe()
+    assert [p.name for p in plan.phases] == ["learner set-up", "engine start-up", "resume", "generate", "hand-over",
+                                             "update", "sync", "replacement"]
+    assert all(plan.per_gpu(phase) < 80 * GIB for phase in plan.phases)
+    learner, engine = plan.sizes[LEARNER], plan.sizes[ENGINE]
+    # FSDP2 splits the fp32 state over the learners: 16 bytes per parameter in all
+    state = learner[PARAMETERS] + learner[OPTIMIZER] + learner["gradients"]
+    assert state == pytest.approx(16 * shape.parameters / cfg.learner.num_workers, rel=1e-6)
+    # no vocabulary-wide fp32 tensor of the whole micro-batch: the logits stay bf16, fp32 in chunks
+    wider = memory_plan(cfg.replace(**{"learner.logit_chunk_tokens": 4096}))
+    chunk = learner["fp32 log-prob chunk"]
+    assert wider.sizes[LEARNER]["fp32 log-prob chunk"] == 4 * chunk and chunk < learner["logits and their gradient"]
+    # The sync, as the runtime takes it: the optimizer state has left and the allocator's
+    # cache is released; the embedding (the largest tensor) is gathered whole in bf16 and fills
+    # each of the two send buffers; the engine wakes its bf16 weights and keeps a layer's worth
+    # of received tensors, twice, beside them.
+    sync = plan.phase("sync")
+    largest = shape.largest_tensor * 2
+    assert set(sync.held[LEARNER]) == {PARAMETERS, WHOLE_TENSOR, SEND_BUFFERS}
+    assert sync.held[LEARNER][SEND_BUFFERS] == 2 * largest and sync.held[LEARNER][WHOLE_TENSOR] == largest
+    assert sync.held[ENGINE][WEIGHTS] == 2 * shape.parameters and sync.held[ENGINE][RECEIVED] > 2 * largest
+    # Colocated turns: the engines sleep while the learners hold their state; awake, the GPU is theirs.
+    assert plan.phase("update").held[ENGINE] == {ENGINE_RUNTIME: GIB}
+    for name in ("engine start-up", "generate", "resume", "replacement"):
+        assert plan.phase(name).holds(LEARNER) == 0
+        assert plan.phase(name).holds(ENGINE) == int(0.85 * 80 * GIB)
+    assert plan.transport == "handles"
+    described = plan.describe()
+    for name in (p.name for p in plan.phases):
+        assert f"  {name} " in described
+    assert "host memory per node: learner set-up" in described and "training" in described
+    assert described.rstrip().endswith("fits")
 
 
 def test_a_plan_that_cannot_fit_is_refused_with_its_numbers(tiny_policy):
     cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{"placement.gpu_memory_gib": 24})
     plan = memory_plan(cfg)
     assert plan.problems() and "more than the 24 GiB" in plan.problems()[0]
-    with pytest.raises(InputError, match="the learner phase needs [0-9.]+ GiB per GPU, more than the 24 GiB"):
+    with pytest.raises(InputError, match="the update phase needs [0-9.]+ GiB per GPU, more than the 24 GiB"):
         check_memory(cfg)
     # DeepSpeed keeps its state on the GPU while the colocated engines run
     deepspeed = memory_plan(load_preset("qwen2.5-math-7b-rlep").replace(**{"learner.strategy": "deepspeed"}))
-    assert deepspeed.resident and deepspeed.generator_phase > memory_plan(load_preset("qwen2.5-math-7b-rlep")).generator_phase
+    fsdp = memory_plan(load_preset("qwen2.5-math-7b-rlep"))
+    assert deepspeed.phase("generate").holds(LEARNER) > 0 == fsdp.phase("generate").holds(LEARNER)
     # a GPU run refuses before anything starts (the tiny policy on 1 GiB GPUs)
     from rayrep.runtime.system import Runtime
 
@@ -70,7 +99,87 @@ def test_every_job_takes_a_dry_run(job, extra):
                            *extra], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "placement plan:" in done.stdout and "memory plan per GPU (80 GiB" in done.stdout
-    assert ("learner phase" in done.stdout) == (job not in ("eval.py", "collect.py"))
+    trains = job not in ("eval.py", "collect.py")
+    assert ("  update " in done.stdout) == trains and ("host memory per node" in done.stdout) == trains
     small = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--dry-run", "--preset", "qwen2.5-math-7b-rlep",
                             "--placement.gpu_memory_gib", "16", *extra], capture_output=True, text=True, timeout=120)
     assert small.returncode == 2 and "does not fit" in small.stdout
+
+
+# ---------------------------------------------------------------------------- residency
+
+
+def test_moves_are_idempotent_and_every_operation_names_what_it_lacks():
+    learner = Residency("learner rank 0", LEARNER, {PARAMETERS: DEVICE, OPTIMIZER: ABSENT})
+    assert learner.move(PARAMETERS, HOST) and not learner.move(PARAMETERS, HOST)  # there already: nothing moves
+    with pytest.raises(ResidencyError, match="^learner rank 0: an update needs its parameters on the device, "
+                                             "and it is in host memory$"):
+        learner.require("an update", PARAMETERS)
+    engine = Residency("generator 1", ENGINE, {WEIGHTS: DROPPED, KV_CACHE: DROPPED})
+    with pytest.raises(ResidencyError, match=r"generator 1: sampling needs its weights on the device, and it is "
+                                             r"dropped \(vLLM sleep level 2\)"):
+        engine.require("sampling", WEIGHTS, KV_CACHE)
+    learner.move(PARAMETERS, DEVICE)
+    learner.require("an update", PARAMETERS)
+
+
+def test_the_allocator_keeps_what_an_operation_freed_until_its_cache_is_released():
+    sizes = {PARAMETERS: 4, OPTIMIZER: 8, **{part: 10 for part in UPDATE}}
+    learner = Residency("learner rank 0", LEARNER, {PARAMETERS: DEVICE, OPTIMIZER: DEVICE}, sizes)
+    with learner.working_on(UPDATE):
+        assert learner.reserved == 12 + 50
+    assert learner.reserved == 62  # freed, but torch's caching allocator keeps it
+    learner.move(OPTIMIZER, HOST)
+    assert learner.reserved == 62
+    learner.release_cache()
+    assert learner.reserved == 4
+    report = learner.report()
+    assert (report.reserved, report.peak) == (4, 62) and report.at_peak["gradients"] == 10
+    assert learner.report().peak == 4  # the peak starts again from now
+    learner.move(PARAMETERS, HOST)
+    assert learner.report().at_peak == {PARAMETERS: 4}  # (what it held as the interval began)
+    # vLLM maps and unmaps an engine's weights and KV cache itself: asleep, they leave at once
+    engine = Residency("generator 0", ENGINE, {WEIGHTS: DEVICE, KV_CACHE: DEVICE, ENGINE_RUNTIME: DEVICE},
+                       {WEIGHTS: 14, KV_CACHE: 50, ENGINE_RUNTIME: 1}, pooled=(WEIGHTS, KV_CACHE))
+    engine.move(WEIGHTS, DROPPED)
+    engine.move(KV_CACHE, DROPPED)
+    assert engine.reserved == 1
+
+
+# ---------------------------------------------------------------------------- the ledger
+
+
+def holding(owner: str, role: str, parts: dict[str, int]) -> Holding:
+    return Holding(owner, role, {p: DEVICE for p in parts}, sum(parts.values()), sum(parts.values()), dict(parts))
+
+
+def test_the_ledger_refuses_a_holder_beyond_its_phase_and_a_gpu_beyond_its_size():
+    plan = memory_plan(load_preset("qwen2.5-math-7b-exgrpo"))
+    gpus = {"learner rank 0": (0,), "generator 0": (0,)}
+    ledger = DeviceLedger(plan, gpus, strict=True)
+    awake = plan.phase("generate").held[ENGINE]
+    state = {p: plan.sizes[LEARNER][p] for p in (PARAMETERS, OPTIMIZER)}
+    ledger.observe("generate", [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, {})])
+    # A resumed learner that brings its state to the GPU beside an awake engine (it should load into host memory):
+    with pytest.raises(MemoryLedgerError, match=r"resume phase: learner rank 0 held 10\.64 GiB \(parameters 3\.55 GiB, "
+                                                r"optimizer state 7\.09 GiB\), and the plan gives a learner 0\.00 GiB"):
+        ledger.observe("resume", [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, state)])
+    # The allocator's cache of an update, kept through the sync beside the engine's woken weights:
+    update_peak = {**state, **{p: plan.sizes[LEARNER][p] for p in UPDATE}}
+    with pytest.raises(MemoryLedgerError, match="sync phase: learner rank 0 held 39.16 GiB"):
+        ledger.observe("sync", [holding("learner rank 0", LEARNER, {ALLOCATOR_CACHE: 0, **update_peak}),
+                                holding("generator 0", ENGINE, plan.phase("sync").held[ENGINE])])
+    # Two awake engines' worth on one GPU: over its 80 GiB (and the second is no holder of its phase either)
+    ledger.gpus_of["generator 1"] = (0,)
+    with pytest.raises(MemoryLedgerError, match=r"GPU 0 held 139\.00 GiB, more than its 80\.00 GiB"):
+        ledger.observe("generate", [holding("generator 0", ENGINE, awake), holding("generator 1", ENGINE, awake)])
+    # Not strict (a GPU run): logged once per phase and holder, and the run goes on; its figures per phase
+    logged = []
+    lenient = DeviceLedger(plan, gpus, strict=False, log=logged.append)
+    for _ in range(2):
+        lenient.observe("resume", [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, state)])
+    # (the learner beyond its plan, and its GPU beyond 80 GiB: two breaches, each logged once)
+    assert len(logged) == 2 and "learner rank 0 held 10.64 GiB" in logged[0] and "GPU 0 held 81.64 GiB" in logged[1]
+    figures = lenient.take_figures()
+    assert figures["memory_resume_gib"] == pytest.approx((68 * GIB + sum(state.values()) + RESERVED_BYTES) / GIB)
+    assert lenient.take_figures() == {}

@@ -20,10 +20,12 @@ from rayrep.types import Group, Rollout
 
 
 def small(cfg, tmp_path, **changes):
-    """A few cheap steps of the tiny preset, with 2 buffer shards."""
+    """A few cheap steps of the tiny preset, with 2 buffer shards, taking turns as colocated GPUs
+    do (`placement.emulate_gpus`: residency checks and the device-memory ledger live)."""
     defaults = {
         "run.steps": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
         "data.arithmetic_test_size": 32, "replay.num_shards": 2, "logging.out_dir": str(tmp_path),
+        "placement.emulate_gpus": True,
     }
     return cfg.replace(**{**defaults, **changes})
 

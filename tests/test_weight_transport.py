@@ -14,7 +14,9 @@ import torch
 from rayrep.cluster.placement import free_port, make_plan, weight_transport
 from rayrep.config import load_preset
 from rayrep.sync.collective import TensorSpec, WeightManifest
-from rayrep.sync.transport import SLOTS, PeerDied, join_as_engine_worker, join_as_learner
+from rayrep.cluster.memory import LEARNER, SEND_BUFFERS
+from rayrep.cluster.residency import ABSENT, Residency
+from rayrep.sync.transport import SLOTS, PeerDied, join_as_engine_worker, join_as_learner, paired_worker
 
 CPU = torch.device("cpu")
 
@@ -31,25 +33,29 @@ def weights(seed: int) -> list[torch.Tensor]:
     return [torch.randn(s.shape, generator=generator).to(s.dtype) for s in manifest().tensors]
 
 
-def engine_worker(port: int, syncs: int, results, die_after: int | None) -> None:
-    """An engine worker's end: receive `syncs` syncs, report each one's tensors; `die_after`:
-    exit abruptly (as a killed process does) after copying that many buckets of the first."""
+def engine_worker(port: int, syncs: int, results, die_after: int | None, sender: int) -> None:
+    """An engine worker's end: receive `syncs` syncs, report each one's tensors and how many
+    buffers the sender (process `sender`) had in shared memory as the last bucket arrived;
+    `die_after`: exit abruptly (as a killed process does) after copying that many buckets of the first."""
     import os
 
     channel = join_as_engine_worker("handles", "127.0.0.1", port, 2, 1, "gloo", CPU)
     for _ in range(syncs):
-        received = {}
+        received, buffers = {}, 0
         for count, (name, tensor) in enumerate(channel.receive(manifest())):
             received[name] = (str(tensor.dtype), tensor.float().tolist())  # plain values: the queue shares tensors by fd
+            buffers = len(our_files(sender))
             if die_after is not None and count + 1 == die_after:
                 os._exit(1)
-        results.put(received)
+        results.put((received, buffers))
 
 
 def start_worker(port: int, syncs: int, die_after: int | None = None):
+    import os
+
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    process = context.Process(target=engine_worker, args=(port, syncs, results, die_after), daemon=True)
+    process = context.Process(target=engine_worker, args=(port, syncs, results, die_after, os.getpid()), daemon=True)
     process.start()
     return process, results
 
@@ -59,6 +65,8 @@ def our_files(pid: int) -> list[Path]:
 
 
 def test_the_engine_worker_receives_every_bucket_of_two_syncs_through_shared_memory_handles():
+    """Every tensor arrives, sync after sync; the sender's two buffers exist for the sync's
+    length only (between syncs the GPU is the engine's), and its residency says so."""
     import os
 
     layout = manifest()
@@ -66,21 +74,36 @@ def test_the_engine_worker_receives_every_bucket_of_two_syncs_through_shared_mem
     port = free_port()
     process, results = start_worker(port, syncs=2)
     channel = join_as_learner("handles", "127.0.0.1", port, 2, 0, "gloo", CPU)
+    residency = Residency("learner rank 0", LEARNER, {}, sizes={})
     try:
-        for seed in (1, 2):  # a second sync reuses the buffers and the store's keys start afresh
+        for seed in (1, 2):  # a second sync has buffers of its own, and the store's keys start afresh
             sent = weights(seed)
-            channel.send(layout, iter(sent))
-            received = results.get(timeout=60)
+            channel.send(layout, iter(sent), residency)
+            received, buffers = results.get(timeout=60)
             assert list(received) == [s.name for s in layout.tensors]
             for spec, tensor in zip(layout.tensors, sent):
                 dtype, values = received[spec.name]
                 assert dtype == str(spec.dtype) and torch.equal(torch.tensor(values), tensor.float())
-        assert len(our_files(os.getpid())) == SLOTS  # two buffers, whatever the number of buckets
+            assert buffers == SLOTS  # two buffers during the sync, whatever the number of buckets
+            assert not our_files(os.getpid())  # and none after it
+            assert residency.at(SEND_BUFFERS) == ABSENT
+            assert residency.report().peak == SLOTS * layout.largest_bucket_bytes
     finally:
         channel.close()
         process.join(timeout=30)
-    assert not our_files(os.getpid())  # the shared-memory files go with the channel
     assert process.exitcode == 0
+
+
+def test_a_learner_rank_hands_its_tensors_to_the_engine_worker_on_its_own_gpu():
+    """vLLM's Ray executor numbers a tensor-parallel engine's workers' GPUs its own way: a
+    learner rank pairs with the worker whose GPU has its own GPU's UUID, not its own index; on
+    CPU, by index; a rank with no engine worker on its GPU is named."""
+    workers = {0: "GPU-b", 1: "GPU-a", 2: "GPU-d", 3: "GPU-c"}  # (bundles a, b, c, d: learner ranks 0-3)
+    assert [paired_worker(rank, gpu, workers) for rank, gpu in enumerate(["GPU-a", "GPU-b", "GPU-c", "GPU-d"])] \
+        == [1, 0, 3, 2]
+    assert paired_worker(2, "", {}) == 2
+    with pytest.raises(RuntimeError, match="no engine worker shares learner rank 4's GPU \\(GPU-e\\)"):
+        paired_worker(4, "GPU-e", workers)
 
 
 def test_a_sender_whose_engine_worker_dies_fails_at_once_naming_it():

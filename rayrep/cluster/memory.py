@@ -431,7 +431,11 @@ class Observation:
 
 
 def gib(value: float) -> str:
-    return f"{value / GIB:.2f}"
+    """Bytes in GiB, as the plan counts them; below a hundredth of one, in MiB or KiB (a small
+    policy's parts, which the emulated GPUs of the CPU tests hold)."""
+    if value >= GIB / 100 or value == 0:
+        return f"{value / GIB:.2f} GiB"
+    return f"{value / 2**20:.2f} MiB" if value >= 2**20 / 100 else f"{value / 2**10:.2f} KiB"
 
 
 class DeviceLedger:
@@ -460,13 +464,14 @@ class DeviceLedger:
             allowed = planned.holds(holding.role)
             if holding.peak > allowed * (1 + TOLERANCE):
                 breaches.append((holding.owner, (
-                    f"{holding.owner} held {gib(holding.peak)} GiB ({_parts(holding.at_peak)}), and the plan gives "
-                    f"a {holding.role} {gib(allowed)} GiB in this phase ({_parts(planned.held.get(holding.role, {}))})")))
+                    f"{holding.owner} held {gib(holding.peak)} ({_parts(holding.at_peak)}), and the plan gives "
+                    f"a {holding.role} {gib(allowed)} in this phase ({_parts(planned.held.get(holding.role, {}))})")))
         totals = {gpu: sum(h.peak for h in held) + RESERVED_BYTES for gpu, held in on_gpu.items()}
         for gpu, total in totals.items():
             if total > self.plan.capacity:
-                breaches.append((f"gpu {gpu}", f"GPU {gpu} held {gib(total)} GiB, more than its "
-                                               f"{gib(self.plan.capacity)} GiB ({'; '.join(h.owner + ': ' + _parts(h.at_peak) for h in on_gpu[gpu])})"))
+                held = "; ".join(f"{h.owner}: {_parts(h.at_peak)}" for h in on_gpu[gpu])
+                breaches.append((f"gpu {gpu}", f"GPU {gpu} held {gib(total)}, more than its {gib(self.plan.capacity)} "
+                                               f"({held})"))
         measured = {gpu: max(h.measured_peak for h in held) for gpu, held in on_gpu.items()
                     if all(h.measured_peak is not None for h in held)}
         self.observations.append(Observation(phase, totals, measured))

@@ -43,14 +43,7 @@ class GeneratorWorker:
         torch.set_num_threads(threads)
         self.cfg = cfg
         self.version = version  # the policy version of `model_path` (a resumed run's checkpoint: its own)
-        plan = memory_plan(cfg, trains=False)
-        # Measured where this process drives the engine's one GPU itself (in-process, no tensor parallelism).
-        measured = cfg.placement.device == "gpu" and cfg.generator.tensor_parallel_size == 1
-        self.residency = Residency(f"generator {worker_index}", ENGINE,
-                                   {WEIGHTS: DEVICE, KV_CACHE: DEVICE, ENGINE_RUNTIME: DEVICE},
-                                   plan.sizes[ENGINE] if plan else None,
-                                   torch.device("cuda", torch.cuda.current_device()) if measured else None,
-                                   pooled=SLEEP_TAGS)
+        self.residency = engine_residency(cfg, worker_index)
         """Where the engine's weights and KV cache are (awake, asleep in host memory, dropped),
         per GPU of the engine: sampling and loading check it first."""
         self.half_loaded = False
@@ -156,6 +149,18 @@ class GeneratorWorker:
     def pid(self) -> int:
         """The actor's process id; answering at all shows that the actor is alive."""
         return os.getpid()
+
+
+def engine_residency(cfg: Config, worker_index: int) -> Residency:
+    """An engine's residency as it starts: weights, KV cache and runtime on its GPU(s)."""
+    import torch
+
+    plan = memory_plan(cfg, trains=False)
+    # Measured where this process drives the engine's one GPU itself (in-process, no tensor parallelism).
+    measured = cfg.placement.device == "gpu" and cfg.generator.tensor_parallel_size == 1 and torch.cuda.is_available()
+    return Residency(f"generator {worker_index}", ENGINE, {WEIGHTS: DEVICE, KV_CACHE: DEVICE, ENGINE_RUNTIME: DEVICE},
+                     plan.sizes[ENGINE] if plan else None,
+                     torch.device("cuda", torch.cuda.current_device()) if measured else None, pooled=SLEEP_TAGS)
 
 
 # The class stays plain (importable by name) so Ray pickles its methods by reference.
