@@ -1,33 +1,50 @@
-"""One GPU, a few minutes: the figures that say whether the paper presets' GPU paths work.
+"""One GPU, about eight minutes: the figures that decide whether the paper presets' GPU paths work.
 
-    python bench/gpu_check.py                       # the GPU's sizes (CPU: small ones, by itself)
-    python bench/gpu_check.py --out results/ --size 1.5b
-    python bench/gpu_check.py --sections handoff logprobs
+    python bench/gpu_check.py                          # the GPU's sizes (CPU: small ones, by itself)
+    python bench/gpu_check.py --out results/ --sections order timeline
+    python bench/gpu_check.py --soak-syncs 100         # a shorter soak
 
 Needs torch and transformers only, plus rayrep's own modules; Ray (a stand-in takes its
 place when it is missing) and vLLM (generation is skipped without it) are optional, and
-nothing is downloaded: the policy is Qwen2-shaped with random weights, built from a config.
-Each section writes `<out>/<section>.json` as soon as it finishes (a section that fails
-writes its error), so a run cut short keeps what it measured:
+nothing is downloaded: the policies are Qwen2-shaped with random weights, built from a
+config. Each section writes `<out>/<section>.json` as soon as it finishes (a section that
+fails writes its error), so a run cut short keeps what it measured. On a GPU the policies
+have the 7B presets' widths and vocabulary (3584 / 18944 / 152064), cut to 2 and 4 layers;
+on a CPU the same code runs at small sizes (the suite runs it so), the GPUs' memory modelled
+by the ledger and the engine's stand-in holding 1/1024 of its bytes.
 
-- handoff: the colocated weight hand-off, two processes on one device through rayrep's
-  own transport (CUDA IPC handles on a GPU, shared-memory handles on CPU), against a
-  device copy of the same bytes; and whether NCCL refuses two ranks on one GPU (the reason
-  the colocated presets do not broadcast).
-- learner: the real `LearnerWorker` (setup, offload, onload, update, as a run calls them)
-  with memory after each; fp32 masters and AdamW state; weights that move at lr 1e-6;
-  the memory plan's learner phase for the same config against the measured peak.
-- logprobs: peak memory of the chunked log-prob and entropy path (forward and backward)
-  at 4k and 9k tokens against a plain fp32 `log_softmax` of the same logits and the
-  `[micro, L, V]` fp32 estimate.
-- sync: packing every weight into compute-dtype buckets and a one-member broadcast,
-  against a device copy.
+- order: ExGRPO's order on the real `LearnerWorker`, taking turns as a colocated run does:
+  onload, the entropy pass, the update (the residency checks live: the update must find its
+  parameters on the device); then offload and onload leave the parameters and AdamW's state
+  bit for bit as they were, and each move puts the tensors where the residency says.
+- learner_memory: one update of the real learner at the presets' settings (bf16, gradient
+  checkpointing, the entropy term on, right-padded rows of mixed length; RLEP's 4 x 4096
+  rows, ExGRPO's 18,432-token micro-batches), at 2 and 4 layers: the cost of a layer from the
+  difference, scaled to 28 layers, against the memory plan's terms; trained tokens per
+  second and MFU (6 x parameters x tokens / time, against the H200's 790 TFLOP/s bf16); the
+  attention kernels SDPA runs under the padding mask.
+- timeline: the colocated 80 GiB timeline on one GPU. A second process stands in for the
+  engine (awake 0.85 x 80 GiB, 1 GiB asleep, 14.2 GiB of weights woken to receive) and holds
+  the rest of the GPU as ballast, so that the two share 80 GiB as a colocated pair does; the
+  learner is capped to the same share. Learner set-up, engine start-up, hand-over, a real
+  update, the sync through the real handle transport (every weight compared bit for bit with
+  the learner's full bf16 state dict; the sender's memory after it), hand-back, a resumed
+  learner's state loaded beside the awake engine, and an engine that dies during a sync,
+  replaced: `memory_reserved` and the device's use at every transition against the ledger.
+- soak: 600 syncs of the 7B manifest in 64 MiB buckets through the handles, to a receiver
+  that copies them into its weights: time per sync, the sender's memory, every sync's bytes checked.
+- handoff: the handle transport against a device copy of the same bytes; whether NCCL
+  refuses two ranks on one GPU (why colocated runs hand over by handles), waiting 30 s at most.
+- logprobs: peak memory of the chunked log-prob and entropy path (forward and backward) at
+  4k and 9k tokens against a plain fp32 `log_softmax` of the same logits.
 - generation: output tokens/s of a vLLM engine on the same weights (where vLLM is installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import multiprocessing
 import os
@@ -50,22 +67,22 @@ except ImportError:
     stand_in.remote = lambda cls: cls
     sys.modules["ray"] = stand_in
 
-from rayrep.config import load_preset# noqa: E402
-from rayrep.cluster.placement import free_port# noqa: E402
-from rayrep.sync.collective import TensorSpec, WeightManifest, open_group  # noqa: E402
-from rayrep.sync.transport import join_as_engine_worker, join_as_learner  # noqa: E402
+from rayrep.cluster.memory import (ENGINE, ENGINE_AWAKE, ENGINE_RUNTIME, GIB, LEARNER, RECEIVED,  # noqa: E402
+                                   WEIGHTS, DeviceLedger, ModelShape, estimate, timeline)
+from rayrep.cluster.placement import free_port  # noqa: E402
+from rayrep.cluster.residency import Holding  # noqa: E402
+from rayrep.config import load_preset  # noqa: E402
+from rayrep.sync.collective import TensorSpec, WeightManifest  # noqa: E402
+from rayrep.sync.transport import PeerDied, join_as_engine_worker, join_as_learner  # noqa: E402
 
-GIB = 2**30
-SHAPES = {
-    "small": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    # Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes: 0.49B and 1.54B parameters.
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-}
-SECTIONS = ("handoff", "learner", "logprobs", "sync", "generation")
+WIDE = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+            num_key_value_heads=4, tie_word_embeddings=False)
+"""Qwen2.5-Math-7B's widths and vocabulary (28 layers there)."""
+SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+             tie_word_embeddings=True)
+H200_BF16_FLOPS = 790e12
+"""The H200's bf16 peak as measured on the lent machine (dense matmul)."""
+SECTIONS = ("order", "learner_memory", "timeline", "soak", "handoff", "logprobs", "generation")
 
 
 def synchronize(device: torch.device) -> None:
@@ -75,10 +92,6 @@ def synchronize(device: torch.device) -> None:
 
 def gib(num_bytes: float | None) -> float | None:
     return None if num_bytes is None else num_bytes / GIB
-
-
-def allocated(device: torch.device) -> int | None:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 def best_seconds(run, repeats: int, device: torch.device) -> float:
@@ -92,10 +105,552 @@ def best_seconds(run, repeats: int, device: torch.device) -> float:
     return min(times)
 
 
+def device_used(device: torch.device) -> int | None:
+    """Bytes in use on the device, every process's (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- policies and learners
+
+
+def build_policy(folder: Path, shape: dict, layers: int, device: torch.device) -> tuple[str, object]:
+    """A Qwen2-shaped policy with random weights in `folder` (fp32, as the learners load it)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**shape, num_hidden_layers=layers, max_position_embeddings=16384)
+    torch.manual_seed(0)
+    with torch.device(device):  # built where it is fast to initialise; written in host memory
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return str(folder), config
+
+
+def learner_config(model_dir: str, preset: str, gpu: bool, **changes):
+    """The preset's learner settings on one rank, colocated (taking turns): on a CPU, with the
+    GPUs emulated so that the residency checks and sizes are live."""
+    cfg = load_preset(preset).replace(**{
+        "model.path": model_dir, "learner.num_workers": 1, "generator.num_workers": 1,
+        "learner.mini_batch_prompts": 1, "algorithm.prompts_per_step": 1, "learner.warmup_steps": 0,
+        "placement.device": "gpu" if gpu else "cpu", "placement.mode": "colocated",
+        "placement.emulate_gpus": not gpu, "verifier.overlong_buffer": 0, **changes})
+    return cfg
+
+
+def start_learner(cfg, model_dir: str):
+    from rayrep.learner.worker import LearnerWorker
+
+    worker = LearnerWorker(cfg, rank=0, world_size=1, threads=os.cpu_count() or 1)
+    worker.setup(model_dir, "127.0.0.1", free_port())
+    return worker
+
+
+def mixed_batch(vocab: int, rows: int, prompt: int, longest: int, seed: int = 0):
+    """`rows` answers to one `prompt`-token question, right-padded: lengths spread evenly up to `longest`."""
+    from rayrep.types import TrainBatch
+
+    generator = torch.Generator().manual_seed(seed)
+    question = torch.randint(3, vocab, (prompt,), generator=generator).tolist()
+    lengths = [max(1, int((longest - prompt) * (i + 1) / rows)) for i in range(rows)]
+    responses = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+    return TrainBatch.of_sequences([question] * rows, responses, [0] * rows,
+                                   advantages=torch.randn(rows, generator=generator).tolist(),
+                                   recompute_old=[True] * rows)
+
+
+def local_tensors(worker) -> dict[str, torch.Tensor]:
+    """This rank's parameters and AdamW moments, copied to host memory."""
+    def local(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().to("cpu", copy=True)
+
+    found = {f"param/{n}": local(p) for n, p in worker.sharding.model.named_parameters()}
+    for n, p in worker.sharding.model.named_parameters():
+        for key, value in worker.sharding.optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                found[f"{key}/{n}"] = local(value)
+    return found
+
+
+def devices_of(worker) -> list[str]:
+    """Where this rank's parameter shards and AdamW moments really are."""
+    places = {(p.to_local() if hasattr(p, "to_local") else p).device.type for p in worker.sharding.model.parameters()}
+    moments = {v.device.type for s in worker.sharding.optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.dim() > 0}
+    return [",".join(sorted(places)), ",".join(sorted(moments)) or "none"]
+
+
+# ---------------------------------------------------------------------------- order
+
+
+def order_check(model_dir: str, config, device: torch.device) -> dict:
+    """ExGRPO's order on the real learner, and offload / onload bit for bit (defect 1)."""
+    import numpy as np
+
+    from rayrep.buffer.answers import Answer, PackedAnswers
+    from rayrep.cluster.memory import OPTIMIZER, PARAMETERS
+    from rayrep.types import LossSpec
+
+    gpu = device.type == "cuda"
+    cfg = learner_config(model_dir, "qwen2.5-math-7b-exgrpo", gpu, **{
+        "learner.micro_batch_tokens": 0, "learner.micro_batch_size": 4, "generator.max_response_tokens": 512,
+        "data.max_prompt_tokens": 64, "learner.lr": 1e-6})
+    worker = start_learner(cfg, model_dir)
+    figures: dict = {"after_setup": [worker.residency.at(PARAMETERS), *devices_of(worker)]}
+    try:
+        batch = mixed_batch(config.vocab_size, 8, 64, 256)
+        generator = torch.Generator().manual_seed(1)
+        answers = [Answer(np.array(torch.randint(3, config.vocab_size, (n,), generator=generator), np.int32),
+                          np.zeros(n, np.float32), 1.0) for n in (40, 90, 150)]
+        packed = PackedAnswers.pack([("q", np.array(batch.input_ids[0, :64], np.int32), answers)])
+        loss = LossSpec(entropy_coef=cfg.learner.entropy_coef)
+        for step in range(2):  # the second step has AdamW's state to move too
+            moved_on = worker.onload()
+            rows, entropies = worker.mean_entropies(packed)
+            figures[f"step{step}_after_entropy_pass"] = [worker.residency.at(PARAMETERS), *devices_of(worker)]
+            worker.update(batch, loss)  # refuses parameters anywhere but on the device
+            figures[f"step{step}"] = {"onload_moved": moved_on, "entropies": [float(e) for e in entropies],
+                                      "after_update": [worker.residency.at(PARAMETERS), worker.residency.at(OPTIMIZER),
+                                                       *devices_of(worker)]}
+            before = local_tensors(worker)
+            figures[f"step{step}"]["offload_moved"] = worker.offload()
+            figures[f"step{step}"]["after_offload"] = devices_of(worker)
+            worker.onload()
+            after = local_tensors(worker)
+            figures[f"step{step}"]["bit_identical_after_offload_onload"] = (
+                before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before))
+            figures[f"step{step}"]["tensors_compared"] = len(before)
+            worker.offload()
+        figures["entropy_pass_then_update_ok"] = True
+    finally:
+        worker.shutdown()
+    return figures
+
+
+# ---------------------------------------------------------------------------- learner memory
+
+
+def sdpa_kernels(worker, batch, rows: int) -> list[str]:
+    """The CUDA kernels one forward pass runs for attention under the padding mask."""
+    from torch.profiler import ProfilerActivity, profile
+
+    width = int(batch.lengths[:rows].max())
+    ids = batch.input_ids[:rows, :width].to(worker.device)
+    mask = (torch.arange(width)[None, :] < batch.lengths[:rows, None]).long().to(worker.device)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        worker.sharding.model(input_ids=ids, attention_mask=mask)
+        torch.cuda.synchronize()
+    names = {event.key for event in prof.key_averages()}
+    return sorted(n for n in names if any(k in n.lower() for k in ("attention", "fmha", "flash", "efficient", "sdpa",
+                                                                       "cutlass", "softmax")))
+
+
+def learner_memory_check(dirs: dict[int, str], configs: dict[int, object], device: torch.device, scale: dict) -> dict:
+    """The learner's peak at the presets' micro-batches, at 2 and 4 layers (see the docstring)."""
+    from rayrep.cluster.memory import LEARNER, UPDATE, part_sizes
+    from rayrep.types import LossSpec
+
+    gpu = device.type == "cuda"
+    settings = {
+        "rlep": ("qwen2.5-math-7b-rlep", {"learner.micro_batch_size": 4, "learner.micro_batch_tokens": 0},
+                 scale["rlep_prompt"], scale["rlep_longest"], 8),
+        "exgrpo": ("qwen2.5-math-7b-exgrpo", {"learner.micro_batch_tokens": scale["exgrpo_tokens"],
+                                              "learner.micro_batch_size": 64},
+                   scale["exgrpo_prompt"], scale["exgrpo_longest"], 8),
+    }
+    figures: dict = {}
+    for name, (preset, changes, prompt, longest, rows) in settings.items():
+        per_depth = {}
+        for layers, model_dir in dirs.items():
+            cfg = learner_config(model_dir, preset, gpu, **changes, **{
+                "generator.max_response_tokens": longest - prompt, "data.max_prompt_tokens": prompt})
+            worker = start_learner(cfg, model_dir)
+            try:
+                batch = mixed_batch(configs[layers].vocab_size, rows, prompt, longest)
+                loss = LossSpec(entropy_coef=cfg.learner.entropy_coef)
+                worker.onload()
+                worker.update(batch, loss)  # the first makes AdamW's state: measured from the second
+                worker.onload()
+                synchronize(device)
+                state = torch.cuda.memory_allocated(device) if gpu else None
+                if gpu:
+                    torch.cuda.reset_peak_memory_stats(device)
+                start = time.perf_counter()
+                worker.update(batch, loss)
+                synchronize(device)
+                seconds = time.perf_counter() - start
+                tokens = int(batch.lengths.sum())
+                parameters = sum(p.numel() for p in worker.sharding.module.parameters())
+                row = {"parameters": parameters, "tokens": tokens, "padded_tokens": int(batch.lengths.max()) * rows,
+                       "seconds": seconds, "tokens_per_second": tokens / seconds}
+                if gpu:
+                    peak = torch.cuda.max_memory_allocated(device)
+                    row.update(state_gib=gib(state), peak_allocated_gib=gib(peak),
+                               peak_reserved_gib=gib(torch.cuda.max_memory_reserved(device)),
+                               transient_gib=gib(peak - state),
+                               mfu=6 * parameters * tokens / seconds / H200_BF16_FLOPS)
+                    if layers == min(dirs):
+                        row["attention_kernels"] = sdpa_kernels(worker, batch, rows=min(rows, 4))
+                        row["attention_implementation"] = worker.sharding.module.config._attn_implementation
+                per_depth[layers] = row
+                worker.offload()
+            finally:
+                worker.shutdown()
+        low, high = min(per_depth), max(per_depth)
+        section = {"by_layers": per_depth}
+        shape28 = ModelShape.of({**configs[high].to_dict(), "num_hidden_layers": 28})
+        plan_cfg = learner_config(dirs[high], preset, gpu, **changes, **{
+            "generator.max_response_tokens": longest - prompt, "data.max_prompt_tokens": prompt})
+        sizes28 = part_sizes(plan_cfg, shape28)[LEARNER]
+        section["plan_update_parts_28_layers_gib"] = {p: gib(sizes28[p]) for p in UPDATE}
+        section["plan_transient_28_layers_gib"] = gib(sum(sizes28[p] for p in UPDATE))
+        if gpu:
+            per_layer = (per_depth[high]["transient_gib"] - per_depth[low]["transient_gib"]) / (high - low)
+            section["transient_per_layer_gib"] = per_layer
+            section["transient_28_layers_gib"] = per_depth[low]["transient_gib"] + (28 - low) * per_layer
+            section["measured_over_plan_28_layers"] = (section["transient_28_layers_gib"]
+                                                       / section["plan_transient_28_layers_gib"])
+        figures[name] = section
+    return figures
+
+
+# ---------------------------------------------------------------------------- the engine's stand-in
+
+
+def stand_in_engine(commands, answers, device_name: str, ballast: int, sizes: dict[str, int], scale: float) -> None:
+    """A process that holds what an engine worker holds on its GPU, as told (`ENGINE_AWAKE`
+    parts awake, its runtime asleep, weights woken to receive), `scale` of the plan's bytes;
+    it receives weights through the real handle transport and answers each tensor's digest."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    keep = torch.empty(ballast, dtype=torch.uint8, device=device) if ballast else None  # noqa: F841 - held
+    held: dict[str, torch.Tensor] = {}
+    channel = None
+
+    def hold(parts: tuple[str, ...]) -> None:
+        for part in list(held):
+            if part not in parts:
+                del held[part]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # vLLM unmaps a sleeping tag's memory: it goes back to the device
+        for part in parts:
+            if part not in held:
+                held[part] = torch.empty(max(1, int(sizes[part] * scale)), dtype=torch.uint8, device=device)
+
+    while True:
+        command, *args = commands.get()
+        try:
+            if command == "hold":
+                hold(tuple(args[0]))
+                answers.put(("held", device_used(device)))
+            elif command == "join":
+                channel = join_as_engine_worker("handles", "127.0.0.1", args[0], 2, 1, "gloo", device)
+                answers.put(("joined", None))
+            elif command == "receive":
+                manifest, die_after = args
+                hold((ENGINE_RUNTIME, WEIGHTS))
+                digests, received, peak = {}, 0, 0
+                for count, (name, tensor) in enumerate(channel.receive(manifest)):
+                    digests[name] = digest(tensor)
+                    received += tensor.numel() * tensor.element_size()
+                    peak = max(peak, device_used(device) or 0)
+                    if die_after is not None and count + 1 == die_after:
+                        os._exit(1)  # as a killed engine does, mid-sync
+                channel.close()
+                answers.put(("received", {"digests": digests, "bytes": received, "peak_device_used": peak}))
+            elif command == "stop":
+                return
+        except Exception as error:  # noqa: BLE001 - the driver reports it
+            answers.put(("error", f"{type(error).__name__}: {error}"))
+
+
+class Engine:
+    """The driver's handle on the stand-in engine process."""
+
+    def __init__(self, device: torch.device, ballast: int, sizes: dict[str, int], scale: float):
+        context = multiprocessing.get_context("spawn")
+        self.commands, self.answers = context.Queue(), context.Queue()
+        self.process = context.Process(target=stand_in_engine, daemon=True,
+                                       args=(self.commands, self.answers, str(device), ballast, sizes, scale))
+        self.process.start()
+
+    def ask(self, *command, timeout: float = 300):
+        self.commands.put(command)
+        kind, value = self.answers.get(timeout=timeout)
+        if kind == "error":
+            raise RuntimeError(f"the engine's stand-in: {value}")
+        return value
+
+    def send(self, *command) -> None:
+        self.commands.put(command)
+
+    def answer(self, timeout: float = 300):
+        kind, value = self.answers.get(timeout=timeout)
+        if kind == "error":
+            raise RuntimeError(f"the engine's stand-in: {value}")
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.commands.put(("stop",))
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+ASLEEP = (ENGINE_RUNTIME,)
+
+
+def engine_holding(parts: tuple[str, ...], sizes: dict[str, int], extra: dict[str, int] | None = None) -> Holding:
+    """The stand-in's holding as the ledger models it (the plan's bytes)."""
+    held = {p: sizes[p] for p in parts}
+    held.update(extra or {})
+    total = sum(held.values())
+    return Holding("generator 0", ENGINE, {p: "device" for p in held}, total, total, held)
+
+
+# ---------------------------------------------------------------------------- timeline
+
+
+def timeline_check(model_dir: str, config, device: torch.device, scale: float) -> dict:
+    """The colocated timeline on one GPU shared with the engine's stand-in (see the docstring)."""
+    from rayrep.types import LossSpec
+
+    gpu = device.type == "cuda"
+    capacity_gib = 80.0
+    cfg = learner_config(model_dir, "qwen2.5-math-7b-rlep", gpu, **{
+        "learner.micro_batch_size": 4, "placement.gpu_memory_gib": capacity_gib, "learner.lr": 1e-6,
+        "sync.bucket_mb": 64 if gpu else 0.01,  # (many buckets either way: the engine dies between two)
+        "generator.max_response_tokens": 3072 if gpu else 112, "data.max_prompt_tokens": 1024 if gpu else 16})
+    seven_b = estimate(load_preset("qwen2.5-math-7b-rlep"), ModelShape.of({**WIDE, "num_hidden_layers": 28}))
+    sizes = seven_b.sizes[ENGINE]  # the engine's stand-in holds a 7B engine's parts
+    ballast = 0
+    if gpu:
+        total = torch.cuda.get_device_properties(device).total_memory
+        ballast = max(0, total - int(capacity_gib * GIB))
+        torch.cuda.set_per_process_memory_fraction(capacity_gib * GIB / total, device)
+    # The plan of this learner (this policy, one rank) beside a 7B engine, as the stand-in holds.
+    mixed = {LEARNER: estimate(cfg, ModelShape.of(config)).sizes[LEARNER], ENGINE: sizes}
+    own = dataclasses.replace(seven_b, sizes=mixed, phases=timeline(cfg, mixed), host={})
+    breaches: list[str] = []
+    ledger = DeviceLedger(own, {"learner rank 0": (0,), "generator 0": (0,)}, strict=False, log=breaches.append)
+    rows: list[dict] = []
+    figures: dict = {"capacity_gib": capacity_gib, "ballast_gib": gib(ballast), "transitions": rows,
+                     "ledger_breaches": breaches}
+    engine_now: list = [(), None]  # the stand-in's parts (none before it starts), and its transients since the last transition
+
+    def transition(phase: str, worker) -> None:
+        learner = worker.memory_report()
+        extra = engine_now[1] or {}
+        ledger.observe(phase, [learner, engine_holding(engine_now[0], sizes, extra)])
+        engine_now[1] = None
+        used = device_used(device)
+        rows.append({
+            "phase": phase, "ledger_gpu_gib": gib(ledger.observations[-1].gpus.get(0)),
+            "ledger_learner_gib": gib(learner.peak), "learner_parts": {k: gib(v) for k, v in learner.at_peak.items()},
+            "learner_reserved_gib": gib(learner.measured_reserved), "learner_peak_reserved_gib": gib(learner.measured_peak),
+            "device_used_gib": gib(None if used is None else used - ballast),
+        })
+
+    engine = None
+    worker = start_learner(cfg, model_dir)
+    try:
+        transition("learner set-up", worker)
+        engine = Engine(device, ballast, sizes, scale)
+        engine.ask("hold", ENGINE_AWAKE)
+        engine_now[0] = ENGINE_AWAKE
+        transition("engine start-up", worker)
+        batch = mixed_batch(config.vocab_size, 8, cfg.data.max_prompt_tokens,
+                            cfg.data.max_prompt_tokens + cfg.generator.max_response_tokens)
+        loss = LossSpec()
+        manifest = WeightManifest.build([TensorSpec(n, s, getattr(torch, d)) for n, s, d in worker.weight_specs()],
+                                        int(cfg.sync.bucket_mb * 2**20), tied_embedding=worker.tied_embedding_name())
+
+        def sync(die_after: int | None = None) -> dict | None:
+            port = free_port()
+            engine.send("join", port)
+            worker.join_weight_group("127.0.0.1", port, 2)
+            engine.answer()
+            engine_now[0] = (ENGINE_RUNTIME, WEIGHTS)
+            engine_now[1] = {RECEIVED: sizes[RECEIVED]}
+            engine.send("receive", manifest, die_after)
+            try:
+                worker.broadcast_weights(manifest)
+            except PeerDied as died:
+                figures["engine_died_during_sync"] = str(died)
+                return None
+            received = engine.answer()
+            worker.leave_weight_group()
+            return received
+
+        for cycle in range(2):
+            engine.ask("hold", ASLEEP)  # hand-over: the engine sleeps first
+            engine_now[0] = ASLEEP
+            transition("generate", worker)
+            worker.onload()
+            transition("hand-over", worker)
+            worker.update(batch, loss)
+            transition("update", worker)
+            worker.offload(parameters=False)
+            transition("update", worker)
+            if cycle == 0:
+                received = sync()
+                sent = worker.full_state_dict(torch.bfloat16)
+                figures["sync_bit_for_bit"] = {
+                    "tensors": len(sent), "received": len(received["digests"]),
+                    "equal": sorted(received["digests"]) == sorted(sent)
+                    and all(received["digests"][n] == digest(t) for n, t in sent.items()),
+                    "bytes": received["bytes"], "engine_peak_device_used_gib": gib(received["peak_device_used"])}
+                figures["sender_reserved_after_sync_gib"] = gib(torch.cuda.memory_reserved(device)) if gpu else None
+                transition("sync", worker)
+                worker.offload()
+                figures["sender_reserved_after_offload_gib"] = gib(torch.cuda.memory_reserved(device)) if gpu else None
+                transition("sync", worker)
+                engine.ask("hold", ENGINE_AWAKE)
+                engine_now[0] = ENGINE_AWAKE
+                # A resumed run: the learner's checkpoint loaded beside the awake engine (defect 2).
+                with tempfile.TemporaryDirectory() as folder:
+                    shared = worker.save_state(folder)
+                    worker.load_state(folder, shared)
+                transition("resume", worker)
+            else:  # the engine dies during this sync; a new one starts awake once the learner has left the GPU
+                assert sync(die_after=3) is None, "the stand-in should have died mid-sync"
+                engine.process.join(timeout=60)
+                worker.leave_weight_group()
+                worker.offload()
+                transition("sync", worker)
+                engine = Engine(device, ballast, sizes, scale)
+                engine.ask("hold", ENGINE_AWAKE)  # (out of memory here if the learner had kept the GPU)
+                engine_now[0] = ENGINE_AWAKE
+                transition("replacement", worker)
+                engine.ask("hold", ASLEEP)
+                engine_now[0] = ASLEEP
+                transition("replacement", worker)
+                worker.onload(optimizer=False)
+                received = sync()
+                figures["replacement_received_tensors"] = len(received["digests"])
+                worker.offload()
+                transition("sync", worker)
+        figures["plan_per_phase_gib"] = {p.name: gib(own.per_gpu(p)) for p in own.phases}
+    finally:
+        worker.shutdown()
+        if engine is not None:
+            engine.stop()
+        if gpu:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return figures
+
+
+# ---------------------------------------------------------------------------- soak
+
+
+def seven_b_manifest(shape: dict, layers: int, bucket_mb: float) -> WeightManifest:
+    """The names, shapes and order of a Qwen2 policy's weights (as a sync sends them), in bf16."""
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    specs = [("model.embed_tokens.weight", (v, h))]
+    for n in range(layers):
+        layer = f"model.layers.{n}."
+        specs += [(layer + "self_attn.q_proj.weight", (h, h)), (layer + "self_attn.q_proj.bias", (h,)),
+                  (layer + "self_attn.k_proj.weight", (kv, h)), (layer + "self_attn.k_proj.bias", (kv,)),
+                  (layer + "self_attn.v_proj.weight", (kv, h)), (layer + "self_attn.v_proj.bias", (kv,)),
+                  (layer + "self_attn.o_proj.weight", (h, h)), (layer + "mlp.gate_proj.weight", (i, h)),
+                  (layer + "mlp.up_proj.weight", (i, h)), (layer + "mlp.down_proj.weight", (h, i)),
+                  (layer + "input_layernorm.weight", (h,)), (layer + "post_attention_layernorm.weight", (h,))]
+    specs += [("model.norm.weight", (h,))]
+    if not shape["tie_word_embeddings"]:
+        specs += [("lm_head.weight", (v, h))]
+    return WeightManifest.build([TensorSpec(n, s, torch.bfloat16) for n, s in specs], int(bucket_mb * 2**20))
+
+
+def soak_receiver(port: int, device_name: str, manifest: WeightManifest, syncs: int, expected, results) -> None:
+    """Receives `syncs` syncs into one weights buffer; after each, its checksum against the
+    one expected of that sync (the sender alternates between two sources)."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    channel = join_as_engine_worker("handles", "127.0.0.1", port, 2, 1, "gloo", device)
+    weights = torch.empty(manifest.total_bytes // 2, dtype=torch.bfloat16, device=device)
+    offsets, at = {}, 0
+    for spec in manifest.tensors:
+        offsets[spec.name] = (at, spec.numel)
+        at += spec.numel
+    wrong = 0
+    for sync in range(syncs):
+        for name, tensor in channel.receive(manifest):
+            start, numel = offsets[name]
+            weights[start : start + numel].copy_(tensor.reshape(-1))
+        if int(weights.view(torch.int16).sum(dtype=torch.int64)) != expected[sync % 2]:
+            wrong += 1
+    results.put({"wrong_syncs": wrong, "peak_reserved_gib": gib(torch.cuda.max_memory_reserved(device))
+                 if device.type == "cuda" else None})
+
+
+def soak_check(device: torch.device, manifest: WeightManifest, syncs: int) -> dict:
+    gpu = device.type == "cuda"
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    elements = manifest.total_bytes // 2
+    sources = []
+    for flip in range(2):  # two sources of different bytes: a stale sync cannot pass the check
+        source = torch.empty(elements, dtype=torch.bfloat16, device=device)
+        chunk = 2**26
+        for start in range(0, elements, chunk):
+            part = torch.randn(min(chunk, elements - start), generator=generator).to(torch.bfloat16)
+            source[start : start + len(part)].copy_(part)
+        if flip:
+            source.neg_()
+        sources.append(source)
+    expected = [int(s.view(torch.int16).sum(dtype=torch.int64)) for s in sources]
+    views = []
+    for source in sources:
+        at, tensors = 0, []
+        for spec in manifest.tensors:
+            tensors.append(source[at : at + spec.numel].view(spec.shape))
+            at += spec.numel
+        views.append(tensors)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    receiver = context.Process(target=soak_receiver, args=(port, str(device), manifest, syncs, expected, results),
+                               daemon=True)
+    receiver.start()
+    channel = join_as_learner("handles", "127.0.0.1", port, 2, 0, "gloo", device)
+    seconds, reserved = [], []
+    try:
+        for sync in range(syncs):
+            synchronize(device)
+            start = time.perf_counter()
+            channel.send(manifest, iter(views[sync % 2]))
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+            reserved.append(torch.cuda.memory_reserved(device) if gpu else 0)
+        outcome = results.get(timeout=600)
+    finally:
+        channel.close()
+        receiver.join(timeout=60)
+    ordered = sorted(seconds)
+    return {"syncs": syncs, "bytes_per_sync": manifest.total_bytes, "buckets": len(manifest.buckets),
+            "largest_bucket_bytes": manifest.largest_bucket_bytes,
+            "seconds_first": seconds[0], "seconds_median": ordered[len(ordered) // 2], "seconds_max": ordered[-1],
+            "seconds_last_tenth_mean": sum(seconds[-max(1, syncs // 10):]) / max(1, syncs // 10),
+            "gbps_median": manifest.total_bytes / ordered[len(ordered) // 2] / 1e9,
+            "sender_reserved_gib_first_last_max": [gib(reserved[0]), gib(reserved[-1]), gib(max(reserved))] if gpu
+            else None, **outcome}
+
+
 # ---------------------------------------------------------------------------- handoff
 
 
-def buckets_of(total_bytes: int, bucket_bytes: int) -> WeightManifest:
+def bucket_manifest(total_bytes: int, bucket_bytes: int) -> WeightManifest:
     """bf16 tensors of `bucket_bytes` each, `total_bytes` in all: a sync's manifest."""
     count = max(1, total_bytes // bucket_bytes)
     specs = [TensorSpec(f"weight{i}", (bucket_bytes // 2,), torch.bfloat16) for i in range(count)]
@@ -134,7 +689,7 @@ def duplicate_nccl_rank(port: int, rank: int, results) -> None:
 
 def handoff_check(device: torch.device, total_bytes: int, bucket_bytes: int, repeats: int) -> dict:
     context = multiprocessing.get_context("spawn")
-    manifest = buckets_of(total_bytes, bucket_bytes)
+    manifest = bucket_manifest(total_bytes, bucket_bytes)
     sent = [torch.full(spec.shape, float(i % 7 + 1), dtype=spec.dtype, device=device)
             for i, spec in enumerate(manifest.tensors)]
     port = free_port()
@@ -170,14 +725,14 @@ def handoff_check(device: torch.device, total_bytes: int, bucket_bytes: int, rep
         ranks = [context.Process(target=duplicate_nccl_rank, args=(port, r, results), daemon=True) for r in (0, 1)]
         for process in ranks:
             process.start()
-        outcomes = []
+        outcomes, deadline = [], time.monotonic() + 30  # a hang is a finding too, after 30 s
         for _ in ranks:
             try:
-                outcomes.append(results.get(timeout=120))
-            except Exception:  # noqa: BLE001 - a rank that hangs is a finding too
-                outcomes.append((None, "no answer within 120 s", ""))
+                outcomes.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001
+                outcomes.append((None, "no answer within 30 s", ""))
         for process in ranks:
-            process.join(timeout=10)
+            process.join(timeout=5)
             if process.is_alive():
                 process.kill()
         figures["nccl_two_ranks_one_gpu"] = [{"rank": r, "outcome": kind, "message": text} for r, kind, text in outcomes]
@@ -187,84 +742,7 @@ def handoff_check(device: torch.device, total_bytes: int, bucket_bytes: int, rep
     return figures
 
 
-# ---------------------------------------------------------------------------- learner
-
-
-def learner_check(model_dir: str, config, device: torch.device, dtype: str, sequences: int, length: int,
-                  steps: int) -> dict:
-    from rayrep.learner.sums import MetricSums
-    from rayrep.learner.worker import LearnerWorker
-    from rayrep.runtime.memory import ModelShape, estimate
-    from rayrep.types import LossSpec, TrainBatch
-
-    gpu = device.type == "cuda"
-    cfg = load_preset("tiny-cpu").replace(**{
-        "model.path": model_dir, "model.dtype": dtype, "learner.lr": 1e-6, "learner.warmup_steps": 0,
-        "learner.micro_batch_size": max(1, sequences // 4), "learner.mini_batch_prompts": 1,
-        "algorithm.prompts_per_step": 1, "algorithm.group_size": sequences, "run.steps": steps + 2,
-        "generator.max_response_tokens": length - 16, "data.max_prompt_tokens": 16,
-        "placement.device": "gpu" if gpu else "cpu", "placement.mode": "colocated",
-        "placement.gpu_memory_gib": torch.cuda.get_device_properties(device).total_memory / GIB if gpu else 80.0,
-    })
-    figures: dict = {}
-    worker = LearnerWorker(cfg, rank=0, world_size=1, threads=os.cpu_count() or 1)
-    start = time.perf_counter()
-    worker.setup(model_dir, "127.0.0.1", free_port())
-    figures["setup_seconds"] = time.perf_counter() - start
-    figures["after_setup_gib"] = gib(allocated(device))  # colocated GPUs: offloaded at the end of setup
-    params = list(worker.sharding.model.parameters())
-    figures["master_dtypes"] = sorted({str(p.dtype) for p in params})
-
-    generator = torch.Generator().manual_seed(0)
-    vocab = config.vocab_size
-    prompts = [torch.randint(3, vocab, (16,), generator=generator).tolist() for _ in range(sequences)]
-    responses = [torch.randint(3, vocab, (length - 16,), generator=generator).tolist() for _ in range(sequences)]
-    batch = TrainBatch.of_sequences(prompts, responses, [0] * sequences,
-                                    advantages=torch.randn(sequences, generator=generator).tolist(),
-                                    recompute_old=[True] * sequences)
-    before = worker.full_state_dict()
-    peaks, seconds = [], []
-    for step in range(steps + 1):
-        worker.onload()
-        if step == 0:
-            figures["after_onload_gib"] = gib(allocated(device))
-        if gpu:
-            torch.cuda.reset_peak_memory_stats(device)
-        synchronize(device)
-        start = time.perf_counter()
-        metrics = worker.update(batch, LossSpec())
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-        peaks.append(torch.cuda.max_memory_allocated(device) if gpu else None)
-        if step == 0:
-            state = worker.sharding.optimizer.state
-            figures["adamw_state_dtypes"] = sorted({str(v.dtype) for s in state.values() for v in s.values()
-                                                    if torch.is_tensor(v) and v.dim() > 0})
-            figures["grad_norm_first_update"] = MetricSums(metrics).result().get("grad_norm")
-        worker.offload()
-        if step == 0:
-            figures["after_offload_gib"] = gib(allocated(device))
-    after = worker.full_state_dict()
-    moved = torch.cat([(after[n] != before[n]).flatten() for n in before]).float().mean()
-    change = torch.cat([(after[n] - before[n]).abs().flatten() for n in before])
-    figures.update({
-        "sequences": sequences, "length": length, "updates_timed": steps,
-        "tokens_per_second": sequences * length / min(seconds[1:]), "seconds_per_update": min(seconds[1:]),
-        "update_peak_gib": gib(max(peaks)) if gpu else None,
-        "fraction_of_fp32_masters_moved_after_updates_at_lr_1e-6": float(moved),
-        "median_abs_change": float(change.median()),
-    })
-    plan = estimate(cfg, ModelShape.of(config))
-    figures["plan_learner_parts_gib"] = {name: value / GIB for name, value in plan.learner.items()}
-    figures["plan_learner_sum_gib"] = sum(plan.learner.values()) / GIB
-    figures["plan_sync_parts_gib"] = {name: value / GIB for name, value in plan.sync.items()}
-    if gpu:
-        figures["measured_peak_over_plan"] = max(peaks) / sum(plan.learner.values())
-    worker.shutdown()
-    return figures
-
-
-# ---------------------------------------------------------------------------- logprobs
+# ---------------------------------------------------------------------------- logprobs and generation
 
 
 def logprob_check(device: torch.device, vocab: int, token_counts: list[int], chunk_tokens: int) -> dict:
@@ -278,13 +756,13 @@ def logprob_check(device: torch.device, vocab: int, token_counts: list[int], chu
             logits = torch.randn(1, tokens, vocab, device=device, dtype=torch.bfloat16).requires_grad_()
             ids = torch.randint(0, vocab, (1, tokens), device=device)
             synchronize(device)
-            base = allocated(device)
+            base = torch.cuda.memory_allocated(device) if gpu else None
             if gpu:
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             if way == "chunked":
                 logp, entropy = token_logprobs(logits, ids, 0.7, "grad", chunk_tokens)
-            else:  # what the learner computed before: the whole [1, L, V] in fp32, several times
+            else:  # the whole [1, L, V] in fp32, several times
                 log_probs = torch.log_softmax(logits[:, :-1].float() / 0.7, -1)
                 logp = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
                 entropy = -(log_probs.exp() * log_probs).sum(-1)
@@ -296,31 +774,9 @@ def logprob_check(device: torch.device, vocab: int, token_counts: list[int], chu
             del logits, logp, entropy
             if way == "plain":
                 del log_probs
-        # the plan's parts for it: the logits' gradient beside them, and the fp32 chunk
         row["plan_gradient_and_chunk_gib"] = (tokens * vocab * 2 + 4 * min(tokens, chunk_tokens) * vocab * 4) / GIB
         rows.append(row)
     return {"chunk_tokens": chunk_tokens, "rows": rows}
-
-
-# ---------------------------------------------------------------------------- sync and generation
-
-
-def sync_check(model, dtype: torch.dtype, device: torch.device, bucket_mb: float, repeats: int) -> dict:
-    named = [(name, tensor.detach().to(device)) for name, tensor in model.named_parameters()]
-    manifest = WeightManifest.build([TensorSpec(n, tuple(t.shape), dtype) for n, t in named], int(bucket_mb * 2**20))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    group = open_group("127.0.0.1", free_port(), 1, 0, backend, device)
-    try:
-        seconds = best_seconds(lambda: group.send(manifest, (t for _, t in named)), repeats, device)
-    finally:
-        group.close()
-    total = manifest.total_bytes
-    source = torch.empty(total, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    copy_seconds = best_seconds(lambda: target.copy_(source), repeats, device)
-    sync_gbps, copy_gbps = total / seconds / 1e9, total / copy_seconds / 1e9
-    return {"bytes": total, "buckets": len(manifest.buckets), "sync_gbps": sync_gbps, "copy_gbps": copy_gbps,
-            "ratio": sync_gbps / copy_gbps}
 
 
 def generation_check(model_dir: str, dtype: str, prompts: int, new_tokens: int) -> dict:
@@ -351,10 +807,8 @@ def generation_check(model_dir: str, dtype: str, prompts: int, new_tokens: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SHAPES), help="policy shape (default: 0.5b on a GPU, small on CPU)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--steps", type=int, default=3, help="timed learner updates")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--soak-syncs", type=int, help="syncs of the soak (default: 600 on a GPU, 20 on a CPU)")
     parser.add_argument("--out", default="gpu_check_results", help="folder for one JSON file per section")
     args = parser.parse_args()
 
@@ -362,33 +816,36 @@ def main() -> None:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    size = args.size or ("0.5b" if gpu else "small")
-    big = size != "small"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    shape = WIDE if gpu else SMALL
     environment = {"device": torch.cuda.get_device_name(0) if gpu else "CPU", "torch": torch.__version__,
-                   "cuda": torch.version.cuda, "size": size, "dtype": args.dtype}
+                   "cuda": torch.version.cuda, "shape": shape, "sections": args.sections}
     (out / "environment.json").write_text(json.dumps(environment, indent=2))
-    print(f"device: {environment['device']}; torch {torch.__version__}; policy {size}; out {out}/", flush=True)
-
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    config = Qwen2Config(**SHAPES[size], max_position_embeddings=16384)
+    print(f"device: {environment['device']}; torch {torch.__version__}; out {out}/", flush=True)
+    scale = ({"rlep_prompt": 1024, "rlep_longest": 4096, "exgrpo_prompt": 1024, "exgrpo_longest": 9216,
+              "exgrpo_tokens": 18432} if gpu else
+             {"rlep_prompt": 16, "rlep_longest": 64, "exgrpo_prompt": 16, "exgrpo_longest": 96, "exgrpo_tokens": 192})
+    needs_policies = {"order", "learner_memory", "timeline", "generation"} & set(args.sections)
     with tempfile.TemporaryDirectory() as folder:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(folder)
-        parameters = sum(p.numel() for p in model.parameters())
-        print(f"policy: Qwen2-shaped, {parameters / 1e6:.1f}M parameters, random weights", flush=True)
+        dirs, configs = {}, {}
+        if needs_policies:
+            for layers in (2, 4):
+                start = time.perf_counter()
+                dirs[layers], configs[layers] = build_policy(Path(folder) / f"layers-{layers}", shape, layers, device)
+                print(f"policy: Qwen2-shaped, {layers} layers, random weights ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
         runs = {
-            "handoff": lambda: handoff_check(device, (2 * GIB) if big else 8 * 2**20, (256 if big else 1) * 2**20,
+            "order": lambda: order_check(dirs[2], configs[2], device),
+            "learner_memory": lambda: learner_memory_check(dirs, configs, device, scale),
+            "timeline": lambda: timeline_check(dirs[2], configs[2], device, 1.0 if gpu else 2**-10),
+            "soak": lambda: soak_check(device, seven_b_manifest(shape, 28 if gpu else 2, 64 if gpu else 0.01),
+                                       args.soak_syncs or (600 if gpu else 20)),
+            "handoff": lambda: handoff_check(device, (2 * GIB) if gpu else 8 * 2**20, (256 if gpu else 1) * 2**20,
                                              repeats=3),
-            "learner": lambda: learner_check(folder, config, device, args.dtype, sequences=16 if big else 4,
-                                             length=1024 if big else 64, steps=args.steps),
-            "logprobs": lambda: logprob_check(device, config.vocab_size, [4096, 9216] if big else [64, 256],
-                                              chunk_tokens=1024 if big else 32),
-            "sync": lambda: sync_check(model, getattr(torch, args.dtype), device, 256 if big else 1, repeats=3),
-            "generation": lambda: generation_check(folder, args.dtype, 256 if big else 4, 512 if big else 16),
+            "logprobs": lambda: logprob_check(device, shape["vocab_size"], [4096, 9216] if gpu else [64, 256],
+                                              chunk_tokens=1024 if gpu else 32),
+            "generation": lambda: generation_check(dirs[2], "bfloat16", 256 if gpu else 4, 512 if gpu else 16),
         }
         for name in args.sections:
             start = time.perf_counter()
@@ -397,10 +854,9 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - a failed section is recorded; the next ones still run
                 figures = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
             figures["section_seconds"] = time.perf_counter() - start
-            figures["parameters"] = parameters
             (out / f"{name}.json").write_text(json.dumps(figures, indent=2, default=str))
-            shown = {k: v for k, v in figures.items() if k not in ("traceback",)}
-            print(f"{name}: {json.dumps(shown, default=str)}", flush=True)
+            shown = {k: v for k, v in figures.items() if k not in ("traceback", "transitions")}
+            print(f"{name}: {json.dumps(shown, default=str)[:3000]}", flush=True)
             synchronize(device)
             if gpu:
                 torch.cuda.empty_cache()

@@ -46,7 +46,9 @@ def finish(process: subprocess.Popen) -> str:
 
 
 def comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith("time_") and k not in CLOCK}
+    """What a step shares with the same step of another run: not the clock, nor the GPU
+    memory the ledger saw (a restarted run's first step has its start-up's figures too)."""
+    return {k: v for k, v in record.items() if not k.startswith(("time_", "memory_")) and k not in CLOCK}
 
 
 def without_recovery(record: dict) -> dict:
@@ -105,6 +107,7 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
     for mine, theirs in zip(resumed, whole):
         assert without_recovery(mine) == without_recovery(theirs), mine["step"]
     assert resumed[-1]["buffer_answers"] > 0 and resumed[-1]["exgrpo_collecting"] == 1.0
+    assert "memory_resume_gib" in resumed[3]  # the ledger saw the learners' state loaded (into host memory)
 
     # The last checkpoints hold the same buffer, sampler position and policy version.
     a, b = read_run_state(out / "whole" / "checkpoints" / "final"), read_run_state(out / "killed" / "checkpoints" / "final")

@@ -290,24 +290,28 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
     update = {**state, **of(learner, *UPDATE)}
     send = of(learner, WHOLE_TENSOR, SEND_BUFFERS)
     receiving = {**of(engine, WEIGHTS, ENGINE_RUNTIME, RECEIVED)}
+    resident = state if cfg.learner.strategy == "deepspeed" else {}  # DeepSpeed's state never leaves the GPU
+    set_up = resident or of(learner, PARAMETERS)
     if cfg.placement.mode != "colocated":
+        # A learner's GPU is its own: its allocator keeps the update's peak from one update to the next.
+        kept = max(update, {**state, **send}, key=lambda parts: sum(parts.values()))
         return (
             Phase("learner set-up", "the learners load the policy and keep their shards on their GPUs",
-                  {LEARNER: of(learner, PARAMETERS)}),
+                  {LEARNER: set_up}),
             Phase("engine start-up", "the engines load the policy on GPUs of their own", {LEARNER: state, ENGINE: awake}),
             Phase("resume", "a resumed run's learners load their checkpoint", {LEARNER: state, ENGINE: awake}),
             Phase("update", "the learners train (ExGRPO's entropy pass first); the engines may sample ahead",
                   {LEARNER: update, ENGINE: awake}),
-            Phase("sync", "each tensor gathered whole and broadcast; the engines load it as they keep sampling room",
-                  {LEARNER: {**state, **send}, ENGINE: {**awake, RECEIVED: engine[RECEIVED]}}),
+            Phase("sync", "each tensor gathered whole and broadcast (in the room the update's peak left in the "
+                  "learner's allocator); the engines load it beside their KV cache",
+                  {LEARNER: kept, ENGINE: {**awake, RECEIVED: engine[RECEIVED]}}),
             Phase("replacement", "a generator that died starts again, then a sync reaches it",
-                  {LEARNER: state, ENGINE: awake}),
+                  {LEARNER: kept, ENGINE: awake}),
         )
-    resident = state if cfg.learner.strategy == "deepspeed" else {}  # DeepSpeed's state never leaves the GPU
     asleep = of(engine, ENGINE_RUNTIME)
     return (
         Phase("learner set-up", "each learner rank loads the policy in host memory and keeps its shard on its GPU, "
-              "then moves it to host memory; the engines start after", {LEARNER: of(learner, PARAMETERS)}),
+              "then moves it to host memory; the engines start after", {LEARNER: set_up}),
         Phase("engine start-up", "the engines load the policy and take their share of the GPU "
               "(generator.gpu_memory_utilization)", {LEARNER: resident, ENGINE: awake}),
         Phase("resume", "a resumed run's learners load their checkpoint into host memory beside the awake engines",
@@ -465,7 +469,7 @@ class DeviceLedger:
             if holding.peak > allowed * (1 + TOLERANCE):
                 breaches.append((holding.owner, (
                     f"{holding.owner} held {gib(holding.peak)} ({_parts(holding.at_peak)}), and the plan gives "
-                    f"a {holding.role} {gib(allowed)} in this phase ({_parts(planned.held.get(holding.role, {}))})")))
+                    f"{'an' if holding.role[0] in 'aeiou' else 'a'} {holding.role} {gib(allowed)} in this phase ({_parts(planned.held.get(holding.role, {}))})")))
         totals = {gpu: sum(h.peak for h in held) + RESERVED_BYTES for gpu, held in on_gpu.items()}
         for gpu, total in totals.items():
             if total > self.plan.capacity:

@@ -403,10 +403,11 @@ class LearnerWorker:
 
     def offload(self, parameters: bool = True, optimizer: bool = True) -> list[str]:
         """Move the parameters and/or the optimizer state to host memory while the colocated
-        engines use the GPU, and release the allocator's cache; returns the parts that moved."""
+        engines use the GPU (FSDP2; DeepSpeed's state stays), and release the allocator's
+        cache, which would keep what the last operation freed; returns the parts that moved."""
         moved = self._move(tuple(part for part, asked in ((PARAMETERS, parameters), (OPTIMIZER, optimizer)) if asked),
                            HOST)
-        if moved:
+        if self.cfg.placement.takes_turns:
             self.residency.release_cache()
         return moved
 

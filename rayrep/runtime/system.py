@@ -128,8 +128,15 @@ class Runtime:
         self.ledger = (DeviceLedger(memory, ledger_gpus(cfg, train), strict=cfg.placement.emulate_gpus)
                        if memory is not None else None)
         self.turn = "generators"
-        self.generators = self.learners = self.sync = self.buffer = None
+        self.generators = self.verifiers = self.learners = self.sync = self.buffer = None
+        try:
+            self._start_roles(cfg, model_path, train, policy_version, generator_path)
+        except BaseException:
+            self.shutdown()  # what started goes: no actor or placement group outlives a start that failed
+            raise
 
+    def _start_roles(self, cfg: Config, model_path: str, train: bool, policy_version: int,
+                     generator_path: str | None) -> None:
         def start_generators() -> GeneratorPool:
             return GeneratorPool.start(cfg, generator_path or model_path, self.placement, policy_version,
                                        on_replaced=self.bring_to_policy)
@@ -248,9 +255,11 @@ class Runtime:
             self.buffer.shutdown()
         if self.learners is not None:
             self.learners.shutdown()
-        self.verifiers.shutdown()
-        for worker in self.generators.workers + self.verifiers.workers:
-            ray.kill(worker)
+        if self.verifiers is not None:
+            self.verifiers.shutdown()
+        for pool in (self.generators, self.verifiers):
+            for worker in pool.workers if pool is not None else []:
+                ray.kill(worker)
         self.placement.remove()
         if self.started_ray:
             ray.shutdown()
