@@ -182,4 +182,13 @@ def test_the_ledger_refuses_a_holder_beyond_its_phase_and_a_gpu_beyond_its_size(
     assert len(logged) == 2 and "learner rank 0 held 10.64 GiB" in logged[0] and "GPU 0 held 81.64 GiB" in logged[1]
     figures = lenient.take_figures()
     assert figures["memory_resume_gib"] == pytest.approx((68 * GIB + sum(state.values()) + RESERVED_BYTES) / GIB)
+    assert figures["memory_resume_learner_gib"] == pytest.approx(sum(state.values()) / GIB)
     assert lenient.take_figures() == {}
+    # On GPUs, torch's figures beside the model's: the learner's reserved peak, the device's use
+    learner = holding("learner rank 0", LEARNER, state)
+    learner.measured_peak, learner.device_used = 12 * GIB, 75 * GIB
+    engine = holding("generator 0", ENGINE, awake)
+    engine.device_used = 74 * GIB
+    lenient.observe("resume", [engine, learner])
+    figures = lenient.take_figures()
+    assert (figures["memory_resume_learner_reserved_gib"], figures["memory_resume_device_gib"]) == (12.0, 75.0)

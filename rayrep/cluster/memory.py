@@ -284,7 +284,8 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
 
     awake = of(engine, *ENGINE_AWAKE)
     if not trains:
-        return (Phase("engine start-up", "the engines load the policy and take their share of the GPU", {ENGINE: awake}),
+        return (Phase("engine start-up", "the engines load the policy and take their share of the GPU",
+                      {ENGINE: awake}),
                 Phase("generate", "the engines sample", {ENGINE: awake}))
     state = of(learner, *LEARNER_STATE)
     update = {**state, **of(learner, *UPDATE)}
@@ -298,7 +299,8 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
         return (
             Phase("learner set-up", "the learners load the policy and keep their shards on their GPUs",
                   {LEARNER: set_up}),
-            Phase("engine start-up", "the engines load the policy on GPUs of their own", {LEARNER: state, ENGINE: awake}),
+            Phase("engine start-up", "the engines load the policy on GPUs of their own",
+                  {LEARNER: state, ENGINE: awake}),
             Phase("resume", "a resumed run's learners load their checkpoint", {LEARNER: state, ENGINE: awake}),
             Phase("update", "the learners train (ExGRPO's entropy pass first); the engines may sample ahead",
                   {LEARNER: update, ENGINE: awake}),
@@ -431,7 +433,7 @@ class Observation:
     gpus: dict[int, int]
     """GPU index -> the most its holders held together since the last transition (reserved included)."""
     measured: dict[int, int]
-    """GPU index -> what torch measured there (GPU runs only)."""
+    """GPU index -> the device's use at the transition, as torch measured it (GPU runs only)."""
 
 
 def gib(value: float) -> str:
@@ -467,23 +469,29 @@ class DeviceLedger:
                 on_gpu[gpu].append(holding)
             allowed = planned.holds(holding.role)
             if holding.peak > allowed * (1 + TOLERANCE):
+                article = "an" if holding.role[0] in "aeiou" else "a"
+                plan_parts = _parts(planned.held.get(holding.role, {}))
                 breaches.append((holding.owner, (
                     f"{holding.owner} held {gib(holding.peak)} ({_parts(holding.at_peak)}), and the plan gives "
-                    f"{'an' if holding.role[0] in 'aeiou' else 'a'} {holding.role} {gib(allowed)} in this phase ({_parts(planned.held.get(holding.role, {}))})")))
+                    f"{article} {holding.role} {gib(allowed)} in this phase ({plan_parts})")))
         totals = {gpu: sum(h.peak for h in held) + RESERVED_BYTES for gpu, held in on_gpu.items()}
         for gpu, total in totals.items():
             if total > self.plan.capacity:
                 held = "; ".join(f"{h.owner}: {_parts(h.at_peak)}" for h in on_gpu[gpu])
                 breaches.append((f"gpu {gpu}", f"GPU {gpu} held {gib(total)}, more than its {gib(self.plan.capacity)} "
                                                f"({held})"))
-        measured = {gpu: max(h.measured_peak for h in held) for gpu, held in on_gpu.items()
-                    if all(h.measured_peak is not None for h in held)}
+        measured = {gpu: max(h.device_used for h in held) for gpu, held in on_gpu.items()
+                    if all(h.device_used is not None for h in held)}
         self.observations.append(Observation(phase, totals, measured))
-        key = f"memory_{phase.replace(' ', '_').replace('-', '_')}_gib"
-        if totals:
-            self.figures[key] = max(self.figures.get(key, 0.0), max(totals.values()) / GIB)
-        if measured:
-            self.figures[key.replace("_gib", "_measured_gib")] = max(measured.values()) / GIB
+        learners = [h for h in holdings if h.role == LEARNER]
+        name = f"memory_{phase.replace(' ', '_').replace('-', '_')}"
+        self._keep(f"{name}_gib", max(totals.values(), default=None))
+        self._keep(f"{name}_learner_gib", max((h.peak for h in learners), default=None))
+        # On GPUs, torch's figures beside the model's: the learner process's reserved peak,
+        # and the whole device's use at the transition.
+        self._keep(f"{name}_learner_reserved_gib",
+                   max((h.measured_peak for h in learners if h.measured_peak is not None), default=None))
+        self._keep(f"{name}_device_gib", max(measured.values(), default=None))
         if breaches:
             message = f"device-memory ledger, {phase} phase: " + "; ".join(text for _, text in breaches)
             if self.strict:
@@ -493,8 +501,13 @@ class DeviceLedger:
                     self._logged.add((phase, who))
                     self.log(f"device-memory ledger, {phase} phase: {text}")
 
+    def _keep(self, key: str, value: int | None) -> None:
+        if value is not None:
+            self.figures[key] = max(self.figures.get(key, 0.0), value / GIB)
+
     def take_figures(self) -> dict[str, float]:
-        """The most each phase held on a GPU since the last call (GiB; GPU runs: torch's figure beside it)."""
+        """The most each phase held on a GPU and in a learner rank since the last call (GiB;
+        GPU runs: torch's figures beside them)."""
         figures, self.figures = self.figures, {}
         return figures
 

@@ -16,7 +16,8 @@ its GPU: the parts on the device, the parts an operation under way allocated for
 most it held since the last `release_cache`, which is torch's `empty_cache`). Parts that vLLM
 maps and unmaps itself (an engine's weights and KV cache: `pooled`) go back to the device at
 once. `report` gives the runtime's ledger (`rayrep.cluster.memory.DeviceLedger`) the peak since
-the last report, with what made it, and on GPUs what torch measured beside it.
+the last report, with what made it, and on GPUs what torch measured beside it (its
+own process's reserved bytes, and the whole device's use).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class Holding:
     """On a GPU, what torch reports: `memory_reserved` now (None elsewhere)."""
     measured_peak: int | None = None
     """On a GPU, torch's `max_memory_reserved` since the last report."""
+    device_used: int | None = None
+    """On a GPU, what every process holds on this process's device now (`mem_get_info`)."""
 
 
 class Residency:
@@ -159,6 +162,8 @@ class Residency:
             holding.measured_reserved = torch.cuda.memory_reserved(self.device)
             holding.measured_peak = torch.cuda.max_memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            holding.device_used = total - free
         self.peak, self.at_peak = 0, {}
         self._count()
         return holding

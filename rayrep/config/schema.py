@@ -174,7 +174,8 @@ class PlacementConfig:
 
     @property
     def models_gpus(self) -> bool:
-        """The run's GPU memory is planned and kept in a ledger (`rayrep.cluster.memory`): GPU runs, and CPU runs that emulate GPUs."""
+        """The run's GPU memory is planned and kept in a ledger (`rayrep.cluster.memory`): GPU
+        runs, and CPU runs that emulate GPUs."""
         return self.device == "gpu" or self.emulate_gpus
 
     @property

@@ -143,7 +143,7 @@ class LearnerWorker:
         self.tied_embedding = TIED_EMBEDDING if model.config.tie_word_embeddings else None
         self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device)
         self.sharding.model.train()
-        if cfg.learner.strategy == "fsdp2":  # this rank's fp32 shards, as they are: parameters, AdamW's two moments, gradients
+        if cfg.learner.strategy == "fsdp2":  # this rank's fp32 shards as they are: parameters, two moments, gradients
             shard = 4 * sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                             for p in self.sharding.model.parameters())
             self.residency.sizes.update({PARAMETERS: shard, OPTIMIZER: 2 * shard, GRADIENTS: shard})

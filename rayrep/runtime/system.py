@@ -214,7 +214,7 @@ class Runtime:
             pushed = self.sync.push()
         except (RayActorError, RayTaskError) as error:
             start = time.perf_counter()
-            if self.cfg.placement.takes_turns:  # a new engine starts awake on its GPU: the learners' state leaves it first
+            if self.cfg.placement.takes_turns:  # a new engine starts awake on its GPU: the learners' state leaves first
                 self.learners.offload()
             self.observe("sync")
             replaced = self.generators.supervisor.replace_dead(error)  # then `bring_to_policy` sends again

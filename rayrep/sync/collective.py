@@ -136,7 +136,8 @@ class WeightGroup:
         options.rootRank = root
         return self.group.broadcast([tensor], options)
 
-    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor], residency: Residency | None = None) -> None:
+    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor],
+             residency: Residency | None = None) -> None:
         """Broadcast `tensors` (in manifest order, full shapes) from group rank 0, pipelined:
         the next bucket is gathered and packed while this one is on the wire, and bucket b
         is packed only once bucket b - 2 has left (`IN_FLIGHT`), so two buckets at most are

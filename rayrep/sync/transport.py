@@ -126,7 +126,8 @@ class HandleChannel:
     def _key(self, kind: str, bucket: int) -> str:
         return f"sync{self.syncs}/worker{self.worker}/{kind}{bucket}"
 
-    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor], residency: Residency | None = None) -> None:
+    def send(self, manifest: WeightManifest, tensors: Iterator[torch.Tensor],
+             residency: Residency | None = None) -> None:
         """Pack every bucket of `tensors` (manifest order, full shapes) and hand it over. The
         two buffers are made for this sync and freed after it (`residency`, the sender's,
         holds them meanwhile): between syncs the GPU is the engine's."""
@@ -153,7 +154,7 @@ class HandleChannel:
         finally:
             del slots
             if self.device.type == "cuda":
-                torch.cuda.ipc_collect()  # the shares the worker has let go of: freed, not kept by torch's IPC bookkeeping
+                torch.cuda.ipc_collect()  # the shares the worker let go of: freed, not kept by torch's IPC books
             if residency is not None:
                 residency.move(SEND_BUFFERS, ABSENT)
 
