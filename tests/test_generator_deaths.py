@@ -148,13 +148,13 @@ def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_poli
     With one learner rank, disaggregated: a broadcast, and a sync asked for while the engines
     still sample (as asynchronous rollouts ask for it) waits for them before learner rank 0
     queues its broadcast, which would otherwise wait on the group's timeout (shrunk here to
-    4 s) for as long as they sample. With two, colocated and taking turns as GPUs do
+    3 s) for as long as they sample. With two, colocated and taking turns as GPUs do
     (`placement.emulate_gpus`): each rank hands the engine beside it its tensors, and the
     device-memory ledger checks every transition, a replacement's included."""
     turns = transport == "handles"
     cfg = two_generators(tiny_cfg).replace(**{
         "learner.num_workers": learner_ranks, "learner.lr": 1e-3, "learner.warmup_steps": 0,
-        **({"placement.emulate_gpus": True} if turns else {"placement.mode": "disaggregated", "sync.timeout_s": 4.0})})
+        **({"placement.emulate_gpus": True} if turns else {"placement.mode": "disaggregated", "sync.timeout_s": 3.0})})
     assert weight_transport(cfg) == transport and cfg.placement.takes_turns == turns
     runtime = Runtime.start(cfg, tiny_policy)  # it brings a replacement to the current policy
     learners, generators = runtime.learners, runtime.generators
@@ -162,11 +162,11 @@ def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_poli
         prompt_ids = questions(cfg, tiny_policy, 16)
         seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
         if not turns:
-            busy = generators.generate(prompt_ids * 10, n=32, temperature=1.0, top_p=1.0, max_tokens=48)
+            busy = generators.generate(prompt_ids * 6, n=32, temperature=1.0, top_p=1.0, max_tokens=48)
             start = time.monotonic()
             assert train_once(runtime, seed=3)["policy_version"] == 1
             assert time.monotonic() - start > cfg.sync.timeout_s  # it waited for the engines, and no timeout fired
-            assert len(generators.gather(busy)) == 16 * 10
+            assert len(generators.gather(busy)) == 16 * 6
         base = sample(generators, prompt_ids, seeds)
         version = train_once(runtime)["policy_version"]
         trained = sample(generators, prompt_ids, seeds)

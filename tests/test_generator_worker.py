@@ -69,7 +69,7 @@ def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
     def worker_for(cfg):
         worker = GeneratorWorker.__new__(GeneratorWorker)  # the engine-facing logic, on a recording engine
         worker.cfg, worker.llm, worker.version, worker.half_loaded = cfg, RecordingEngine(), 0, False
-        worker.residency = engine_residency(cfg, 0)
+        worker.residency = engine_residency(cfg, 0, built=True)
         return worker
 
     def two_steps(worker):

@@ -103,11 +103,16 @@ class GeneratorPool:
 
     @staticmethod
     def start(cfg: Config, model_path: str, placement: Placement, version: int = 0,
-              on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorPool":
-        """The pool, its engines starting: other roles may set up meanwhile (`wait_until_idle`)."""
-        workers = [start_worker(cfg, model_path, placement, i, version)
+              on_replaced: Callable[[list[int]], None] | None = None, engines: bool = True) -> "GeneratorPool":
+        """The pool, its engines starting: other roles may set up meanwhile (`wait_until_idle`).
+        `engines=False`: the workers come up without their engines, built by `start_engines`."""
+        workers = [start_worker(cfg, model_path, placement, i, version, engines)
                    for i in range(len(placement.plan.slots["generator"]))]
         return GeneratorPool(workers, cfg, model_path, placement, version, on_replaced)
+
+    def start_engines(self) -> None:
+        """Every engine built (those a pool started without them)."""
+        ray.get([w.start_engine.remote() for w in self.workers])
 
     def wait_until_idle(self) -> None:
         """Until every engine has done all it was asked before (an actor runs its calls in
@@ -227,12 +232,14 @@ class GeneratorPool:
         return [worker.memory_report.remote() for worker in self.workers]
 
 
-def start_worker(cfg: Config, model_path: str, placement: Placement, index: int, version: int) -> ray.actor.ActorHandle:
-    """Generator `index` in its bundles of `placement`, loading `model_path` as policy version `version`."""
+def start_worker(cfg: Config, model_path: str, placement: Placement, index: int, version: int,
+                 engine: bool = True) -> ray.actor.ActorHandle:
+    """Generator `index` in its bundles of `placement`, loading `model_path` as policy version
+    `version` (`engine=False`: once asked to, `GeneratorWorker.start_engine`)."""
     from rayrep.generator.worker import RemoteGeneratorWorker
 
     threads = placement.plan.threads["generator"]
     slot = placement.plan.slots["generator"][index]
     bundles = list(range(slot.bundle, slot.bundle + cfg.generator.tensor_parallel_size))
     return RemoteGeneratorWorker.options(**placement.options("generator", index)).remote(
-        cfg, model_path, index, threads, bundles, version)
+        cfg, model_path, index, threads, bundles, version, engine)

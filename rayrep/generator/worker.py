@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import ray
 
-from rayrep.cluster.memory import ENGINE, ENGINE_RUNTIME, KV_CACHE, RECEIVED, WEIGHTS, memory_plan
-from rayrep.cluster.residency import DEVICE, DROPPED, HOST, Holding, Residency, ResidencyError
+from rayrep.cluster.memory import ENGINE, ENGINE_AWAKE, KV_CACHE, RECEIVED, WEIGHTS, memory_plan
+from rayrep.cluster.residency import ABSENT, DEVICE, DROPPED, HOST, Holding, Residency, ResidencyError
 from rayrep.config import Config
 from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
@@ -28,13 +28,15 @@ vLLM's tag, in the order a hand-over takes it back."""
 
 class GeneratorWorker:
     def __init__(self, cfg: Config, model_path: str, worker_index: int, threads: int, bundles: list[int],
-                 version: int = 0):
+                 version: int = 0, start_engine: bool = True):
+        """`start_engine=False`: the process comes up and imports vLLM, and the engine is built
+        by `start_engine()` later (colocated, once the learners have set up and left the GPU)."""
         route_library_output()  # before vLLM starts: its notices go to the run's log file
         with long_lived():
             import torch
 
             from rayrep.cluster.placement import pinned_cores
-            from rayrep.generator.engine import make_engine
+            from rayrep.generator.engine import configure_vllm_env
 
         cores = pinned_cores(cfg, "generator", worker_index, threads)
         if cores is not None:  # before any thread starts; vLLM binds its OpenMP threads (by default: to every core)
@@ -48,13 +50,25 @@ class GeneratorWorker:
         per GPU of the engine: sampling and loading check it first."""
         self.half_loaded = False
         """A weight sync into this engine failed half way: its weights are no policy."""
-        self.llm = make_engine(
-            cfg,
-            model_path,
-            seed=cfg.seed("generator", worker_index),
-            worker_extension_cls=EXTENSION_CLASS,
-            bundles=bundles,
-        )
+        self.engine_args = dict(model_path=model_path, seed=cfg.seed("generator", worker_index),
+                                worker_extension_cls=EXTENSION_CLASS, bundles=bundles)
+        self.llm = None
+        if start_engine:
+            self.start_engine()
+        else:
+            configure_vllm_env(cfg)
+            with long_lived():  # (the import, while the learners set up: most of an engine's start on a CPU)
+                import vllm  # noqa: F401
+
+    def start_engine(self) -> int:
+        """Build the engine, unless it is built; returns the policy version it samples."""
+        if self.llm is None:
+            from rayrep.generator.engine import make_engine
+
+            self.llm = make_engine(self.cfg, **self.engine_args)
+            for part in ENGINE_AWAKE:
+                self.residency.move(part, DEVICE)
+        return self.version
 
     def generate_as_finished(
         self, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float, max_tokens: int,
@@ -151,14 +165,15 @@ class GeneratorWorker:
         return os.getpid()
 
 
-def engine_residency(cfg: Config, worker_index: int) -> Residency:
-    """An engine's residency as it starts: weights, KV cache and runtime on its GPU(s)."""
+def engine_residency(cfg: Config, worker_index: int, built: bool = False) -> Residency:
+    """An engine's residency: nothing on its GPU(s) until the engine is `built`, then its
+    weights, KV cache and runtime."""
     import torch
 
     plan = memory_plan(cfg, trains=False)
     # Measured where this process drives the engine's one GPU itself (in-process, no tensor parallelism).
     measured = cfg.placement.device == "gpu" and cfg.generator.tensor_parallel_size == 1 and torch.cuda.is_available()
-    return Residency(f"generator {worker_index}", ENGINE, {WEIGHTS: DEVICE, KV_CACHE: DEVICE, ENGINE_RUNTIME: DEVICE},
+    return Residency(f"generator {worker_index}", ENGINE, {part: DEVICE if built else ABSENT for part in ENGINE_AWAKE},
                      plan.sizes[ENGINE] if plan else None,
                      torch.device("cuda", torch.cuda.current_device()) if measured else None, pooled=SLEEP_TAGS)
 

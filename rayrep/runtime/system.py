@@ -137,22 +137,19 @@ class Runtime:
 
     def _start_roles(self, cfg: Config, model_path: str, train: bool, policy_version: int,
                      generator_path: str | None) -> None:
-        def start_generators() -> GeneratorPool:
-            return GeneratorPool.start(cfg, generator_path or model_path, self.placement, policy_version,
-                                       on_replaced=self.bring_to_policy)
-
-        if train and cfg.placement.takes_turns:
-            # The learners set up first and leave their state in host memory; the engines then
-            # start on the GPUs they left, and take their share of each.
+        turns = train and cfg.placement.takes_turns
+        # Colocated, the learners set up first and leave their state in host memory; the
+        # engines are built after, on the GPUs they left, and take their share of each. Their
+        # processes come up and import vLLM meanwhile. Elsewhere the engines are built while
+        # the learners set up (on a CPU machine their imports and loads overlap).
+        self.generators = GeneratorPool.start(cfg, generator_path or model_path, self.placement, policy_version,
+                                              on_replaced=self.bring_to_policy, engines=not turns)
+        self.verifiers = VerifierPool.create(cfg, self.placement)
+        if train:
             self.learners = LearnerGroup(cfg, model_path, self.placement)
+        if turns:
             self.observe("learner set-up")
-            self.generators = start_generators()
-            self.verifiers = VerifierPool.create(cfg, self.placement)
-        else:  # the engines start while the learners set up (on a CPU machine their imports and loads overlap)
-            self.generators = start_generators()
-            self.verifiers = VerifierPool.create(cfg, self.placement)
-            if train:
-                self.learners = LearnerGroup(cfg, model_path, self.placement)
+            self.generators.start_engines()
         self.generators.wait_until_idle()
         self.observe("engine start-up")
         if train:
