@@ -18,6 +18,12 @@ With --follow RUN_DIR the server waits for the run's first complete checkpoint, 
 as `<run>/step-<N>` and switches to each newer one as training writes it (every
 `serve.follow_every_s`), in place and without dropping a request; clients that ask for the
 model `<run>` (or --name) always get the newest.
+
+A run's checkpoint (and a followed run) is served with that run's config (device, dtype,
+engine settings); any other folder with the default preset's, its own dtype, and a GPU
+where this machine or cluster has one; `--preset` and fields on the command line go on top.
+An engine that cannot hold one sequence of the served context, and GPU replicas the cluster
+cannot place, are refused before anything starts (`--dry-run` prints the GPU memory plan).
 """
 
 from __future__ import annotations
@@ -32,8 +38,17 @@ from rayrep.cli import job_parser, parse_job_args, run_job
 from rayrep.config import InputError
 
 
+def served_base(args, config_args: list[str]) -> dict | None:
+    """The config the command line's fields go on top of (`rayrep.serve.settings.serving_base`)."""
+    from rayrep.config import DEFAULT_PRESET
+    from rayrep.config.loading import cli_sources
+    from rayrep.serve.settings import serving_base
+
+    return serving_base(args.checkpoint, args.follow, preset_named=cli_sources(config_args)[0] != DEFAULT_PRESET)
+
+
 def main(argv: list[str]) -> None:
-    parser = job_parser(__doc__, trains=False, dry_run=False)
+    parser = job_parser(__doc__, trains=False, dry_run=False, base=served_base)
     parser.add_argument("--checkpoint", help="policy folder to serve (default: the config's model.path)")
     parser.add_argument("--follow", metavar="RUN_DIR",
                         help="serve this training run's newest checkpoint and switch to each new one as it is written")
@@ -49,6 +64,7 @@ def main(argv: list[str]) -> None:
     from rayrep.run.layout import RunFolder
     from rayrep.serve.app import build_app, check_checkpoint, deployment_options, model_name, served_context
     from rayrep.serve.keys import check_exposure, load_api_keys
+    from rayrep.serve.settings import check_replicas_fit, check_serving_memory
 
     keys = load_api_keys(cfg.serve)  # before anything starts, as every other check
     warning = check_exposure(cfg.serve, keys)
@@ -73,14 +89,18 @@ def main(argv: list[str]) -> None:
             return
     check_checkpoint(checkpoint)
     context = served_context(cfg, checkpoint)
+    plan = check_serving_memory(cfg, checkpoint, context)
     url = f"http://{cfg.serve.host}:{cfg.serve.port}/v1"
     access = f"{len(keys)} API key(s)" if keys else "no API key"
     if warning:
         print(warning, flush=True)
     what = f"{checkpoint} as {name!r}" if not args.follow else f"{run.path}'s checkpoints, now {checkpoint}, as {name!r}"
     if args.dry_run:
-        print(f"would serve {what} at {url} (context {context} tokens, {access})")
+        print(f"would serve {what} at {url} (context {context} tokens, {access}; {cfg.placement.device}, "
+              f"{cfg.model.dtype})")
         print(f"deployment: {deployment_options(cfg)}")
+        if plan is not None:
+            print(plan.describe())
         return
 
     from rayrep.generator.engine import check_vllm_version
@@ -95,6 +115,15 @@ def main(argv: list[str]) -> None:
         ray.init(address="local", include_dashboard=False, logging_level=logging.ERROR)
     else:
         ray.init(ignore_reinit_error=True, logging_level=logging.ERROR)
+    from rayrep.cluster.placement import cluster_capacity
+
+    capacity, _, grows = cluster_capacity(cfg.placement.cluster_can_grow, cfg.placement.autoscaling_config)
+    try:
+        check_replicas_fit(cfg, capacity.get("GPU", 0.0), grows)
+    except InputError:
+        if started_ray:
+            ray.shutdown()
+        raise
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # `ray job stop` sends SIGTERM; set after ray.init, which sets its own
         signal.signal(sig, lambda *_: stop.set())

@@ -36,7 +36,8 @@ def resume_base(run_dir: str) -> dict:
 
 
 def job_parser(description: str, trains: bool = True, dry_run: bool = True,
-               sets: dict[str, tuple[Any, str]] | None = None):
+               sets: dict[str, tuple[Any, str]] | None = None,
+               base: Callable[[argparse.Namespace, list[str]], dict | None] | None = None):
     """An argparse parser for a job's own flags; config fields go to `parse_job_args`.
 
     Every job takes `--dry-run`: print the placement plan and, for a GPU run, the memory
@@ -44,7 +45,9 @@ def job_parser(description: str, trains: bool = True, dry_run: bool = True,
     starts learners (a training run), not only generators and verifiers. `dry_run=False`:
     the job has no such plan and defines its own `--dry-run` (the server). `sets`: config
     fields the job sets itself, each as (its value, how the job sets it); value None: the
-    job sets it stage by stage (the pipelines). The user's other value is refused.
+    job sets it stage by stage (the pipelines). The user's other value is refused. `base`:
+    (the job's flags, the config arguments) -> the config the command line's fields go on
+    top of, in place of the preset (None: the preset); the server's is the served run's.
     """
     parser = argparse.ArgumentParser(
         description=description,
@@ -63,7 +66,7 @@ def job_parser(description: str, trains: bool = True, dry_run: bool = True,
                             help="when a learner dies, continue the run from its latest complete checkpoint "
                                  "on its own, up to N times (default 3); without it the job stops and says "
                                  "how to resume")
-    parser.set_defaults(trains=trains, plans=dry_run, sets=sets or {})
+    parser.set_defaults(trains=trains, plans=dry_run, sets=sets or {}, base=base)
     return parser
 
 
@@ -117,7 +120,10 @@ def parse_job_args(parser, argv: list[str] | None = None):
         parser.epilog = _EPILOG + help_text(*_help_config(argv))
     args, rest = parser.parse_known_args(argv)
     try:
-        cfg = parse_cli(rest, base=resume_base(args.resume) if getattr(args, "resume", None) else None)
+        base = resume_base(args.resume) if getattr(args, "resume", None) else None
+        if base is None and parser.get_default("base") is not None:
+            base = parser.get_default("base")(args, rest)
+        cfg = parse_cli(rest, base=base)
         cfg = _apply_job_sets(parser, cfg, rest)
         if getattr(args, "auto_resume", 0) < 0:
             raise ConfigError(f"--auto-resume {args.auto_resume}: the number of restarts cannot be negative")

@@ -524,3 +524,80 @@ def test_the_serve_job_follows_a_run_folder_and_refuses_a_checkpoint_there(short
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1].endswith(
         f"--follow {tiny_policy}: a checkpoint, not a run's folder; serve it with --checkpoint")
+
+
+def seven_b_run(folder, tiny_policy):
+    """A run folder as the RLEP preset writes it, with one complete checkpoint whose config
+    is Qwen2.5-Math-7B's (bf16); its weights are a stand-in: a dry run reads none."""
+    import shutil
+    from pathlib import Path
+
+    from rayrep.cluster.memory import KNOWN_SHAPES
+    from rayrep.config import load_preset
+
+    run = Path(folder) / "rlep-7b"
+    checkpoint = run / "checkpoints" / "step-20"
+    checkpoint.mkdir(parents=True)
+    (run / "config.json").write_text(load_preset("qwen2.5-math-7b-rlep").to_json())
+    config = {**KNOWN_SHAPES["Qwen/Qwen2.5-Math-7B"], "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+              "torch_dtype": "bfloat16", "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_policy) / name, checkpoint / name)
+    (checkpoint / "run_state.json").write_text("{}")
+    return run, checkpoint
+
+
+def test_a_checkpoint_is_served_with_its_runs_settings_and_what_cannot_fit_is_refused(tiny_policy, tmp_path):
+    """A checkpoint of a run trained with the 7B preset (or that run, followed) is served as
+    the run ran: on a GPU, in bf16, with its engine settings, and the dry run prints a memory
+    plan that fits one 80 GB GPU. The same folder outside a run takes its own dtype and this
+    machine's device (a CPU here), where a KV cache too small for one context is refused,
+    naming the knob; fields on the command line go on top of either."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run, checkpoint = seven_b_run(tmp_path, tiny_policy)
+
+    def job(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "jobs/serve.py", "--dry-run", *args, "--logging.out_dir", str(tmp_path)],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+
+    for served in (job("--checkpoint", str(checkpoint)), job("--follow", str(run))):
+        assert served.returncode == 0, served.stderr[-2000:]
+        assert "(context 4096 tokens, no API key; gpu, bfloat16)" in served.stdout
+        assert "'num_gpus': 1" in served.stdout
+        assert "memory plan per GPU (80 GiB; sampling only" in served.stdout
+        assert "sequences of 4,096" in served.stdout and served.stdout.rstrip().endswith("fits")
+    # A smaller GPU, told on the command line: the plan refuses before anything starts.
+    small = job("--checkpoint", str(checkpoint), "--placement.gpu_memory_gib", "12")
+    assert small.returncode == 2 and "the server's memory plan does not fit" in small.stderr
+    # Outside a run: its own dtype, this machine's device (no GPU here), the preset's CPU KV cache.
+    loose = Path(tmp_path) / "loose"
+    import shutil
+
+    shutil.copytree(checkpoint, loose)
+    on_cpu = job("--checkpoint", str(loose))
+    assert on_cpu.returncode == 0 and "(context 4096 tokens, no API key; cpu, bfloat16)" in on_cpu.stdout
+    refused = job("--checkpoint", str(loose), "--generator.cpu_kv_cache_gib", "0.1")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "a 4,096-token context of" in refused.stderr and "needs 0.22 GiB of KV cache (bfloat16), more than " \
+        "generator.cpu_kv_cache_gib=0.1" in refused.stderr
+
+
+def test_gpu_replicas_the_cluster_cannot_place_are_refused(tiny_cfg):
+    """Serve would wait forever for a replica no GPU can take: two one-GPU replicas on one GPU,
+    or any on a cluster without GPUs, are refused; an autoscaling cluster of unknown size is
+    left to grow."""
+    from rayrep.config import InputError
+    from rayrep.serve.settings import check_replicas_fit
+
+    gpu = tiny_cfg.replace(**{"placement.device": "gpu", "serve.min_replicas": 2, "serve.max_replicas": 2})
+    with pytest.raises(InputError, match=r"serve.min_replicas=2 x generator.tensor_parallel_size=1 needs 2 GPU\(s\), "
+                                         r"and the cluster has 1"):
+        check_replicas_fit(gpu, 1.0)
+    check_replicas_fit(gpu, 2.0)
+    check_replicas_fit(gpu, 0.0, grows=True)
+    check_replicas_fit(tiny_cfg, 0.0)  # CPU replicas take no GPU

@@ -221,10 +221,10 @@ class MemoryPlan:
                     holders.append(f"{label} {phase.holds(holder) / GIB:.2f}" + (f" ({inside})" if inside else ""))
             lines.append(f"  {phase.name:<{width}} {self.per_gpu(phase) / GIB:5.1f}  {'; '.join(holders)}")
             lines.append(f"  {'':<{width}}        {phase.what}")
+        travel = f"the weights travel by {self.transport}; " if self.transport else ""
         lines.append(f"  (each GPU also keeps {RESERVED_BYTES / GIB:.2f} for CUDA contexts, NCCL and fragmentation; "
-                     f"the weights travel by {self.transport or 'no sync'}; an engine's KV cache holds "
-                     f"{self.kv_cache_tokens:,} tokens: {self.kv_cache_tokens // max(1, self.longest_sequence):,} "
-                     f"sequences of {self.longest_sequence:,})")
+                     f"{travel}an engine's KV cache holds {self.kv_cache_tokens:,} tokens: "
+                     f"{self.kv_cache_tokens // max(1, self.longest_sequence):,} sequences of {self.longest_sequence:,})")
         if self.host:
             lines.append("host memory per node: " + "; ".join(
                 f"{moment} {value / 1e9:.1f} GB ({what})" for moment, (value, what) in self.host.items()))
@@ -349,7 +349,9 @@ def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple
     return host
 
 
-def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:
+def estimate(cfg: Config, shape: ModelShape, trains: bool = True, sequence: int | None = None) -> MemoryPlan:
+    """The plan of `cfg` for a policy of `shape`; `sequence`: the longest sequence an engine
+    must hold (default: the longest prompt and answer; a server: its context)."""
     gen, place = cfg.generator, cfg.placement
     c = 2 if cfg.model.dtype == "bfloat16" else 4
     sizes = part_sizes(cfg, shape)
@@ -369,19 +371,20 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True) -> MemoryPlan:
         colocated=colocated,
         trains=trains,
         transport=weight_transport(cfg) if trains else "",
-        longest_sequence=cfg.data.max_prompt_tokens + gen.max_response_tokens,
+        longest_sequence=sequence or cfg.data.max_prompt_tokens + gen.max_response_tokens,
         kv_cache_tokens=sizes[ENGINE][KV_CACHE] // max(1, kv_per_token),
         host=host_memory(cfg, shape, trains),
     )
 
 
-def model_shape(cfg: Config, local_only: bool = True) -> ModelShape | None:
-    """The policy's shape: the embedded tiny policy's recipe, the table of known models (the
-    published shapes of those hub ids: a dry run of a paper preset needs no transformers,
-    which takes seconds to import), the checkpoint's config.json from a folder or the local
-    cache, or (unless `local_only`) the config.json fetched from the hub; None when none of
-    them can tell."""
-    if cfg.model.path == "tiny":
+def model_shape(cfg: Config, local_only: bool = True, path: str | None = None) -> ModelShape | None:
+    """The shape of the policy at `path` (default: `model.path`): the embedded tiny policy's
+    recipe, the table of known models (the published shapes of those hub ids: a dry run of a
+    paper preset needs no transformers, which takes seconds to import), the checkpoint's
+    config.json from a folder or the local cache, or (unless `local_only`) the config.json
+    fetched from the hub; None when none of them can tell."""
+    path = path or cfg.model.path
+    if path == "tiny":
         from rayrep.models import tiny_spec
         from rayrep.models.recipe import padded_vocab_size
         from rayrep.models.tokenizer import build_char_tokenizer
@@ -389,26 +392,28 @@ def model_shape(cfg: Config, local_only: bool = True) -> ModelShape | None:
         spec = tiny_spec(cfg)
         return ModelShape(padded_vocab_size(build_char_tokenizer()), spec.hidden_size, spec.intermediate_size,
                           spec.num_layers, spec.num_heads, spec.num_kv_heads, True)
-    if cfg.model.path in KNOWN_SHAPES:
-        return ModelShape.of(KNOWN_SHAPES[cfg.model.path])
+    if path in KNOWN_SHAPES:
+        return ModelShape.of(KNOWN_SHAPES[path])
     from rayrep.models import read_model_config
 
     try:
-        return ModelShape.of(read_model_config(cfg.model.path, local_only=True))
+        return ModelShape.of(read_model_config(path, local_only=True))
     except InputError:
         pass
     if local_only:
         return None
-    return ModelShape.of(read_model_config(cfg.model.path))
+    return ModelShape.of(read_model_config(path))
 
 
-def memory_plan(cfg: Config, trains: bool = True, local_only: bool = True) -> MemoryPlan | None:
+def memory_plan(cfg: Config, trains: bool = True, local_only: bool = True, sequence: int | None = None,
+                model_path: str | None = None) -> MemoryPlan | None:
     """The plan of a run that models its GPUs (a GPU run, or a CPU run emulating one);
-    None for other CPU runs, or when the policy's shape is unknown."""
+    None for other CPU runs, or when the policy's shape is unknown. `model_path`: the
+    policy's folder when it is not `model.path` (a served checkpoint); `sequence`: see `estimate`."""
     if not cfg.placement.models_gpus:
         return None
-    shape = model_shape(cfg, local_only)
-    return estimate(cfg, shape, trains) if shape else None
+    shape = model_shape(cfg, local_only, model_path)
+    return estimate(cfg, shape, trains, sequence) if shape else None
 
 
 def check_memory(cfg: Config, trains: bool = True) -> None:
