@@ -64,6 +64,7 @@ def main(argv: list[str]) -> None:
     from rayrep.run.layout import RunFolder
     from rayrep.serve.app import build_app, check_checkpoint, deployment_options, model_name, served_context
     from rayrep.serve.keys import check_exposure, load_api_keys
+    from rayrep.generator.engine import engine_description
     from rayrep.serve.settings import check_replicas_fit, check_serving_memory
 
     keys = load_api_keys(cfg.serve)  # before anything starts, as every other check
@@ -99,6 +100,7 @@ def main(argv: list[str]) -> None:
         print(f"would serve {what} at {url} (context {context} tokens, {access}; {cfg.placement.device}, "
               f"{cfg.model.dtype})")
         print(f"deployment: {deployment_options(cfg)}")
+        print(engine_description(cfg))
         if plan is not None:
             print(plan.describe())
         return

@@ -11,14 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rayrep.cluster.memory import memory_plan
 from rayrep.cluster.placement import make_plan
 from rayrep.config import DEFAULT_PRESET, Config, ConfigError, help_text, load_preset, parse_cli
 from rayrep.config.fields import get_dotted
 from rayrep.config.loading import cli_sources
 from rayrep.errors import InputError
+from rayrep.generator.engine import engine_description
 from rayrep.learner import LearnerDied
 from rayrep.run.layout import RunFolder
-from rayrep.cluster.memory import memory_plan
 
 
 def resume_base(run_dir: str) -> dict:
@@ -133,7 +134,7 @@ def parse_job_args(parser, argv: list[str] | None = None):
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
     if args.plans and args.dry_run:
-        lines = [make_plan(cfg, learners=args.trains).describe()]
+        lines = [make_plan(cfg, learners=args.trains).describe(), engine_description(cfg)]
         plan = memory_plan(cfg, trains=args.trains)
         if plan is None:
             lines.append("memory plan: only for GPU runs of a known model (CPU run, or config.json not at hand)")

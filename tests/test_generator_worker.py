@@ -1,5 +1,7 @@
 """GeneratorWorker and GeneratorPool on a real local Ray cluster with a real vLLM engine."""
 
+import os
+
 import pytest
 import ray
 import torch
@@ -32,6 +34,32 @@ def test_the_installed_vllm_is_the_pinned_series_and_another_is_refused():
     with pytest.raises(InputError, match=rf"vLLM is not installed.*pip install 'vllm=={VLLM_SERIES}\.\*'"):
         check_vllm_version({})
     check_vllm_version({"vllm": f"{VLLM_SERIES}.4"})
+
+
+def test_engines_run_the_model_runner_and_scheduling_the_suite_runs_unless_told(monkeypatch):
+    """vLLM 0.32 picks its Model Runner V2 (where Triton is installed) and asynchronous
+    scheduling on GPUs, neither of which a CPU test runs: a GPU engine is given the V1 runner
+    and synchronous scheduling, through vLLM's public settings, unless
+    `generator.vllm_gpu_defaults` leaves the choice to vLLM; `--dry-run` says which.
+    `generator.batch_invariant` turns vLLM's batch-invariant kernels on (GPU engines only)."""
+    from rayrep.config import ConfigError, load_preset
+    from rayrep.generator.engine import configure_vllm_env, engine_args, engine_description
+
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    gpu = load_preset("qwen2.5-math-7b-rlep")
+    configure_vllm_env(gpu)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "VLLM_BATCH_INVARIANT" not in os.environ
+    assert engine_args(gpu, "Qwen/Qwen2.5-Math-7B")["async_scheduling"] is False
+    assert engine_description(gpu).startswith("vLLM engines: the V1 model runner and synchronous scheduling")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    defaults = gpu.replace(**{"generator.vllm_gpu_defaults": True, "generator.batch_invariant": True})
+    configure_vllm_env(defaults)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ and os.environ["VLLM_BATCH_INVARIANT"] == "1"
+    assert "async_scheduling" not in engine_args(defaults, "Qwen/Qwen2.5-Math-7B")
+    assert "no CPU test runs" in engine_description(defaults) and "batch-invariant" in engine_description(defaults)
+    with pytest.raises(ConfigError, match="generator.batch_invariant is for GPU engines"):
+        load_preset("tiny-cpu").replace(**{"generator.batch_invariant": True})
 
 
 class RecordingEngine:

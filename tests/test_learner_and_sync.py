@@ -316,7 +316,9 @@ def optimizer_state_dtypes(learners: LearnerGroup) -> set[str]:
 @pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
 def test_bf16_compute_keeps_fp32_masters_that_move_at_a_paper_learning_rate(ray_cluster, tiny_cfg, tiny_policy, strategy):
     """At lr 1e-6 (the papers'), a bf16 parameter would round nearly every update away; the
-    fp32 masters take them all."""
+    fp32 masters take them all. Gradients are reduced and accumulated in fp32 by both
+    strategies (DeepSpeed would use bf16 unless told), and a DeepSpeed sync sends its whole
+    bf16 weights, which are the masters rounded, without gathering the masters."""
     from safetensors.torch import load_file
 
     cfg = tiny_cfg.replace(**{"model.dtype": "bfloat16", "learner.lr": 1e-6, "learner.warmup_steps": 0,
@@ -334,6 +336,11 @@ def test_bf16_compute_keeps_fp32_masters_that_move_at_a_paper_learning_rate(ray_
             lambda worker: {name: (tensor.dtype, tensor.float().cpu())
                             for name, tensor in worker.sharding.full_tensors(torch.bfloat16)})
             for w in learners.workers])
+        if strategy == "deepspeed":
+            engine_dtypes = ray.get(learners.workers[0].__ray_call__.remote(
+                lambda worker: (worker.sharding.model.communication_data_type,
+                                worker.sharding.model.get_data_types())))
+            assert engine_dtypes == (torch.float32, (torch.bfloat16, torch.float32))
     finally:
         learners.shutdown()
         placement.remove()

@@ -42,7 +42,7 @@ def test_the_paper_presets_fit_on_80_gib_gpus_phase_by_phase(preset):
     shape = model_shape(cfg)
     assert plan is not None and plan.problems() == [], plan.describe()
     assert [p.name for p in plan.phases] == ["learner set-up", "engine start-up", "resume", "generate", "hand-over",
-                                             "update", "sync", "replacement"]
+                                             "update", "sync", "replacement", "save"]
     assert all(plan.per_gpu(phase) < 80 * GIB for phase in plan.phases)
     learner, engine = plan.sizes[LEARNER], plan.sizes[ENGINE]
     # FSDP2 splits the fp32 state over the learners: 16 bytes per parameter in all
@@ -63,7 +63,7 @@ def test_the_paper_presets_fit_on_80_gib_gpus_phase_by_phase(preset):
     assert sync.held[ENGINE][WEIGHTS] == 2 * shape.parameters and sync.held[ENGINE][RECEIVED] > 2 * largest
     # Colocated turns: the engines sleep while the learners hold their state; awake, the GPU is theirs.
     assert plan.phase("update").held[ENGINE] == {ENGINE_RUNTIME: GIB}
-    for name in ("engine start-up", "generate", "resume", "replacement"):
+    for name in ("engine start-up", "generate", "resume", "replacement", "save"):  # FSDP2 saves from host memory
         assert plan.phase(name).holds(LEARNER) == 0
         assert plan.phase(name).holds(ENGINE) == int(0.85 * 80 * GIB)
     assert plan.transport == "handles"
@@ -84,6 +84,9 @@ def test_a_plan_that_cannot_fit_is_refused_with_its_numbers(tiny_policy):
     deepspeed = memory_plan(load_preset("qwen2.5-math-7b-rlep").replace(**{"learner.strategy": "deepspeed"}))
     fsdp = memory_plan(load_preset("qwen2.5-math-7b-rlep"))
     assert deepspeed.phase("generate").holds(LEARNER) > 0 == fsdp.phase("generate").holds(LEARNER)
+    # and its checkpoint gathers each fp32 master whole on the GPU beside the awake engine
+    assert deepspeed.phase("save").holds(LEARNER) == (deepspeed.phase("generate").holds(LEARNER)
+                                                      + deepspeed.sizes[LEARNER][WHOLE_TENSOR])
     # a GPU run refuses before anything starts (the tiny policy on 1 GiB GPUs)
     from rayrep.runtime.system import Runtime
 
@@ -101,6 +104,7 @@ def test_every_job_takes_a_dry_run(job, extra):
     assert "placement plan:" in done.stdout and "memory plan per GPU (80 GiB" in done.stdout
     trains = job not in ("eval.py", "collect.py")
     assert ("  update " in done.stdout) == trains and ("host memory per node" in done.stdout) == trains
+    assert "vLLM engines: the V1 model runner and synchronous scheduling, as the CPU suite runs them" in done.stdout
     small = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--dry-run", "--preset", "qwen2.5-math-7b-rlep",
                             "--placement.gpu_memory_gib", "16", *extra], capture_output=True, text=True, timeout=120)
     assert small.returncode == 2 and "does not fit" in small.stdout

@@ -292,6 +292,7 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
     send = of(learner, WHOLE_TENSOR, SEND_BUFFERS)
     receiving = {**of(engine, WEIGHTS, ENGINE_RUNTIME, RECEIVED)}
     resident = state if cfg.learner.strategy == "deepspeed" else {}  # DeepSpeed's state never leaves the GPU
+    saving = {**resident, **of(learner, WHOLE_TENSOR)} if resident else {}
     set_up = resident or of(learner, PARAMETERS)
     if cfg.placement.mode != "colocated":
         # A learner's GPU is its own: its allocator keeps the update's peak from one update to the next.
@@ -309,6 +310,8 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
                   {LEARNER: kept, ENGINE: {**awake, RECEIVED: engine[RECEIVED]}}),
             Phase("replacement", "a generator that died starts again, then a sync reaches it",
                   {LEARNER: kept, ENGINE: awake}),
+            Phase("save", "a checkpoint: the policy gathered (DeepSpeed: each fp32 master whole, on the GPU), "
+                  "the learners' shards written", {LEARNER: kept, ENGINE: awake}),
         )
     asleep = of(engine, ENGINE_RUNTIME)
     return (
@@ -329,6 +332,8 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
               {LEARNER: {**(state if resident else of(learner, PARAMETERS)), **send}, ENGINE: receiving}),
         Phase("replacement", "a generator that died starts again (awake) while the learners' state is in host "
               "memory; it sleeps, and a sync reaches it", {LEARNER: resident, ENGINE: awake}),
+        Phase("save", "a checkpoint, beside the awake engines: FSDP2 casts its shards in host memory; DeepSpeed "
+              "gathers each fp32 master whole on the GPU", {LEARNER: saving, ENGINE: awake}),
     )
 
 

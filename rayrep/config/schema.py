@@ -58,6 +58,8 @@ class GeneratorConfig:
     gpu_memory_utilization: float = option(0.85, "share of GPU memory vLLM may take (GPU only)", min=0.05, max=1.0)
     cpu_kv_cache_gib: float = option(1.0, "KV-cache size of a CPU vLLM engine in GiB (CPU only; the engine zeroes all of it at start)", min=0.01)
     enforce_eager: bool = option(True, "run vLLM without CUDA graphs / compilation (fast start, needed on CPU)")
+    vllm_gpu_defaults: bool = option(False, "GPU engines run as vLLM 0.32 picks on GPUs: its Model Runner V2 where Triton is installed, and asynchronous scheduling, neither of which any CPU test runs; off: the V1 model runner and synchronous scheduling, as the CPU suite runs them", added=True)
+    batch_invariant: bool = option(False, "GPU engines use vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT), so that an answer depends on its seed alone, not on what else the engine batched with it: a resumed run and a replaced generator then repeat on GPUs what they repeat on CPUs; its cost has not been measured here", added=True)
     seed: int = option(-1, "base seed of the generators' sampling (worker i uses seed + i); -1: derived from run.seed", min=-1)
 
 
@@ -345,6 +347,9 @@ def validate(cfg: Config) -> None:
         )
     if learner.dual_clip and learner.dual_clip <= 1:
         raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
+    if gen.batch_invariant and place.device != "gpu":
+        raise ConfigError("generator.batch_invariant is for GPU engines: a CPU engine gives each answer from its seed "
+                          "alone already (placement.device='cpu')")
     if place.emulate_gpus and place.device != "cpu":
         raise ConfigError("placement.emulate_gpus is for CPU runs (placement.device='cpu'); a GPU run has its GPUs")
     if cfg.run.max_policy_lag and place.takes_turns:

@@ -62,6 +62,12 @@ def configure_vllm_env(cfg: Config, in_process: bool = True) -> None:
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not cfg.generator.vllm_gpu_defaults:
+        # The model runner the CPU suite runs (vLLM's CPU platform has no other); on GPUs with
+        # Triton vLLM 0.32 would pick its experimental Model Runner V2 (`engine_description`).
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if cfg.generator.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     if cfg.placement.device == "cpu" and cfg.generator.enforce_eager:
         # vLLM's sampler compiles two small kernels with inductor even in eager mode (the
         # sampled token's rank among the log-probs, a random draw): on CPU that is about 3 s
@@ -91,6 +97,8 @@ def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: 
     overrides = config_overrides(cfg, model_path)
     if overrides:  # the same model-config changes as the learners' (rope base, positions)
         kwargs["hf_overrides"] = overrides
+    if not gen.vllm_gpu_defaults:
+        kwargs["async_scheduling"] = False  # as on CPUs, where vLLM turns it off (`engine_description`)
     if cfg.placement.device == "cpu":
         # Prompts are prefilled whole: a prefill cut in chunks discards the token sampled for
         # its first chunk and rewinds that request's seeded generator, which vLLM does with
@@ -113,6 +121,21 @@ def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: 
             if cfg.placement.takes_turns:
                 os.environ["VLLM_RAY_PER_WORKER_GPUS"] = "0.5"
     return kwargs
+
+
+def engine_description(cfg: Config) -> str:
+    """How the engines run, for `--dry-run`: which of vLLM's model runners and schedulers,
+    and whether the suite runs them so."""
+    if cfg.placement.device == "cpu":
+        return "vLLM engines: the V1 model runner, synchronous scheduling (vLLM's CPU platform; the CPU suite runs them)"
+    invariant = ("batch-invariant kernels (an answer depends on its seed alone; cost not measured)"
+                 if cfg.generator.batch_invariant else
+                 "answers depend on what else is batched, not on the seed alone (generator.batch_invariant: they would)")
+    if cfg.generator.vllm_gpu_defaults:
+        return ("vLLM engines: vLLM's GPU defaults (Model Runner V2 where Triton is installed, asynchronous "
+                f"scheduling), which no CPU test runs; {invariant}")
+    return ("vLLM engines: the V1 model runner and synchronous scheduling, as the CPU suite runs them "
+            f"(generator.vllm_gpu_defaults: vLLM's own GPU choice); {invariant}")
 
 
 def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_extension_cls: str | None = None,

@@ -261,7 +261,9 @@ class DeepSpeedSharding:
     micro-batches accumulate with `scale_wrt_gas=False`: the loss is already normalised.
     A step whose gradient norm is not finite is skipped by DeepSpeed itself. With a bf16
     compute dtype, DeepSpeed's bf16 mode keeps fp32 master weights in the optimizer's
-    partitions and bf16 copies in the module.
+    partitions and bf16 copies in the module; gradients are reduced and accumulated in fp32,
+    as FSDP2's are (DeepSpeed would use the model's bf16 for both unless told:
+    `communication_data_type`, `data_types.grad_accum_dtype`).
     """
 
     whole_parameters = True  # ZeRO-2 partitions gradients and optimizer state only
@@ -282,6 +284,8 @@ class DeepSpeedSharding:
             "zero_optimization": {"stage": 2},
             "zero_allow_untested_optimizer": True,  # torch AdamW
             "bf16": {"enabled": self.bf16},
+            "communication_data_type": "fp32",
+            "data_types": {"grad_accum_dtype": "fp32"},
             "steps_per_print": 2**62,
         }
         self.model, self.optimizer, _, _ = deepspeed.initialize(
@@ -303,14 +307,25 @@ class DeepSpeedSharding:
     def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from deepspeed.utils import safe_get_full_fp32_param
 
+        if self.bf16 and dtype == torch.bfloat16:
+            # ZeRO-2 keeps the bf16 weights whole on every rank, each the fp32 master as the
+            # optimizer's step rounded it (a copy into bf16, which rounds as `.to` does): a
+            # sync sends them as they are, without gathering the fp32 masters.
+            for name, param in self.module.named_parameters():
+                yield name, param.detach()
+            return
         for name, param in self.module.named_parameters():
             # The fp32 master (gathered from the optimizer's partitions), not the bf16 copy.
             master = (safe_get_full_fp32_param(param) if self.bf16 else param).detach()
             yield name, master if dtype is None else master.to(dtype)
 
     def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
-        # ZeRO-2 keeps its state on the GPU all along (nothing is offloaded): gather there.
-        state = {name: tensor.to("cpu", dtype, copy=True) for name, tensor in self.full_tensors()}
+        # ZeRO-2 keeps its state on the GPU all along (nothing is offloaded): every rank takes
+        # part in each gather there, and rank 0 alone copies the tensors to host memory.
+        state = {}
+        for name, tensor in self.full_tensors():
+            if rank == 0:
+                state[name] = tensor.to("cpu", dtype, copy=True)
         return state if rank == 0 else None
 
 

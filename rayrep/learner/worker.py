@@ -495,7 +495,10 @@ class LearnerWorker:
         """Save a Hugging Face checkpoint directory in `model.dtype` (rank 0 writes; every rank must call)."""
         from rayrep.models.checkpoint import save_checkpoint
 
-        state = self.full_state_dict(compute_dtype(self.cfg))
+        # DeepSpeed gathers each fp32 master whole on the GPU (FSDP2 casts its shards where they lie).
+        gathers = (WHOLE_TENSOR,) if self.cfg.learner.strategy == "deepspeed" else ()
+        with self.residency.working_on(gathers):
+            state = self.full_state_dict(compute_dtype(self.cfg))
         if self.rank == 0:
             return save_checkpoint(state, base_model_path, path, self.config_overrides)
         return None

@@ -235,8 +235,7 @@ def save_run(cfg: Config, folder: RunFolder, step: int, runtime: Runtime, algori
     (where the strategy keeps one), the buffer (its latest snapshot, linked) and the driver's
     state. Complete or absent (see the module's docstring)."""
     partial = begin_save(folder.path, step)
-    runtime.learners.save(str(partial))
-    learner = runtime.learners.save_state(str(partial / "learner")) if resumable(cfg) else None
+    learner = runtime.save_learners(str(partial), state=resumable(cfg))
     if snapshots.keeps:
         snapshots.take()
         link_files(folder.replay, partial / "buffer")

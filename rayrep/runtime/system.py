@@ -197,6 +197,18 @@ class Runtime:
         self.learners.load_state(folder, shared)
         self.observe("resume")
 
+    def save_learners(self, folder: str, state: bool) -> dict | None:
+        """The policy as a Hugging Face checkpoint in `folder`, and (`state`) the learners'
+        checkpoint in `folder/learner`; returns the learners' shared state (None without).
+        Where the roles take turns, in the engines' turn: the learners' allocator cache is
+        released after it (DeepSpeed gathers each fp32 master on the GPU)."""
+        self.learners.save(folder)
+        shared = self.learners.save_state(str(Path(folder) / "learner")) if state else None
+        if self.cfg.placement.takes_turns:
+            self.learners.offload()
+        self.observe("save")
+        return shared
+
     def sync_weights(self) -> dict[str, float]:
         """The learners' weights to every generator, as the next policy version; a generator
         that died in it is replaced (`sync_generator_replaced`), and the weights sent again.
