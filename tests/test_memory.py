@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rayrep.cluster.memory import (ENGINE, ENGINE_RUNTIME, GIB, KNOWN_SHAPES, KV_CACHE, LEARNER, OPTIMIZER,
-                                   PARAMETERS, RECEIVED, RESERVED_BYTES, SEND_BUFFERS, UPDATE, WEIGHTS, WHOLE_TENSOR,
+from rayrep.cluster.memory import (ENGINE, ENGINE_RUNTIME, GIB, KNOWN_SHAPES, KV_CACHE, LEARNER, MASTER_GATHERED,
+                                   OPTIMIZER, PARAMETERS, RECEIVED, RESERVED_BYTES, SEND_BUFFERS, UPDATE, WEIGHTS,
+                                   WHOLE_TENSOR,
                                    DeviceLedger, MemoryLedgerError, ModelShape, check_memory, memory_plan, model_shape)
 from rayrep.cluster.residency import ABSENT, ALLOCATOR_CACHE, DEVICE, DROPPED, HOST, Holding, Residency, ResidencyError
 from rayrep.config import InputError, load_preset
@@ -84,9 +85,11 @@ def test_a_plan_that_cannot_fit_is_refused_with_its_numbers(tiny_policy):
     deepspeed = memory_plan(load_preset("qwen2.5-math-7b-rlep").replace(**{"learner.strategy": "deepspeed"}))
     fsdp = memory_plan(load_preset("qwen2.5-math-7b-rlep"))
     assert deepspeed.phase("generate").holds(LEARNER) > 0 == fsdp.phase("generate").holds(LEARNER)
-    # and its checkpoint gathers each fp32 master whole on the GPU beside the awake engine
+    # and its checkpoint gathers each fp32 master whole on the GPU beside the awake engine; its
+    # bf16 sync sends the whole bf16 weights it holds, gathering nothing
     assert deepspeed.phase("save").holds(LEARNER) == (deepspeed.phase("generate").holds(LEARNER)
-                                                      + deepspeed.sizes[LEARNER][WHOLE_TENSOR])
+                                                      + deepspeed.sizes[LEARNER][MASTER_GATHERED])
+    assert deepspeed.sizes[LEARNER][WHOLE_TENSOR] == 0 < deepspeed.sizes[LEARNER][MASTER_GATHERED]
     # a GPU run refuses before anything starts (the tiny policy on 1 GiB GPUs)
     from rayrep.runtime.system import Runtime
 

@@ -75,6 +75,7 @@ LOGPROB_CHUNK = "fp32 log-prob chunk"
 PASS_ACTIVATIONS = "activations of a pass without a graph"
 PASS_LOGITS = "logits of a pass without a graph"
 WHOLE_TENSOR = "tensor gathered whole"
+MASTER_GATHERED = "fp32 master gathered whole"
 SEND_BUFFERS = "send buffers"
 WEIGHTS = "weights"
 KV_CACHE = "KV cache"
@@ -258,10 +259,13 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
         LOGPROB_CHUNK: 4 * min(tokens, learner.logit_chunk_tokens) * V * 4,
         PASS_ACTIVATIONS: per_layer,
         PASS_LOGITS: tokens * V * c,
-        # FSDP2: each rank's shard cast to the compute dtype, then gathered; DeepSpeed gathers
-        # the fp32 master from the optimizer's partitions, then casts it.
-        WHOLE_TENSOR: shape.largest_tensor * (c if fsdp else 4 + c),
+        # A sync: FSDP2 casts each rank's shard to the compute dtype, then gathers it; DeepSpeed
+        # sends its whole bf16 weights as they are, or in fp32 gathers the master.
+        WHOLE_TENSOR: shape.largest_tensor * c if fsdp or c == 4 else 0,
         SEND_BUFFERS: 2 * largest_bucket,
+        # A checkpoint: DeepSpeed gathers each fp32 master whole on the GPU (then casts it);
+        # FSDP2 casts its shards in host memory.
+        MASTER_GATHERED: 0 if fsdp else shape.largest_tensor * (4 + c),
     }
     budget = int(gen.gpu_memory_utilization * place.gpu_memory_gib * GIB)
     weights = P * c // gen.tensor_parallel_size
@@ -292,7 +296,7 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
     send = of(learner, WHOLE_TENSOR, SEND_BUFFERS)
     receiving = {**of(engine, WEIGHTS, ENGINE_RUNTIME, RECEIVED)}
     resident = state if cfg.learner.strategy == "deepspeed" else {}  # DeepSpeed's state never leaves the GPU
-    saving = {**resident, **of(learner, WHOLE_TENSOR)} if resident else {}
+    saving = {**resident, **of(learner, MASTER_GATHERED)} if resident else {}
     set_up = resident or of(learner, PARAMETERS)
     if cfg.placement.mode != "colocated":
         # A learner's GPU is its own: its allocator keeps the update's peak from one update to the next.

@@ -22,8 +22,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rayrep.cluster.memory import (FORWARD_PASS, GRADIENTS, LEARNER, OPTIMIZER, PARAMETERS, UPDATE, WHOLE_TENSOR,
-                                   memory_plan)
+from rayrep.cluster.memory import (FORWARD_PASS, GRADIENTS, LEARNER, MASTER_GATHERED, OPTIMIZER, PARAMETERS, UPDATE,
+                                   WHOLE_TENSOR, memory_plan)
 from rayrep.cluster.residency import ABSENT, DEVICE, HOST, Holding, Residency
 from rayrep.config import Config
 from rayrep.heap import long_lived
@@ -89,6 +89,10 @@ class LearnerWorker:
         cores = pinned_cores(cfg, "learner", rank, threads)
         if cores is not None:  # before any thread starts: the threads inherit it
             os.sched_setaffinity(0, cores)
+        if cfg.placement.device == "gpu" and not cfg.placement.threads:
+            # A GPU learner's CPU work (casts and copies of checkpoints, host-memory moves) gets
+            # its GPU's share of the node's cores, not the one CPU Ray accounts its bundle.
+            threads = max(threads, (os.cpu_count() or 1) // cfg.placement.gpus_per_node)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.run.seed)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -496,8 +500,7 @@ class LearnerWorker:
         from rayrep.models.checkpoint import save_checkpoint
 
         # DeepSpeed gathers each fp32 master whole on the GPU (FSDP2 casts its shards where they lie).
-        gathers = (WHOLE_TENSOR,) if self.cfg.learner.strategy == "deepspeed" else ()
-        with self.residency.working_on(gathers):
+        with self.residency.working_on((MASTER_GATHERED,)):
             state = self.full_state_dict(compute_dtype(self.cfg))
         if self.rank == 0:
             return save_checkpoint(state, base_model_path, path, self.config_overrides)

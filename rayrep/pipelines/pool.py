@@ -67,6 +67,25 @@ def policy_logprobs(model, sequences: list[tuple[list[int], list[int]]], tempera
     return results
 
 
+def scored(cfg: Config, policy: str, sequences: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+    """`policy_logprobs` of `policy` (fp32) at the run's temperature, in a Ray task that asks
+    for what it uses: a GPU of a GPU run's cluster (Ray's to give, not whichever GPU the
+    driver happens to see), a CPU otherwise; in this process where Ray is not up."""
+    import ray
+
+    def score(cfg: Config, policy: str, sequences: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32, **config_overrides(cfg, policy))
+        model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        return policy_logprobs(model, sequences, cfg.generator.temperature)
+
+    if not ray.is_initialized():
+        return score(cfg, policy, sequences)
+    resources = {"num_gpus": 1} if cfg.placement.device == "gpu" else {"num_cpus": 1}
+    return ray.get(ray.remote(**resources)(score).remote(cfg, policy, sequences))
+
+
 def read_text(cfg: Config, policy: str, source: str | Path, writer: str = "", log=print) -> tuple[Imported, dict]:
     """The text pool `source`'s candidate answers that the verifier accepts, encoded and scored
     by `policy` (see the module docstring), ready for a buffer (`import_into`); `writer`: the
@@ -74,7 +93,7 @@ def read_text(cfg: Config, policy: str, source: str | Path, writer: str = "", lo
 
     A candidate longer than `generator.max_response_tokens` is left out (counted): cut to
     that length it would no longer be the answer the verifier accepted."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(policy)
     rows, questions, without = text_pool_rows(source, tokenizer, 1.0, cfg.generator.max_response_tokens)
@@ -84,11 +103,7 @@ def read_text(cfg: Config, policy: str, source: str | Path, writer: str = "", lo
     kept = [row for row, verdict in zip(whole, verdicts) if verdict.correct]
     log(f"{source}: {len(rows)} candidate answers of {questions - without} questions, {len(rows) - len(whole)} "
         f"longer than {cfg.generator.max_response_tokens} tokens; the verifier accepts {len(kept)}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32, **config_overrides(cfg, policy))
-    model.to(device).eval()
-    logprobs = policy_logprobs(model, [(row["prompt_ids"], row["response_ids"]) for row in kept],
-                               cfg.generator.temperature)
+    logprobs = scored(cfg, policy, [(row["prompt_ids"], row["response_ids"]) for row in kept])
     origin = (f"imported:{Path(source).name}", writer or "unknown writer")
     items: dict[str, tuple[list[int], list[Answer]]] = {}
     for row, own in zip(kept, logprobs):
