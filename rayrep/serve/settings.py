@@ -29,6 +29,8 @@ def run_of(checkpoint: str | None, follow: str | None) -> RunFolder | None:
     has its config.json."""
     if follow:
         run = RunFolder(Path(follow))
+        if any(run.path.glob("*.safetensors")):
+            return None  # a checkpoint, not a run: the job says so
     elif checkpoint and Path(checkpoint).resolve().parent.name == "checkpoints":
         run = RunFolder.of_checkpoint(checkpoint)
     else:
