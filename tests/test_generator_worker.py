@@ -45,8 +45,12 @@ def test_engines_run_the_model_runner_and_scheduling_the_suite_runs_unless_told(
     from rayrep.config import ConfigError, load_preset
     from rayrep.generator.engine import configure_vllm_env, engine_args, engine_description
 
-    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_BATCH_INVARIANT"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_BATCH_INVARIANT", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                 "VLLM_LOGGING_LEVEL"):
+        # Set, then deleted: monkeypatch records a variable only when it exists, and what
+        # `configure_vllm_env` sets here must not reach the engines of later tests.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     gpu = load_preset("qwen2.5-math-7b-rlep")
     configure_vllm_env(gpu)
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "VLLM_BATCH_INVARIANT" not in os.environ
