@@ -2,7 +2,76 @@
 
 The learner is algorithm-blind: GRPO/DAPO, RLEP and ExGRPO differ only in the `LossSpec`
 they build (`rayrep.types.LossSpec`: clipping, which tokens it applies to, replay
-shaping, aggregation, entropy bonus), never in code paths of their own.
+shaping, aggregation, entropy bonus), never in code paths of their own. `policy_loss` is
+composed of one small function per step below.
+
+Per valid token, with ``r = exp(logp - old_logp)`` and ``A`` the token's advantage:
+
+* tokens under the PPO objective (fresh tokens; replayed ones unless
+  ``spec.replay_loss == "shaped"``)::
+
+      clipped:    loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+                  and, for A < 0, loss = min(loss, -A * dual_clip)   (dual clip)
+      unclipped:  loss = -A r        (fresh tokens when not spec.clip_fresh)
+
+  The asymmetric range is DAPO's clip-higher (0.2 / 0.28); the dual clip bounds the
+  loss of a negative-advantage token whose ratio has exploded (RLEP uses c = 10).
+  Replayed tokens under PPO are always clipped.
+* replayed tokens with ``spec.replay_loss == "shaped"`` (ExGRPO)::
+
+      loss = -A * w / (w + replay_beta),  w = r, never clipped
+
+  Here ``old_logp`` must hold the log-probs RECORDED when the answer was generated,
+  so that ``w`` is the importance weight pi_theta / pi_behaviour. The shaping keeps
+  the gradient of stale, off-policy answers bounded (it vanishes as w grows) while
+  still pushing up low-probability successes.
+
+Aggregation (``spec.agg``), divided by ``totals.units``:
+
+* ``"token-mean"``: sum over all valid tokens / number of valid tokens (DAPO; long
+  answers weigh more than in a mean of sequence means).
+* ``"seq-mean-token-mean"``: mean over sequences of each sequence's token mean.
+* ``"seq-mean-token-sum"``: mean over sequences of (token sum / ``norm_constant``),
+  Dr.GRPO (``norm_constant`` = max response length).
+* ``"seq-mean-token-sum-norm"`` (verl's mode of that name, which the ExGRPO code trains
+  with, ``norm_constant`` = 8192): each micro-batch of m sequences contributes its
+  token sum / ``norm_constant``, and the mini-batch loss is the mean over its
+  micro-batches, as gradient accumulation divides by the number of micro-batches::
+
+      L = (m / N) * sum_{i,t} l_{i,t} / norm_constant     (N sequences, m = micro_batch_size,
+                                                            N / m micro-batches, rounded up)
+
+  m times the ``seq-mean-token-sum`` loss of the same batch: the entropy coefficient,
+  the grad clip and a skip threshold act at the scale they were tuned at.
+
+Sequences without any valid token are padding: they add nothing and are not counted.
+
+Decoupled PPO (``spec.behaviour_cap`` set; AReaL's form): ``old_logp`` holds the
+proximal policy's log-probs (the learner's weights when the update began) and
+``behaviour_logp`` those the answers were sampled with; every PPO-objective token's
+loss above is multiplied by a constant weight::
+
+    loss_t = min(pi_prox / pi_behaviour, behaviour_cap) * loss_t
+
+so answers from an older policy (asynchronous rollouts, replayed answers) are
+corrected by importance sampling, with the variance bounded by the cap, while the
+trust region is taken around the current weights. Shaped replayed tokens take their
+``w`` against ``behaviour_logp`` and no extra weight.
+
+Entropy bonus: with ``spec.entropy_coef > 0`` the loss subtracts ``entropy_coef x``
+the sum of ``entropy`` over valid tokens / ``totals.tokens``; ``entropy`` must then
+carry gradients. With a zero coefficient, pass it detached (computed under
+``no_grad``: at paper scale each extra fp32 [micro, L, V] tensor kept for backward is
+about 10 GB), or not at all; it is only reported.
+
+Micro-batches and data parallelism: when one mini-batch is split into micro-batches,
+possibly across ranks, pass every call the same ``mini_batch_totals`` of the WHOLE
+mini-batch. Each call then returns its own share, so the SUM of the returned losses
+over micro-batches and ranks equals the loss of the whole mini-batch in one call,
+and so do the accumulated gradients. Data-parallel wrappers that AVERAGE gradients
+across ranks (DDP, FSDP) divide by the world size: multiply the loss by the world
+size before ``backward`` to recover the sum. Without ``totals`` a call's own counts
+are used (right for one call over the whole mini-batch).
 """
 
 from __future__ import annotations
@@ -74,75 +143,8 @@ def policy_loss(
     behaviour_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with ExGRPO's shaping of replayed tokens and an
-    optional entropy bonus, as `spec` says.
-
-    Per valid token, with ``r = exp(logp - old_logp)`` and ``A`` the token's advantage:
-
-    * tokens under the PPO objective (fresh tokens; replayed ones unless
-      ``spec.replay_loss == "shaped"``)::
-
-          clipped:    loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
-                      and, for A < 0, loss = min(loss, -A * dual_clip)   (dual clip)
-          unclipped:  loss = -A r        (fresh tokens when not spec.clip_fresh)
-
-      The asymmetric range is DAPO's clip-higher (0.2 / 0.28); the dual clip bounds the
-      loss of a negative-advantage token whose ratio has exploded (RLEP uses c = 10).
-      Replayed tokens under PPO are always clipped.
-    * replayed tokens with ``spec.replay_loss == "shaped"`` (ExGRPO)::
-
-          loss = -A * w / (w + replay_beta),  w = r, never clipped
-
-      Here ``old_logp`` must hold the log-probs RECORDED when the answer was generated,
-      so that ``w`` is the importance weight pi_theta / pi_behaviour. The shaping keeps
-      the gradient of stale, off-policy answers bounded (it vanishes as w grows) while
-      still pushing up low-probability successes.
-
-    Aggregation (``spec.agg``), divided by ``totals.units``:
-
-    * ``"token-mean"``: sum over all valid tokens / number of valid tokens (DAPO; long
-      answers weigh more than in a mean of sequence means).
-    * ``"seq-mean-token-mean"``: mean over sequences of each sequence's token mean.
-    * ``"seq-mean-token-sum"``: mean over sequences of (token sum / ``norm_constant``),
-      Dr.GRPO (``norm_constant`` = max response length).
-    * ``"seq-mean-token-sum-norm"`` (verl's mode of that name, which the ExGRPO code trains
-      with, ``norm_constant`` = 8192): each micro-batch of m sequences contributes its
-      token sum / ``norm_constant``, and the mini-batch loss is the mean over its
-      micro-batches, as gradient accumulation divides by the number of micro-batches::
-
-          L = (m / N) * sum_{i,t} l_{i,t} / norm_constant     (N sequences, m = micro_batch_size,
-                                                                N / m micro-batches, rounded up)
-
-      m times the ``seq-mean-token-sum`` loss of the same batch: the entropy coefficient,
-      the grad clip and a skip threshold act at the scale they were tuned at.
-
-    Sequences without any valid token are padding: they add nothing and are not counted.
-
-    Decoupled PPO (``spec.behaviour_cap`` set; AReaL's form): ``old_logp`` holds the
-    proximal policy's log-probs (the learner's weights when the update began) and
-    ``behaviour_logp`` those the answers were sampled with; every PPO-objective token's
-    loss above is multiplied by a constant weight::
-
-        loss_t = min(pi_prox / pi_behaviour, behaviour_cap) * loss_t
-
-    so answers from an older policy (asynchronous rollouts, replayed answers) are
-    corrected by importance sampling, with the variance bounded by the cap, while the
-    trust region is taken around the current weights. Shaped replayed tokens take their
-    ``w`` against ``behaviour_logp`` and no extra weight.
-
-    Entropy bonus: with ``spec.entropy_coef > 0`` the loss subtracts ``entropy_coef x``
-    the sum of ``entropy`` over valid tokens / ``totals.tokens``; ``entropy`` must then
-    carry gradients. With a zero coefficient, pass it detached (computed under
-    ``no_grad``: at paper scale each extra fp32 [micro, L, V] tensor kept for backward is
-    about 10 GB), or not at all; it is only reported.
-
-    Micro-batches and data parallelism: when one mini-batch is split into micro-batches,
-    possibly across ranks, pass every call the same ``mini_batch_totals`` of the WHOLE
-    mini-batch. Each call then returns its own share, so the SUM of the returned losses
-    over micro-batches and ranks equals the loss of the whole mini-batch in one call,
-    and so do the accumulated gradients. Data-parallel wrappers that AVERAGE gradients
-    across ranks (DDP, FSDP) divide by the world size: multiply the loss by the world
-    size before ``backward`` to recover the sum. Without ``totals`` this call's own
-    counts are used (right for one call over the whole mini-batch).
+    optional entropy bonus, as `spec` says: the formulas, aggregations, decoupled PPO and the
+    rule for micro-batches are in this module's docstring.
 
     Args:
         logp: [B, T] log-probs of the response tokens under the current policy; the
@@ -158,38 +160,59 @@ def policy_loss(
             than fresh rollouts; None means all rows are fresh.
         entropy: [B, T] per-token entropy of the current policy; required when
             ``spec.entropy_coef > 0``, optional (for the metrics) otherwise.
-        totals: counts of the whole mini-batch (see above); each at least this call's.
+        totals: counts of the whole mini-batch; each at least this call's.
         behaviour_logp: [B, T] the recorded behaviour log-probs; required when
             ``spec.behaviour_cap`` is set (and only then used).
 
     Returns:
         ``(loss, metrics)``. ``loss`` is a 0-d float tensor (float32, or float64 when
-        ``logp`` is) connected to ``logp``'s graph, 0.0 when nothing is valid.
-        ``metrics`` holds detached python floats:
-
-        * ``fresh_tokens``, ``replay_tokens``: number of valid tokens of each kind;
-        * ``fresh_clip_frac``, ``replay_clip_frac``: share of that kind's tokens whose
-          clipped branch is the active one (zero gradient); 0.0 for unclipped or
-          shaped tokens;
-        * ``dual_clip_frac``: share of all valid tokens bounded by the dual clip;
-        * ``fresh_ratio_{mean,min,max}``, ``replay_ratio_{mean,min,max}``: the ratio
-          ``r`` over that kind's tokens, present only when there is such a token;
-        * ``fresh_entropy``, ``replay_entropy``: mean entropy over that kind's tokens,
-          when ``entropy`` is given;
-        * ``approx_kl``: k3 estimate ``mean(r - 1 - log r)`` of KL(pi_old || pi_theta)
-          over valid tokens;
-        * ``advantage_mean``: mean advantage per valid token;
-        * with ``spec.behaviour_cap``: ``behaviour_weight_mean`` (the weights applied, over
-          PPO tokens), ``behaviour_weight_max`` (before the cap) and
-          ``behaviour_truncated_frac`` (share of PPO tokens whose weight the cap cut).
-
-        Statistics over an empty set are 0.0 (or absent, for the ratio ones), never NaN.
+        ``logp`` is) connected to ``logp``'s graph, 0.0 when nothing is valid. ``metrics``
+        holds detached python floats (`_loss_metrics`, `_behaviour_metrics`).
 
     Raises:
         ValueError: a shape mismatch, a mask that is not 0/1, totals smaller than this
             call's own counts, or an entropy that cannot carry the bonus's gradient.
     """
-    # ---- validation: a wrong argument fails here, naming itself -------------------
+    _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp)
+    # bf16 log-probs lose most of a ratio's precision in exp; compute in at least fp32.
+    compute_dtype = torch.promote_types(logp.dtype, torch.float32)
+    tokens = _TokenSets.of(mask, replay_mask, spec)
+    log_ratio, ratio = _clamped_ratio(logp, old_logp, tokens.valid, compute_dtype)
+    token_advantages = _token_advantages(advantages, tokens.valid, ratio, compute_dtype)
+
+    token_loss, clip_active, dual_active = _ppo_token_loss(ratio, token_advantages, tokens, spec)
+    weights = None
+    if spec.behaviour_cap is not None:
+        weights = _behaviour_weights(old_logp, behaviour_logp, tokens.valid, spec.behaviour_cap, compute_dtype)
+        token_loss = torch.where(tokens.ppo, token_loss * weights.capped, token_loss)
+    if spec.replay_loss == "shaped":
+        shaped = _shaped_token_loss(logp, behaviour_logp, ratio, token_advantages, tokens.valid, spec, compute_dtype)
+        token_loss = torch.where(tokens.shaped, shaped, token_loss)
+    token_loss = token_loss.masked_fill(~tokens.valid, 0.0)
+
+    totals = _checked_totals(totals, tokens.valid, spec)
+    # A zero count means nothing is valid and the sum is exactly 0: dividing by 1 keeps the
+    # loss 0.0 (not NaN) and its graph, so backward still runs.
+    loss = _aggregate(token_loss, tokens.valid, spec) / max(totals.units, 1.0)
+    if spec.entropy_coef:
+        loss = loss - spec.entropy_coef * (entropy.to(compute_dtype) * tokens.valid).sum() / max(totals.tokens, 1.0)
+
+    metrics = _loss_metrics(
+        ratio=ratio.detach(),
+        log_ratio=log_ratio.detach(),
+        token_advantages=token_advantages,
+        tokens=tokens,
+        clip_active=clip_active,
+        dual_active=dual_active,
+        entropy=None if entropy is None else entropy.detach().to(compute_dtype),
+    )
+    if weights is not None:
+        metrics.update(_behaviour_metrics(weights, tokens.ppo, spec.behaviour_cap))
+    return loss, metrics
+
+
+def _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp) -> None:
+    """A wrong argument fails here, naming itself, before any arithmetic."""
     if not isinstance(spec, LossSpec):
         raise TypeError(f"spec must be a LossSpec, got {type(spec).__name__}")
     if logp.dim() != 2:
@@ -215,112 +238,140 @@ def policy_loss(
         if logp.requires_grad and not entropy.requires_grad:
             raise ValueError("entropy must carry gradients when spec.entropy_coef > 0 (compute it with autograd)")
 
-    # ---- per-token ratios ------------------------------------------------------------
-    # bf16 log-probs lose most of a ratio's precision in exp; compute in at least fp32.
-    compute_dtype = torch.promote_types(logp.dtype, torch.float32)
-    valid = mask.bool()
-    # Padding may hold -inf or garbage; zero it BEFORE exp so that neither the forward
-    # value nor the backward pass (0 * inf = NaN) can see it.
-    raw_log_ratio = logp.to(compute_dtype) - old_logp.detach().to(compute_dtype)
-    log_ratio = torch.where(valid, raw_log_ratio, 0.0)
-    log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    ratio = log_ratio.exp()
 
-    token_advantages = advantages.detach().to(compute_dtype)
+@dataclass(frozen=True)
+class _TokenSets:
+    """[B, T] bool masks: which valid tokens are fresh or replayed, and which objective each
+    trains with."""
+
+    valid: torch.Tensor
+    fresh: torch.Tensor
+    replay: torch.Tensor
+    shaped: torch.Tensor
+    """Replayed tokens under ExGRPO's shaping (none unless ``spec.replay_loss == "shaped"``)."""
+    clipped: torch.Tensor
+    """Tokens the clip and the dual clip apply to: replayed PPO tokens, and fresh ones when
+    ``spec.clip_fresh``."""
+
+    @property
+    def ppo(self) -> torch.Tensor:
+        """Valid tokens under the PPO objective (every valid token that is not shaped)."""
+        return self.valid & ~self.shaped
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, replay_mask: torch.Tensor | None, spec: LossSpec) -> _TokenSets:
+        valid = mask.bool()
+        none = torch.zeros_like(valid)
+        replay_rows = none if replay_mask is None else replay_mask.bool().unsqueeze(-1).expand_as(valid)
+        replay = valid & replay_rows
+        fresh = valid & ~replay_rows
+        shaped = replay if spec.replay_loss == "shaped" else none
+        clipped = (replay & ~shaped) | (fresh if spec.clip_fresh else none)
+        return cls(valid=valid, fresh=fresh, replay=replay, shaped=shaped, clipped=clipped)
+
+
+def _clamped_log_ratio(new: torch.Tensor, old: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """log(new / old) at valid tokens (0 elsewhere), clamped to +-LOG_RATIO_LIMIT. Padding may
+    hold -inf or garbage: it is zeroed BEFORE exp, so that neither the forward value nor the
+    backward pass (0 * inf = NaN) can see it."""
+    log_ratio = torch.where(valid, new.to(dtype) - old.detach().to(dtype), 0.0)
+    return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def _clamped_ratio(logp, old_logp, valid, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log r, r) with r = pi_theta / pi_old per token; r carries logp's gradient."""
+    log_ratio = _clamped_log_ratio(logp, old_logp, valid, dtype)
+    return log_ratio, log_ratio.exp()
+
+
+def _token_advantages(advantages, valid, like: torch.Tensor, dtype) -> torch.Tensor:
+    """[B, T] constant advantages (a [B] one broadcast over each row), 0 at invalid tokens."""
+    token_advantages = advantages.detach().to(dtype)
     if token_advantages.dim() == 1:
-        token_advantages = token_advantages.unsqueeze(-1).expand_as(ratio)
-    token_advantages = torch.where(valid, token_advantages, 0.0)
+        token_advantages = token_advantages.unsqueeze(-1).expand_as(like)
+    return torch.where(valid, token_advantages, 0.0)
 
-    if replay_mask is None:
-        replay_rows = torch.zeros_like(valid)
-    else:
-        replay_rows = replay_mask.bool().unsqueeze(-1).expand_as(valid)
-    replay_tokens = valid & replay_rows
-    fresh_tokens = valid & ~replay_rows
-    shaped_tokens = replay_tokens if spec.replay_loss == "shaped" else torch.zeros_like(valid)
-    # Which tokens the clip (and the dual clip) applies to.
-    clipped_tokens = (replay_tokens & ~shaped_tokens) | (fresh_tokens if spec.clip_fresh else torch.zeros_like(valid))
 
-    # ---- per-token loss --------------------------------------------------------------
+def _ppo_token_loss(ratio, token_advantages, tokens: _TokenSets, spec: LossSpec):
+    """The PPO objective at every token, clipped (and dual-clipped) where ``tokens.clipped``:
+    ``(loss, clip_active, dual_active)``, the two masks being where each bound is the active
+    branch (zero gradient)."""
     unclipped_loss = -token_advantages * ratio
     clipped_loss = -token_advantages * ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
     # The pessimistic (larger) of the two, selected with the same mask the clip fraction
     # reports, so the metric and the gradient can never disagree.
-    clip_active = (clipped_loss > unclipped_loss) & clipped_tokens
+    clip_active = (clipped_loss > unclipped_loss) & tokens.clipped
     token_loss = torch.where(clip_active, clipped_loss, unclipped_loss)
-    if spec.dual_clip is not None:
-        dual_bound = -token_advantages * spec.dual_clip  # a constant: zero gradient once active
-        dual_active = (token_advantages < 0) & (token_loss > dual_bound) & clipped_tokens
-        token_loss = torch.where(dual_active, dual_bound, token_loss)
-    else:
-        dual_active = torch.zeros_like(valid)
-    behaviour = None
+    if spec.dual_clip is None:
+        return token_loss, clip_active, torch.zeros_like(tokens.valid)
+    dual_bound = -token_advantages * spec.dual_clip  # a constant: zero gradient once active
+    dual_active = (token_advantages < 0) & (token_loss > dual_bound) & tokens.clipped
+    return torch.where(dual_active, dual_bound, token_loss), clip_active, dual_active
+
+
+@dataclass(frozen=True)
+class _BehaviourWeights:
+    raw: torch.Tensor
+    """pi_prox / pi_behaviour per token (log clamped to +-LOG_RATIO_LIMIT)."""
+    capped: torch.Tensor
+    """The weight applied: ``min(raw, behaviour_cap)``."""
+
+
+def _behaviour_weights(old_logp, behaviour_logp, valid, cap: float, dtype) -> _BehaviourWeights:
+    """Decoupled PPO's importance weights. Constants: the correction weighs the gradient, it
+    does not carry one."""
+    raw = _clamped_log_ratio(old_logp.detach(), behaviour_logp, valid, dtype).exp()
+    return _BehaviourWeights(raw=raw, capped=raw.clamp(max=cap))
+
+
+def _shaped_token_loss(logp, behaviour_logp, ratio, token_advantages, valid, spec: LossSpec, dtype) -> torch.Tensor:
+    """ExGRPO's ``-A * w / (w + beta)``, never clipped. ``w`` is the ratio to the recorded
+    behaviour policy: ``old_logp`` holds it without decoupled PPO (so ``w = r``), and
+    ``behaviour_logp`` with it."""
+    w = ratio
     if spec.behaviour_cap is not None:
-        # Constants: the correction weighs the gradient, it does not carry one.
-        behaviour_log_ratio = torch.where(valid, old_logp.detach().to(compute_dtype)
-                                          - behaviour_logp.detach().to(compute_dtype), 0.0)
-        raw_weight = behaviour_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-        weight = raw_weight.clamp(max=spec.behaviour_cap)
-        ppo_tokens = valid & ~shaped_tokens
-        token_loss = torch.where(ppo_tokens, token_loss * weight, token_loss)
-        behaviour = (raw_weight, weight, ppo_tokens)
-    if spec.replay_loss == "shaped":
-        w = ratio
-        if spec.behaviour_cap is not None:  # the ratio to the recorded behaviour policy, as without it
-            w = torch.where(valid, logp.to(compute_dtype) - behaviour_logp.detach().to(compute_dtype), 0.0)
-            w = w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-        shaped_loss = -token_advantages * (w / (w + spec.replay_beta))
-        token_loss = torch.where(shaped_tokens, shaped_loss, token_loss)
-    token_loss = token_loss.masked_fill(~valid, 0.0)
+        w = _clamped_log_ratio(logp, behaviour_logp, valid, dtype).exp()
+    return -token_advantages * (w / (w + spec.replay_beta))
 
-    # ---- aggregation -----------------------------------------------------------------
+
+def _aggregate(token_loss, valid, spec: LossSpec) -> torch.Tensor:
+    """The sum ``spec.agg`` divides by the units of `Totals` (the module's docstring)."""
     if spec.agg == "token-mean":
-        loss_sum = token_loss.sum()
-    elif spec.agg == "seq-mean-token-sum-norm":
-        loss_sum = token_loss.sum() / spec.norm_constant
-    else:
-        sequence_sums = token_loss.sum(dim=-1)
-        if spec.agg == "seq-mean-token-mean":
-            # Empty sequences have a sum of 0, so clamping their count only avoids 0/0.
-            sequence_values = sequence_sums / valid.sum(dim=-1).clamp(min=1)
-        else:
-            sequence_values = sequence_sums / spec.norm_constant
-        loss_sum = sequence_values.sum()
+        return token_loss.sum()
+    if spec.agg == "seq-mean-token-sum-norm":
+        return token_loss.sum() / spec.norm_constant
+    sequence_sums = token_loss.sum(dim=-1)
+    if spec.agg == "seq-mean-token-mean":
+        # Empty sequences have a sum of 0, so clamping their count only avoids 0/0.
+        return (sequence_sums / valid.sum(dim=-1).clamp(min=1)).sum()
+    return (sequence_sums / spec.norm_constant).sum()
 
-    # This call alone: its own tokens and sequences, and (seq-mean-token-sum-norm) one micro-batch.
+
+def _checked_totals(totals: Totals | None, valid, spec: LossSpec) -> Totals:
+    """The mini-batch's counts, checked against this call's own; without them, this call's
+    own (one micro-batch)."""
     local = Totals(units=_units(valid, spec.agg, micro_batch_size=max(1, valid.shape[0])), tokens=float(valid.sum()))
     if totals is None:
-        totals = local
-    elif not (totals.units >= local.units and totals.tokens >= local.tokens):
+        return local
+    if not (totals.units >= local.units and totals.tokens >= local.tokens):
         raise ValueError(
             f"totals ({totals}) must count the WHOLE mini-batch, at least this micro-batch's own {local} "
             f"for agg={spec.agg!r}"
         )
-    # A zero count means nothing is valid and loss_sum is exactly 0: divide by 1 so the
-    # loss stays 0.0 (not NaN) and keeps its graph, so backward still runs.
-    loss = loss_sum / max(totals.units, 1.0)
-    if spec.entropy_coef:
-        entropy_sum = (entropy.to(compute_dtype) * valid).sum()
-        loss = loss - spec.entropy_coef * entropy_sum / max(totals.tokens, 1.0)
+    return totals
 
-    metrics = _loss_metrics(
-        ratio=ratio.detach(),
-        log_ratio=log_ratio.detach(),
-        token_advantages=token_advantages,
-        valid=valid,
-        fresh_tokens=fresh_tokens,
-        replay_tokens=replay_tokens,
-        clip_active=clip_active,
-        dual_active=dual_active,
-        entropy=None if entropy is None else entropy.detach().to(compute_dtype),
-    )
-    if behaviour is not None:
-        raw_weight, weight, ppo_tokens = behaviour
-        count = int(ppo_tokens.sum())
-        metrics["behaviour_weight_mean"] = float(weight[ppo_tokens].sum()) / count if count else 0.0
-        metrics["behaviour_weight_max"] = float(raw_weight[ppo_tokens].max()) if count else 0.0
-        metrics["behaviour_truncated_frac"] = float((raw_weight[ppo_tokens] > spec.behaviour_cap).sum()) / count if count else 0.0
-    return loss, metrics
+
+def _behaviour_metrics(weights: _BehaviourWeights, ppo_tokens, cap: float) -> dict[str, float]:
+    """``behaviour_weight_mean`` (the weights applied, over PPO tokens), ``behaviour_weight_max``
+    (before the cap) and ``behaviour_truncated_frac`` (share of PPO tokens the cap cut)."""
+    count = int(ppo_tokens.sum())
+    if not count:
+        return {"behaviour_weight_mean": 0.0, "behaviour_weight_max": 0.0, "behaviour_truncated_frac": 0.0}
+    return {
+        "behaviour_weight_mean": float(weights.capped[ppo_tokens].sum()) / count,
+        "behaviour_weight_max": float(weights.raw[ppo_tokens].max()),
+        "behaviour_truncated_frac": float((weights.raw[ppo_tokens] > cap).sum()) / count,
+    }
 
 
 @torch.no_grad()
@@ -329,14 +380,27 @@ def _loss_metrics(
     ratio: torch.Tensor,
     log_ratio: torch.Tensor,
     token_advantages: torch.Tensor,
-    valid: torch.Tensor,
-    fresh_tokens: torch.Tensor,
-    replay_tokens: torch.Tensor,
+    tokens: _TokenSets,
     clip_active: torch.Tensor,
     dual_active: torch.Tensor,
     entropy: torch.Tensor | None,
 ) -> dict[str, float]:
-    """Diagnostics of one ``policy_loss`` call; all inputs are [B, T]."""
+    """Diagnostics of one ``policy_loss`` call (all inputs [B, T]), as python floats:
+
+    * ``fresh_tokens``, ``replay_tokens``: number of valid tokens of each kind;
+    * ``fresh_clip_frac``, ``replay_clip_frac``: share of that kind's tokens whose clipped
+      branch is the active one (zero gradient); 0.0 for unclipped or shaped tokens;
+    * ``dual_clip_frac``: share of all valid tokens bounded by the dual clip;
+    * ``fresh_ratio_{mean,min,max}``, ``replay_ratio_{mean,min,max}``: the ratio ``r`` over
+      that kind's tokens, present only when there is such a token;
+    * ``fresh_entropy``, ``replay_entropy``: mean entropy over that kind's tokens, when
+      ``entropy`` is given;
+    * ``approx_kl``: k3 estimate ``mean(r - 1 - log r)`` of KL(pi_old || pi_theta) over valid tokens;
+    * ``advantage_mean``: mean advantage per valid token.
+
+    Statistics over an empty set are 0.0 (or absent, for the ratio ones), never NaN.
+    """
+    valid, fresh_tokens, replay_tokens = tokens.valid, tokens.fresh, tokens.replay
     zero = ratio.new_zeros(())
 
     def mean_over(values: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
