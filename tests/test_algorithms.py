@@ -455,3 +455,33 @@ def test_exgrpo_switches_to_the_mixed_policy_loss_for_good_once_collection_start
     paper = exgrpo(**{"algorithm.exgrpo.clip_fresh_in_mixed": True, "algorithm.exgrpo.replay_ratio": 0.0})
     step(paper, 1, lambda uid, n: [True] * (n - 1) + [False])
     assert paper.build(fresh, step=1).loss.clip_fresh is True
+
+
+def test_the_registry_is_the_one_place_that_knows_the_algorithms_by_name():
+    """`algorithm.name`'s choices are the registry's; each class says what the run needs of it
+    (RLEP: a buffer, and its pool read before any actor starts, unless a shared pool replaces
+    it); and nothing outside `rayrep/algos/` compares an algorithm's name with a string."""
+    import ast
+    import typing
+    from pathlib import Path
+
+    from rayrep.algos import ALGORITHMS, algorithm_class
+    from rayrep.config.schema import AlgorithmConfig
+
+    assert set(typing.get_args(typing.get_type_hints(AlgorithmConfig)["name"])) == set(ALGORITHMS)
+    assert {name: (cls.replays, cls.pool_from_baseline) for name, cls in ALGORITHMS.items()} == {
+        "grpo": (False, False), "rlep": (True, True), "exgrpo": (True, False)}
+    assert algorithm_class(base_cfg(**{"algorithm.name": "rlep"})) is RLEP
+    with pytest.raises(ConfigError, match="algorithm.rlep.pool: RLEP needs an experience pool"):
+        check_inputs(base_cfg(**{"algorithm.name": "rlep"}), [], {})
+    assert check_inputs(base_cfg(**{"algorithm.name": "rlep", "replay.pool": "shared"}), [], {}).pool is None
+
+    package = Path(__file__).resolve().parents[1] / "rayrep"
+    names = set(ALGORITHMS)
+    for path in package.rglob("*.py"):
+        if path.parent.name == "algos":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                strings = [c.value for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                assert not names & set(strings), f"{path.relative_to(package)}:{node.lineno} compares with {strings}"

@@ -1,56 +1,49 @@
-"""The algorithms (`interface.Algorithm`; GRPO, RLEP, ExGRPO), built in two moves: what can
-be wrong with their inputs is read and checked before any actor starts (`check_inputs`),
-then each is built whole, with the run's replay buffer and learners (`make_algorithm`)."""
+"""The algorithms (`interface.Algorithm`; GRPO, RLEP, ExGRPO) and their registry, the one
+place that maps `algorithm.name` to code. Each is built in two moves: what can be wrong with
+its inputs is read and checked before any actor starts (`check_inputs`), then it is built
+whole, with the run's replay buffer and learners (`make_algorithm`).
+
+A new algorithm is a class beside these (usually a subclass of `GRPO`, overriding what it
+changes and saying what it needs: `replays`, `check_inputs`, `create`), its entry in
+`ALGORITHMS`, and its name among `algorithm.name`'s choices (with its settings section, if it
+has one, in `rayrep.config.schema`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from rayrep.algos.exgrpo import ExGRPO, check_exgrpo_settings
+from rayrep.algos.exgrpo import ExGRPO
 from rayrep.algos.grpo import GRPO
-from rayrep.algos.interface import Algorithm
-from rayrep.algos.rlep import RLEP, ExperiencePool, load_pool
+from rayrep.algos.interface import Algorithm, AlgorithmInputs
+from rayrep.algos.rlep import RLEP
 from rayrep.buffer.answers import Origin
 from rayrep.buffer.replay import ReplayBuffer
-from rayrep.config import Config
+from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
 from rayrep.types import Prompt
 
+__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmInputs", "algorithm_class", "check_inputs", "make_algorithm"]
 
-@dataclass(frozen=True)
-class AlgorithmInputs:
-    """An algorithm's inputs, read and checked: the training questions, their prompt tokens,
-    RLEP's experience pool (none where the run attaches to a shared pool), and who samples
-    the run's answers (`Origin`: what they carry into a replay buffer)."""
+ALGORITHMS: dict[str, type[GRPO]] = {algorithm.name: algorithm for algorithm in (GRPO, RLEP, ExGRPO)}
+"""Every algorithm a run can train with, by `algorithm.name`."""
 
-    prompts: list[Prompt]
-    prompt_ids: dict[str, list[int]]
-    pool: ExperiencePool | None = None
-    origin: Origin = Origin()
+
+def algorithm_class(cfg: Config) -> type[GRPO]:
+    """The class of the algorithm `algorithm.name` names: what it needs is asked of it."""
+    try:
+        return ALGORITHMS[cfg.algorithm.name]
+    except KeyError:
+        raise ConfigError(f"algorithm.name: {cfg.algorithm.name!r} is not one of {', '.join(map(repr, ALGORITHMS))}") from None
 
 
 def check_inputs(cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]],
                  origin: Origin = Origin()) -> AlgorithmInputs:
     """Read and check what the algorithm named by `algorithm.name` is built from (RLEP's pool
-    against this run's prompt tokens, ExGRPO's settings): an InputError before anything starts."""
-    name = cfg.algorithm.name
-    if name == "rlep" and not cfg.replay.pool:
-        return AlgorithmInputs(prompts, prompt_ids, load_pool(cfg, prompt_ids), origin)
-    if name == "exgrpo":
-        check_exgrpo_settings(cfg)
-    return AlgorithmInputs(prompts, prompt_ids, origin=origin)
+    against this run's prompt tokens, ExGRPO's settings): an error before anything starts."""
+    return algorithm_class(cfg).check_inputs(cfg, AlgorithmInputs(prompts, prompt_ids, origin=origin))
 
 
 def make_algorithm(cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None,
                    learners: LearnerGroup | None, sampler: PromptSampler) -> Algorithm:
     """The algorithm, whole: RLEP's pool goes into the buffer's shards now; ExGRPO retires
     questions from `sampler`, the run's training set."""
-    name = cfg.algorithm.name
-    if name == "grpo":
-        return GRPO(cfg)
-    if name == "rlep":
-        return RLEP(cfg, inputs.prompt_ids, inputs.pool, buffer, inputs.origin)
-    if name == "exgrpo":
-        return ExGRPO(cfg, inputs.prompts, inputs.prompt_ids, buffer, learners, sampler, inputs.origin)
-    raise ValueError(f"unknown algorithm {name!r}")
+    return algorithm_class(cfg).create(cfg, inputs, buffer, learners, sampler)

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
+from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import Answer, DrawLimit, Origin
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config, ConfigError
@@ -49,8 +50,20 @@ def check_exgrpo_settings(cfg: Config) -> None:
 
 class ExGRPO(GRPO):
     name = "exgrpo"
+    label = "ExGRPO"
+    replays = True
     # Replayed answers keep their recorded behaviour log-probs: w = pi_theta / pi_recorded.
     replay_old_logprobs = "recorded"
+
+    @classmethod
+    def check_inputs(cls, cfg: Config, inputs: AlgorithmInputs) -> AlgorithmInputs:
+        check_exgrpo_settings(cfg)
+        return inputs
+
+    @classmethod
+    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None, learners: LearnerGroup | None,
+               sampler: PromptSampler) -> ExGRPO:
+        return cls(cfg, inputs.prompts, inputs.prompt_ids, buffer, learners, sampler, inputs.origin)
 
     def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]], buffer: ReplayBuffer,
                  learners: LearnerGroup | None, sampler: PromptSampler, origin: Origin = Origin()):

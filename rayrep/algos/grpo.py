@@ -14,18 +14,27 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 from rayrep.algos.advantages import group_advantages
+from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import DrawLimit, Origin
+from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config, derive_seed
 from rayrep.data import PromptSampler
+from rayrep.learner.group import LearnerGroup
 from rayrep.types import TOKEN_SUM_AGGREGATIONS, Group, LossSpec, StepBatch, StepPlan, TrainBatch
 from rayrep.verifier.reward import rewards
 
 
 class GRPO:
-    name = "grpo"
+    name: ClassVar[str] = "grpo"
+    label: ClassVar[str] = "GRPO/DAPO"
+    replays: ClassVar[bool] = False
+    """Whether the run keeps a replay buffer (its shards are placed and started with the other roles)."""
+    pool_from_baseline: ClassVar[bool] = False
+    """Whether the comparison pipeline samples an experience pool from the baseline's final
+    checkpoint before this algorithm trains (RLEP's phase 1)."""
     replay_old_logprobs: Literal["recompute", "recorded"] = "recompute"
     """Replayed rollouts' old log-probs: recomputed by the learner (ratio starts at 1) or the
     recorded behaviour ones. Fresh rollouts are always recomputed."""
@@ -46,6 +55,18 @@ class GRPO:
             entropy_coef=learner.entropy_coef,
             behaviour_cap=learner.behaviour_cap or None,
         )
+
+    @classmethod
+    def check_inputs(cls, cfg: Config, inputs: AlgorithmInputs) -> AlgorithmInputs:
+        """What can be wrong with this algorithm's inputs, checked (and what it reads, read)
+        before any actor starts: an InputError or ConfigError naming it."""
+        return inputs
+
+    @classmethod
+    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None, learners: LearnerGroup | None,
+               sampler: PromptSampler) -> GRPO:
+        """The algorithm, whole, with the run's replay buffer, learners and training set."""
+        return cls(cfg, inputs.origin)
 
     def state(self) -> dict:
         """What a resumed run needs of the algorithm besides the buffer (JSON values)."""

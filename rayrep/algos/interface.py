@@ -11,6 +11,11 @@
 - `after_update(step, batch) -> metrics`: what enters and leaves the replay buffer;
 - `state()` / `load_state(state)`: what a resumed run needs besides the buffer (JSON values).
 
+And, as a class, what the run around it needs to know (the registry, `rayrep.algos.ALGORITHMS`,
+asks only these): `replays` (the run keeps a replay buffer), `label`, `pool_from_baseline`
+(the comparison pipeline samples a pool from the baseline first), `check_inputs` (its inputs
+read and checked before any actor starts) and `create` (built whole, with the run's parts).
+
 Nothing one of them needs from another travels in an attribute: it is in the plan or the
 batch. `rayrep.algos.grpo.GRPO` is the baseline implementation; RLEP and ExGRPO extend it.
 """
@@ -18,14 +23,39 @@ batch. `rayrep.algos.grpo.GRPO` is the baseline implementation; RLEP and ExGRPO 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
+from rayrep.buffer.answers import Origin
+from rayrep.config import Config
 from rayrep.data import PromptSampler
-from rayrep.types import Group, StepBatch, StepPlan
+from rayrep.types import Group, Prompt, StepBatch, StepPlan
+
+
+@dataclass(frozen=True)
+class AlgorithmInputs:
+    """An algorithm's inputs, read and checked: the training questions, their prompt tokens,
+    what its `check_inputs` read (RLEP's experience pool; none where the run attaches to a
+    shared pool), and who samples the run's answers (`Origin`: what they carry into a
+    replay buffer)."""
+
+    prompts: list[Prompt]
+    prompt_ids: dict[str, list[int]]
+    pool: Any = None
+    origin: Origin = Origin()
 
 
 class Algorithm(Protocol):
-    name: str
+    name: ClassVar[str]
+    label: ClassVar[str]
+    replays: ClassVar[bool]
+    pool_from_baseline: ClassVar[bool]
+
+    @classmethod
+    def check_inputs(cls, cfg: Config, inputs: AlgorithmInputs) -> AlgorithmInputs: ...
+
+    @classmethod
+    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer, learners, sampler: PromptSampler) -> "Algorithm": ...
 
     def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset(),
              version: int = 0) -> StepPlan: ...

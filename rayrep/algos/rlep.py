@@ -27,16 +27,19 @@ Beyond the paper, each a config option (off by default):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from rayrep.algos.grpo import GRPO
+from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import Answer, Origin
 from rayrep.buffer.files import BufferFileError, read_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
+from rayrep.learner.group import LearnerGroup
 from rayrep.types import Group, StepBatch, StepPlan
 
 ExperiencePool = dict[str, tuple[np.ndarray, list[Answer]]]
@@ -45,6 +48,22 @@ ExperiencePool = dict[str, tuple[np.ndarray, list[Answer]]]
 
 class RLEP(GRPO):
     name = "rlep"
+    label = "RLEP"
+    replays = True
+    pool_from_baseline = True
+
+    @classmethod
+    def check_inputs(cls, cfg: Config, inputs: AlgorithmInputs) -> AlgorithmInputs:
+        """The experience pool, read and checked against this run's prompt tokens; a run
+        attached to a shared pool (`replay.pool`) replays that instead."""
+        if cfg.replay.pool:
+            return inputs
+        return dataclasses.replace(inputs, pool=load_pool(cfg, inputs.prompt_ids))
+
+    @classmethod
+    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None, learners: LearnerGroup | None,
+               sampler: PromptSampler) -> RLEP:
+        return cls(cfg, inputs.prompt_ids, inputs.pool, buffer, inputs.origin)
 
     def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]], pool: ExperiencePool | None, buffer: ReplayBuffer,
                  origin: Origin = Origin()):

@@ -111,6 +111,7 @@ class ExGRPOConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # The choices are the registry's (`rayrep.algos.ALGORITHMS`; a test holds them equal).
     name: Literal["grpo", "rlep", "exgrpo"] = option("grpo", "grpo: the DAPO baseline; rlep / exgrpo: the replay methods")
     prompts_per_step: int = option(512, "questions per rollout step (B)", min=1)
     group_size: int = option(16, "fresh rollouts per question (G; K in ExGRPO)", min=2)
@@ -119,11 +120,6 @@ class AlgorithmConfig:
     dynamic_sampling: bool = option(False, "drop groups whose rewards are all equal and sample more questions (DAPO)")
     rlep: RLEPConfig = field(default_factory=RLEPConfig)
     exgrpo: ExGRPOConfig = field(default_factory=ExGRPOConfig)
-
-    @property
-    def uses_replay(self) -> bool:
-        """Whether the run keeps a replay buffer (its shards are placed and started with the other roles)."""
-        return self.name in ("rlep", "exgrpo")
 
 
 @dataclass
@@ -366,7 +362,7 @@ def validate(cfg: Config) -> None:
     if not replay.pool and (replay.others_only or replay.retire_scope == "run"):
         raise ConfigError(f"replay.others_only={replay.others_only}, replay.retire_scope={replay.retire_scope!r}: "
                           "these are for a shared pool (replay.pool); a run's own buffer holds only its answers")
-    if replay.pool and algo.name == "rlep" and algo.rlep.pool:
+    if replay.pool and algo.rlep.pool:
         raise ConfigError(f"algorithm.rlep.pool={algo.rlep.pool!r} and replay.pool={replay.pool!r}: an attached RLEP "
                           f"run replays the shared pool; import the file into it (jobs/pool.py import --name "
                           f"{replay.pool} {algo.rlep.pool})")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Literal
 
+from rayrep.algos import ALGORITHMS, GRPO
 from rayrep.buffer.files import check_pool_file
 from rayrep.config import Config, ConfigError, InputError, differing_fields
 from rayrep.eval.runner import evaluate_checkpoint
@@ -27,9 +27,6 @@ from rayrep.run.checkpoints import latest_checkpoint
 from rayrep.run.layout import RunFolder
 from rayrep.run.log import keep_metrics_until
 from rayrep.train import train_resuming
-
-Method = Literal["rlep", "exgrpo"]
-LABELS = {"rlep": "RLEP", "exgrpo": "ExGRPO"}
 
 
 def checkpoint_evals(checkpoint: str, cfg: Config) -> list[dict]:
@@ -44,7 +41,7 @@ def checkpoint_evals(checkpoint: str, cfg: Config) -> list[dict]:
 
 def compare_with_baseline(
     cfg: Config,
-    method: Method,
+    method: str,
     out: Path,
     baseline_checkpoint: str | None = None,
     pool: str | None = None,
@@ -74,20 +71,20 @@ def compare_with_baseline(
     out.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(**{"logging.out_dir": str(out)})
     RunFolder(out).config.write_text(cfg.to_json())  # what `--resume <out>` starts from
-    label = LABELS[method]
-    stages = 4 if method == "rlep" else 3
+    algorithm = ALGORITHMS[method]
+    label, stages = algorithm.label, 4 if algorithm.pool_from_baseline else 3
     method_cfg = cfg.replace(**{"algorithm.name": method, "logging.run_name": method})
     if baseline_checkpoint:
         checkpoint, base_evals = baseline_checkpoint, checkpoint_evals(baseline_checkpoint, cfg)
     else:
-        log(f"== 1/{stages} baseline (GRPO/DAPO) ==")
-        baseline = run_stage(cfg.replace(**{"algorithm.name": "grpo", "logging.run_name": "baseline"}), resume, log, restarts)
+        log(f"== 1/{stages} baseline ({GRPO.label}) ==")
+        baseline = run_stage(cfg.replace(**{"algorithm.name": GRPO.name, "logging.run_name": "baseline"}), resume, log, restarts)
         checkpoint, base_evals = baseline.final_checkpoint, baseline.evals
         # Both start from the base policy and evaluate the same draws: one step-0 evaluation.
         method_cfg = method_cfg.replace(**{"run.start_eval": str(baseline.run_dir)})
 
     comparison: dict = {}
-    if method == "rlep":
+    if algorithm.pool_from_baseline:
         if not pool and resume and (out / "pool.json").is_file():  # written after its pool: both complete
             pool = json.loads((out / "pool.json").read_text())["pool"]
             log(f"== 2/{stages} experience pool: {pool}, collected before ==")
@@ -104,7 +101,7 @@ def compare_with_baseline(
 
     log(f"== {stages}/{stages} comparison ==")
     comparison.update(compare_runs(base_evals, run.evals))
-    plot = plot_curves({"baseline (GRPO/DAPO)": base_evals, label: run.evals}, out / "comparison.png",
+    plot = plot_curves({f"baseline ({GRPO.label})": base_evals, label: run.evals}, out / "comparison.png",
                        title=f"{label} vs baseline, {cfg.model.path} policy")
     comparison.update({"plot": str(plot), "minutes": round((time.monotonic() - start) / 60, 1)})
     (out / "comparison.json").write_text(json.dumps(comparison, indent=2))

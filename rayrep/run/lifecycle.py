@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from rayrep.algos import AlgorithmInputs, check_inputs
+from rayrep.algos import AlgorithmInputs, algorithm_class, check_inputs
 from rayrep.algos.interface import Algorithm
 from rayrep.buffer.answers import Origin
 from rayrep.buffer.replay import check_attachable
@@ -73,7 +73,7 @@ class Run:
         # policy versions count the updates since) and its sampling temperature.
         origin = Origin(str(folder.path.resolve()), str(policy), cfg.generator.temperature)
         inputs = check_inputs(cfg, train_prompts, prompt_ids, origin)
-        if cfg.replay.pool and cfg.algorithm.uses_replay:  # it lives on a running cluster: join it, check it now
+        if cfg.replay.pool and algorithm_class(cfg).replays:  # it lives on a running cluster: join it, check it now
             join_pool_cluster(cfg.replay.pool)
             check_attachable(cfg.replay.pool, prompt_ids)
         checkpoint, state = resume_point(cfg, folder) if resume else (None, None)

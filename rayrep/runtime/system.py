@@ -15,6 +15,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from rayrep.algos import algorithm_class
 from rayrep.buffer.replay import PoolError, ReplayBuffer
 from rayrep.cluster.memory import DeviceLedger, check_memory, ledger_gpus, memory_plan
 from rayrep.cluster.placement import Placement, Plan, make_plan
@@ -95,7 +96,7 @@ class Runtime:
     learners: LearnerGroup | None
     sync: WeightSync | None
     buffer: ReplayBuffer | None
-    """The replay buffer of a run whose algorithm replays (`algorithm.uses_replay`), else None."""
+    """The replay buffer of a run whose algorithm replays (its class's `replays`), else None."""
     ledger: DeviceLedger | None
     """Each GPU as the run fills it (a run that models its GPUs), else None."""
     turn: str
@@ -119,7 +120,7 @@ class Runtime:
     def __init__(self, cfg: Config, model_path: str, train: bool, policy_version: int, generator_path: str | None,
                  log_dir: str | Path | None):
         self.cfg = cfg
-        plan = make_plan(cfg, learners=train)
+        plan = make_plan(cfg, learners=train, replay=algorithm_class(cfg).replays)
         self.started_ray = connect_ray(plan)
         self.placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
                                    actor_env=actor_environment(cfg, log_dir),
@@ -154,7 +155,7 @@ class Runtime:
         self.observe("engine start-up")
         if train:
             self.sync = WeightSync(cfg, self.learners, self.generators, policy_version)
-            if cfg.algorithm.uses_replay:
+            if algorithm_class(cfg).replays:
                 replay = cfg.replay
                 self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed,
                                            self.placement, pool=replay.pool, writer=cfg.logging.run_name)
