@@ -149,7 +149,7 @@ def drop_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Gr
     """Groups whose fresh rollouts are more than `max_lag` versions older than `version`
     (the learners' policy, which the update starts from) are not trained on; counted."""
     kept = [g for g in groups
-            if all(version - r.version <= max_lag for r, replayed in zip(g.rollouts, g.replayed) if not replayed)]
+            if all(version - a.rollout.version <= max_lag for a in g.fresh())]
     stale = len(groups) - len(kept)
     return kept, ({"stale_groups_dropped": stale} if stale else {})
 
@@ -157,8 +157,8 @@ def drop_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Gr
 def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
     """How many versions older than the policy the update started from (`version`) the
     trained answers are: fresh ones' histogram (`fresh_lag_<k>`: answers), mean and max; replayed ones' mean."""
-    fresh = [version - r.version for g in groups for r, replayed in zip(g.rollouts, g.replayed) if not replayed]
-    replay = [version - r.version for g in groups for r, replayed in zip(g.rollouts, g.replayed) if replayed]
+    fresh = [version - a.rollout.version for g in groups for a in g.fresh()]
+    replay = [version - a.rollout.version for g in groups for a in g.replays()]
     stats: dict[str, float] = {f"fresh_lag_{k}": n for k, n in sorted(Counter(fresh).items())}
     if fresh:
         stats.update(fresh_lag_mean=sum(fresh) / len(fresh), fresh_lag_max=max(fresh))
@@ -169,8 +169,8 @@ def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
 
 def rollout_stats(groups: Sequence[Group], generate_seconds: float) -> dict[str, float]:
     """What this step's fresh rollouts looked like (every verified group, trained or not)."""
-    fresh = [r for g in groups for r, replayed in zip(g.rollouts, g.replayed) if not replayed]
-    marks = [ok for g in groups for ok, replayed in zip(g.correct, g.replayed) if not replayed]
+    answers = [a for g in groups for a in g.fresh()]
+    fresh, marks = [a.rollout for a in answers], [a.correct for a in answers]
     tokens = sum(len(r.response_ids) for r in fresh)
     return {
         "accuracy": sum(marks) / max(1, len(marks)),

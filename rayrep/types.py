@@ -17,7 +17,7 @@ import math
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -62,9 +62,21 @@ class Rollout:
     """Policy version (number of weight syncs) of the weights that sampled it."""
 
 
+class GroupAnswer(NamedTuple):
+    """One answer of a group, as a record: what `Group.answers` and its filters give."""
+
+    rollout: Rollout
+    correct: bool
+    replayed: bool
+    reward: float | None
+    """None until the algorithm has scored the group."""
+
+
 @dataclass(frozen=True)
 class Group:
-    """One question's rollouts for one training step: fresh ones, then any replayed ones."""
+    """One question's rollouts for one training step: fresh ones, then any replayed ones.
+    Stored per field (what the learner's batch is built from); read per answer through
+    `answers`, `fresh` and `replays`."""
 
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
@@ -81,6 +93,23 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.rollouts)
+
+    def answers(self) -> list[GroupAnswer]:
+        """Every answer, fresh ones first, as records."""
+        rewards = self.rewards or (None,) * len(self.rollouts)
+        return [GroupAnswer(*fields) for fields in zip(self.rollouts, self.correct, self.replayed, rewards)]
+
+    def fresh(self) -> list[GroupAnswer]:
+        """The answers sampled for this step."""
+        return [answer for answer in self.answers() if not answer.replayed]
+
+    def replays(self) -> list[GroupAnswer]:
+        """The answers drawn from the replay buffer."""
+        return [answer for answer in self.answers() if answer.replayed]
+
+    @property
+    def replay_count(self) -> int:
+        return sum(self.replayed)
 
     @property
     def informative(self) -> bool:

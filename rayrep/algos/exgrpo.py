@@ -190,7 +190,7 @@ class ExGRPO(GRPO):
             stats = self.buffer.apply(items, dedup=True, buckets=buckets,
                                       retire=all_right if self.retires_for_all else ())
             metrics.update(self.buffer_metrics(stats))
-        fresh_marks = [ok for g in seen for ok, replayed in zip(g.correct, g.replayed) if not replayed]
+        fresh_marks = [a.correct for g in seen for a in g.fresh()]
         if not self.collecting and sum(fresh_marks) / max(1, len(fresh_marks)) > exgrpo.start_pass_rate:
             self.collecting = True  # one-way; the next step collects, the one after replays
         metrics["exgrpo_collecting"] = float(self.collecting)

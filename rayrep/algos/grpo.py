@@ -110,16 +110,16 @@ class GRPO:
         advantages = group_advantages(
             [r for g in trained for r in g.rewards], index, std_normalize=algo.std_normalize, eps=algo.advantage_eps
         )
-        rows = [(rollout, replayed) for g in trained for rollout, replayed in zip(g.rollouts, g.replayed)]
+        rows = [answer for g in trained for answer in g.answers()]
         recompute_replays = self.replay_old_logprobs == "recompute"
         batch = TrainBatch.of_sequences(
-            [r.prompt_ids for r, _ in rows],
-            [r.response_ids for r, _ in rows],
+            [a.rollout.prompt_ids for a in rows],
+            [a.rollout.response_ids for a in rows],
             index,
-            logprobs=[r.logprobs for r, _ in rows],
+            logprobs=[a.rollout.logprobs for a in rows],
             advantages=advantages,
-            recompute_old=[recompute_replays or not replayed for _, replayed in rows],
-            replayed=[replayed for _, replayed in rows],
+            recompute_old=[recompute_replays or not a.replayed for a in rows],
+            replayed=[a.replayed for a in rows],
             temperature=self.cfg.generator.temperature,
         )
         return StepBatch(batch, self.loss_spec(trained), tuple(trained), tuple(left_out),
@@ -145,18 +145,17 @@ class GRPO:
         return self.loss
 
     def step_metrics(self, trained: Sequence[Group], dropped: Sequence[Group]) -> dict[str, float]:
-        fresh_rewards = [r for g in (*trained, *dropped) for r, replayed in zip(g.rewards, g.replayed) if not replayed]
+        fresh_rewards = [a.reward for g in (*trained, *dropped) for a in g.fresh()]
         answers = sum(g.size for g in trained)
 
         def signal_from_replay_only(g: Group) -> bool:
-            fresh_marks = {ok for ok, replayed in zip(g.correct, g.replayed) if not replayed}
-            return g.informative and len(fresh_marks) <= 1
+            return g.informative and len({a.correct for a in g.fresh()}) <= 1
 
         return {
             "reward_mean": sum(fresh_rewards) / max(1, len(fresh_rewards)),
             "groups_all_equal": sum(len(set(g.rewards)) == 1 for g in trained) / max(1, len(trained)),
-            "replay_share": sum(sum(g.replayed) for g in trained) / max(1, answers),
-            "replayed_questions": sum(any(g.replayed) for g in trained),
+            "replay_share": sum(g.replay_count for g in trained) / max(1, answers),
+            "replayed_questions": sum(g.replay_count > 0 for g in trained),
             # Groups whose fresh rollouts agree (all wrong, or all right) and whose signal
             # comes from the replayed ones alone: what replay adds that sampling did not.
             "groups_signal_from_replay": sum(map(signal_from_replay_only, trained)) / max(1, len(trained)),
@@ -179,8 +178,8 @@ def mini_batch_order(groups: Sequence[Group], data_seed: int, step: int) -> list
     multiple of the mini-batch size, starts from the fresh end). So no mini-batch is all
     replay while at most half the groups are."""
     rng = random.Random(derive_seed(data_seed, "mini-batch order", step))
-    replayed = [g for g in groups if any(g.replayed)]
-    fresh = [g for g in groups if not any(g.replayed)]
+    replayed = [g for g in groups if g.replay_count]
+    fresh = [g for g in groups if not g.replay_count]
     rng.shuffle(replayed)
     rng.shuffle(fresh)
     n, r = len(groups), len(replayed)

@@ -108,7 +108,7 @@ class RLEP(GRPO):
         wanted = self.cfg.algorithm.rlep.replays_per_group
         return {
             **super().step_metrics(trained, dropped),
-            "replay_questions_short": sum(sum(g.replayed) < wanted for g in trained),
+            "replay_questions_short": sum(g.replay_count < wanted for g in trained),
         }
 
 

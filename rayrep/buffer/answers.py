@@ -78,10 +78,9 @@ class Answer:
         """The verified-correct answers sampled for a scored group this step (not its
         replayed ones), as answers that enter the buffer at `step`."""
         return [
-            cls(np.array(r.response_ids, np.int32), np.array(r.logprobs, np.float32), reward, r.version, "online", step,
-                origin.temperature, "correct", origin.run, origin.checkpoint)
-            for r, ok, replayed, reward in zip(group.rollouts, group.correct, group.replayed, group.rewards)
-            if ok and not replayed
+            cls(np.array(a.rollout.response_ids, np.int32), np.array(a.rollout.logprobs, np.float32), a.reward,
+                a.rollout.version, "online", step, origin.temperature, "correct", origin.run, origin.checkpoint)
+            for a in group.fresh() if a.correct
         ]
 
     def rollout(self, prompt_ids: list[int]) -> Rollout:
