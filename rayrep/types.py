@@ -4,8 +4,9 @@ Names, used the same way everywhere:
 - a **rollout** is one response to one question, with its token ids and the behaviour
   log-probs of the policy that produced it (sampled this step, or replayed);
 - a **group** is one question's rollouts in one training step (G fresh + M replayed);
-- a stored **answer** (`rayrep.buffer.shard.Answer`) is a response kept in the replay
-  buffer; it becomes a rollout again when it is replayed.
+- a stored **answer** (`rayrep.buffer.answers.Answer`) is a response kept in the replay
+  buffer; it becomes a rollout again when it is replayed (within a group, each rollout with
+  its verdict is a `GroupAnswer`).
 
 A field exists only when something reads it.
 """
@@ -142,8 +143,6 @@ class StepPlan:
     batch's own: `rayrep.algos.grpo.mini_batch_order`)."""
     replays: Mapping[str, tuple[Rollout, ...]] = field(default_factory=dict)
     """Question id -> stored answers that join its group after generation (RLEP, ExGRPO)."""
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    """What planning measured (e.g. the time and result of ExGRPO's entropy selection)."""
     replay_if_at_most: int | None = None
     """Adaptive replay: a question's stored answers join its group only when at most this
     many of its fresh rollouts are correct (the group needs them); None: always."""

@@ -19,6 +19,19 @@ from rayrep.run.log import read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parents[1]
+LINE_COLORS = {"C0": (0x1F, 0x77, 0xB4), "C1": (0xFF, 0x7F, 0x0E)}
+"""matplotlib's first two line colors: the first and second curve of a plot."""
+
+
+def drawn(path: Path, size: tuple[int, int] | None = None) -> dict[str, int]:
+    """A PNG (of `size`, width x height pixels, where given), read back: how many pixels of each of the
+    first two curves' colors it holds (a curve drawn leaves hundreds; a blank plot none)."""
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    image = imread(path)[..., :3] * 255
+    assert size is None or image.shape[1::-1] == size, (path, image.shape)
+    return {name: int((abs(image - rgb).max(axis=-1) < 8).sum()) for name, rgb in LINE_COLORS.items()}
 
 
 def step_record(step: int, replay_share: float = 0.0, **extra) -> dict:
@@ -156,6 +169,8 @@ def test_plot_command_writes_each_curve_and_an_overview(tmp_path):
     for path in written:
         assert path.parent == rlep / "plots"
         assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+        if path.name in {"reward.png", "replay_share.png", "response_length.png"}:  # one curve each, drawn
+            assert drawn(path)["C0"] > 50, path
 
     # GRPO logs a replay share of 0 at every step: no replay panel; eval records only at step 0.
     grpo = write_run(tmp_path / "grpo", [{"step": 0, **eval_record(0, 0.26)}, step_record(1), step_record(2)])
@@ -221,7 +236,11 @@ def test_failed_plots_leave_a_warning_not_a_failed_run(tmp_path):
 def test_comparison_plot_still_draws(tmp_path):
     evals = [{"step": 0, "test_pass@1": 0.26}, {"step": 10, "test_pass@1": 0.34}]
     path = plot_curves({"baseline": evals, "rlep": evals[:1]}, tmp_path / "cmp" / "comparison.png", title="t")
-    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    colors = drawn(path, (768, 480))
+    # The baseline's line and markers, and the other run's one point (a marker) and legend entry.
+    assert colors["C0"] > 200 and colors["C1"] > 20, colors
+    alone = drawn(plot_curves({"baseline": evals}, tmp_path / "alone.png"), (768, 480))
+    assert alone["C0"] > 200 and alone["C1"] == 0, alone
 
 
 # ---------------------------------------------------------------------- seeded studies
@@ -308,7 +327,8 @@ def test_study_plot_is_a_png(tmp_path):
 
     path = plot_study({"baseline": [curve([0.2, 0.3]), curve([0.25, 0.35])], "rlep": [curve([0.2, 0.4])]},
                       tmp_path / "study.png", title="made up")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    colors = drawn(path, (864, 528))
+    assert colors["C0"] > 200 and colors["C1"] > 200, colors  # both arms' mean curves
 
 
 def load_study_script():

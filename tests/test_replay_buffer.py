@@ -18,7 +18,6 @@ import pytest
 import ray
 
 from rayrep.buffer.files import (
-    POOL_SCHEMA,
     BufferFileError,
     import_text_pool,
     read_pool,
@@ -817,7 +816,11 @@ def test_pool_with_wrong_kind_or_version_or_missing_is_refused(tmp_path):
         read_pool(tmp_path / "snap" / "answers.parquet")
     with pytest.raises(BufferFileError, match="missing.parquet: no such file"):
         read_pool(tmp_path / "missing.parquet")
-    assert POOL_SCHEMA.field("logprobs").type == pa.list_(pa.float32())
+    # What a pool file holds, read back from the file (not the constant it was written with):
+    # float32 log-probs, as the shards keep them, so that a replayed ratio is the recorded one.
+    written = pq.read_schema(write_pool(pool_rows(), tmp_path / "again.parquet", source_checkpoint="x"))
+    assert written.field("logprobs").type == pa.list_(pa.float32())
+    assert written.field("response_ids").type.value_type == pa.int32()
 
 
 def write_dapo_rows(path, candidates, candidate_type=pa.list_(pa.string())):

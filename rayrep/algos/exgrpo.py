@@ -76,7 +76,8 @@ class ExGRPO(GRPO):
         self.prompts = {p.uid: p for p in prompts}
         self.prompt_ids = prompt_ids
         self.collecting = False
-        """The one-way switch; with the buffer, the only state that lives across steps."""
+        """The one-way switch. What lives across steps is this, the buffer, `replayed_last` and
+        `retired_here` (all in `state()`, or the buffer's own snapshot)."""
         self.replayed_last: frozenset[str] = frozenset()
         """The questions the last replaying step replayed (for `exgrpo_replayed_again` only)."""
         self.retires_for_all = not buffer.attached or cfg.replay.retire_scope == "pool"

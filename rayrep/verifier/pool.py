@@ -34,9 +34,6 @@ from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
 
 
-REPLACEMENT_READY_TIMEOUT_S = 300.0
-"""A new verifier starts in seconds (an interpreter and its sandbox); one that is not up after
-this long will not be (its bundle is not coming back), and the check fails instead of waiting."""
 
 
 @dataclass
