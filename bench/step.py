@@ -191,7 +191,7 @@ def plain_update(model, optimizer, batch, cfg, loss) -> None:
     micro-batch (old log-probs: the pass's own), then clip and step."""
     from rayrep.learner.logprobs import token_logprobs
     from rayrep.learner.loss import mini_batch_totals, policy_loss
-    from rayrep.learner.worker import micro_batches, mini_batches, rows_per_rank
+    from rayrep.learner.forward import micro_batches, mini_batches, rows_per_rank
 
     learner = cfg.learner
     for prompts in mini_batches(batch.num_prompts, learner.mini_batch_prompts):

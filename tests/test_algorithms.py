@@ -18,7 +18,7 @@ from rayrep.buffer.files import BufferFileError, write_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.config import ConfigError, load_preset
 from rayrep.data import PromptSampler
-from rayrep.learner.worker import mini_batches
+from rayrep.learner.forward import mini_batches
 from rayrep.rollouts import keep_informative
 from rayrep.types import Group, Prompt, Rollout, StepPlan
 

@@ -9,7 +9,7 @@ import torch
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.generator.pool import GeneratorPool
 from rayrep.learner.group import LearnerGroup
-from rayrep.learner.worker import mini_batches, rows_per_rank, token_budget_batches
+from rayrep.learner.forward import mini_batches, rows_per_rank, token_budget_batches
 from rayrep.runtime.weights import WeightSync
 from rayrep.types import LossSpec, TrainBatch
 
@@ -246,7 +246,7 @@ def test_the_first_mini_batch_takes_its_old_logprobs_from_its_own_forward_pass(r
         (run inside the learner actor): recomputed rows replaced, recorded rows kept."""
         old = batch.old_logprobs.clone()
         for prompts in mini_batches(batch.num_prompts, worker.cfg.learner.mini_batch_prompts):
-            rows, recomputed = worker._old_logprobs(batch, rows_per_rank(batch.prompt_index, prompts, worker.world_size))
+            rows, recomputed = worker.forward.old_logprobs(batch, rows_per_rank(batch.prompt_index, prompts, worker.world_size))
             keep = batch.recompute_old[rows]
             old[rows[keep]] = recomputed[keep]
         return old

@@ -143,7 +143,7 @@ class ExGRPO(GRPO):
         rank reduces its rows to one mean per answer over the answer's own response tokens,
         and only the chosen answers come back here.
         """
-        parts = self.buffer.stored_answers(uids, limit)
+        parts = self.buffer.stored_answers(uids, limit, as_batch=True)
         means = self.learners.mean_entropies([ref for _, ref in parts])
         picks: dict[str, int] = {}
         lowest: list[float] = []

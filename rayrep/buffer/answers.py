@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rayrep.types import Group, Rollout
+from rayrep.types import Group, Rollout, TrainBatch
 
 SOURCES = ("pool", "online", "external")
 """Where an answer came from: an offline experience pool (RLEP), a run's own rollouts
@@ -202,12 +202,12 @@ class PackedAnswers:
         firsts = cumulative_offsets(self.counts).tolist()
         return {uid: answers[first:last] for uid, first, last in zip(self.uids, firsts, firsts[1:])}
 
-    def sequences(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(prompt ids, response ids) of every answer, in order (packed with prompts): what a
-        forward pass over the stored answers needs."""
+    def forward_batch(self) -> TrainBatch:
+        """The answers (packed with prompts) as the learner's batch type, one row each, in
+        order, each row a question of its own: what a forward pass over them needs."""
         prompts = [self.prompt(q) for q, count in enumerate(self.counts.tolist()) for _ in range(count)]
         responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.facts))]
-        return prompts, responses
+        return TrainBatch.of_sequences(prompts, responses, range(len(responses)))
 
 
 def cumulative_offsets(lengths: np.ndarray) -> np.ndarray:

@@ -38,6 +38,7 @@ from rayrep.buffer.shard import RemoteReplayShard, ReplayShard
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.errors import InputError
+from rayrep.types import TrainBatch
 
 
 def shard_of(uid: str, num_shards: int) -> int:
@@ -248,18 +249,19 @@ class ReplayBuffer:
                 self.counts["held_back"] += part.held_back
         return merged
 
-    def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
-                       ) -> list[tuple[list[tuple[str, list[int]]], ray.ObjectRef | PackedAnswers]]:
+    def stored_answers(self, uids: list[str], limit: DrawLimit | None = None, as_batch: bool = False
+                       ) -> list[tuple[list[tuple[str, list[int]]], ray.ObjectRef | PackedAnswers | TrainBatch]]:
         """Every stored answer of the questions `uids` that `limit` allows, left where it is.
 
         Per shard holding any of them: ((question id, its answers' serial numbers) in order,
         the answers packed with their prompts, `PackedAnswers`: a ref to the shard's result,
         or the value itself for an in-process buffer). The refs go on to other actors
         (ExGRPO's entropy pass on the learners) without passing through this process; the
-        answers the limit held back are counted (`take_counts`).
+        answers the limit held back are counted (`take_counts`). `as_batch`: the answers as the
+        learner's batch type (`PackedAnswers.forward_batch`), built on the shard.
         """
         groups = self._by_shard(uids, key=lambda u: u)
-        parts = self._call(lambda shard: shard.stored_answers, {s: (group, limit) for s, group in groups.items()},
+        parts = self._call(lambda shard: shard.stored_answers, {s: (group, limit, as_batch) for s, group in groups.items()},
                            num_returns=2)
         held_back = sum(held for (_, held), _ in parts.values())
         if held_back:
