@@ -51,7 +51,7 @@ import ray
 
 from rayrep.buffer.answers import Answer
 from rayrep.buffer.pool import start_pool, stop_pool
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import AttachedPool, ReplayBuffer
 
 K = 8
 QUESTIONS_PER_ADD = 256
@@ -123,7 +123,7 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
         home = Path(tempfile.mkdtemp(prefix="bench-pool-"))
         name = f"bench-{shards}-{size}"
         start_pool(name, home, shards, answers, seed)
-        buffer = ReplayBuffer(0, 0, seed=seed, pool=name, writer="bench")
+        buffer = AttachedPool(name, writer="bench", seed=seed)
     else:
         buffer = ReplayBuffer(shards, answers, seed=seed)
     buffer.stats()  # actors up before the first measurement
@@ -163,7 +163,7 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
         start = time.perf_counter()
         start_pool(name, home, shards)
         restored = time.perf_counter() - start
-        assert ReplayBuffer(0, 0, pool=name).stats()["answers"] == questions * answers
+        assert AttachedPool(name).stats()["answers"] == questions * answers
         files = (written, restored, file_bytes)
         stop_pool(name)
         shutil.rmtree(home)

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> dict:
 
     from rayrep.buffer.pool import (check_pool_settings, export_pool, import_into, read_source, snapshot_pool,
                                     start_pool, stop_pool)
-    from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.buffer.replay import AttachedPool
 
     paths = []
     if args.command == "start":
@@ -95,11 +95,11 @@ def main(argv: list[str]) -> dict:
         shards = start_pool(args.name, args.snapshot_dir, args.shards, args.cap, args.seed)
         result = {"name": args.name, "shards": len(shards), "snapshot_dir": os.path.abspath(args.snapshot_dir)}
         if sources:
-            result["imported"] = import_into(ReplayBuffer(0, 0, pool=args.name, writer="import"), sources[0])
+            result["imported"] = import_into(AttachedPool(args.name, writer="import"), sources[0])
     elif args.command == "stop":
         result = {"name": args.name, "version": stop_pool(args.name)}
     else:
-        pool = ReplayBuffer(0, 0, pool=args.name, writer=args.command)
+        pool = AttachedPool(args.name, writer=args.command)
         if args.command == "stats":
             stats = pool.stats()
             result = {"name": args.name, **{k: stats[k] for k in ("questions", "answers", "retired", "evicted", "bytes")},

@@ -11,9 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rayrep.algos import algorithm_class
 from rayrep.cluster.memory import memory_plan
-from rayrep.cluster.placement import make_plan
 from rayrep.config import DEFAULT_PRESET, Config, ConfigError, help_text, load_preset, parse_cli
 from rayrep.config.fields import get_dotted
 from rayrep.config.loading import cli_sources
@@ -21,6 +19,7 @@ from rayrep.errors import InputError
 from rayrep.generator.engine import engine_description
 from rayrep.learner import LearnerDied
 from rayrep.run.layout import RunFolder
+from rayrep.runtime.system import run_plan
 
 
 def resume_base(run_dir: str) -> dict:
@@ -135,8 +134,7 @@ def parse_job_args(parser, argv: list[str] | None = None):
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
     if args.plans and args.dry_run:
-        lines = [make_plan(cfg, learners=args.trains, replay=algorithm_class(cfg).replays).describe(),
-                 engine_description(cfg)]
+        lines = [run_plan(cfg, train=args.trains).describe(), engine_description(cfg)]
         plan = memory_plan(cfg, trains=args.trains)
         if plan is None:
             lines.append("memory plan: only for GPU runs of a known model (CPU run, or config.json not at hand)")

@@ -50,8 +50,8 @@ class Rollouts:
         groups = self.finish(started, record)
         dropped: list[Group] = []
         if self.cfg.algorithm.dynamic_sampling:
-            def another_round(taken: frozenset[str]) -> list[Group]:
-                return self.finish(self.start(step, record.counts["sampling_rounds"] + 1, taken), record)
+            def another_round(number: int, taken: frozenset[str]) -> list[Group]:
+                return self.finish(self.start(step, number, taken), record)
 
             groups, dropped, kept = keep_informative(groups, self.cfg.algorithm.prompts_per_step, another_round)
             record.add(kept)
@@ -105,19 +105,21 @@ class Rollouts:
         ]
         return plan.complete(fresh)
 
-    def stats(self, step_batch: StepBatch, record: StepRecord) -> dict[str, float]:
-        """What the step's fresh rollouts looked like, and how old the trained answers were."""
+    def stats(self, step_batch: StepBatch, record: StepRecord, version: int) -> dict[str, float]:
+        """What the step's fresh rollouts looked like, and how old the trained answers were
+        against `version`, the policy the update started from."""
         return {**rollout_stats(step_batch.seen, record.times["generate"]),
-                **policy_lag_stats(step_batch.groups, self.runtime.version - 1)}
+                **policy_lag_stats(step_batch.groups, version)}
 
 
 def keep_informative(
-    groups: list[Group], wanted: int, more: Callable[[frozenset[str]], list[Group]], max_rounds: int = 4
+    groups: list[Group], wanted: int, more: Callable[[int, frozenset[str]], list[Group]], max_rounds: int = 4
 ) -> tuple[list[Group], list[Group], dict[str, float]]:
     """DAPO's dynamic sampling, over complete groups (fresh rollouts and planned replays):
     keep the groups whose rollouts are neither all right nor all wrong, and ask `more` for
-    another round (given the questions already in this step, to leave out) until `wanted`
-    groups are kept or `max_rounds` extra rounds ran; then train on what there is.
+    another round (given its number, 2 for the first refill, which keys its seeds, and the
+    questions already in this step, to leave out) until `wanted` groups are kept or
+    `max_rounds` extra rounds ran; then train on what there is.
 
     Returns (the kept groups, at most `wanted`; every other verified group; metrics).
     """
@@ -127,7 +129,7 @@ def keep_informative(
     rounds = 0
     while len(kept) < wanted and rounds < max_rounds:
         rounds += 1
-        new = more(frozenset(g.prompt.uid for g in kept + dropped))
+        new = more(rounds + 1, frozenset(g.prompt.uid for g in kept + dropped))
         kept += [g for g in new if g.informative]
         dropped += [g for g in new if not g.informative]
     metrics["dynamic_sampling_rounds"] = rounds

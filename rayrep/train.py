@@ -10,7 +10,6 @@ look-ahead, stale drops) in `rayrep.rollouts`; the actors in `rayrep.runtime`.
 
 from __future__ import annotations
 
-from rayrep.algos import make_algorithm
 from rayrep.config import Config
 from rayrep.plots import write_plots
 from rayrep.rollouts import Rollouts
@@ -23,11 +22,10 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
     """Run `cfg.run.steps` steps; `resume`: continue the run in its folder from its latest
     complete checkpoint (`rayrep.run.checkpoints`), as if it had never stopped."""
     run = Run.open(cfg, resume, log)  # every input checked; nothing started yet
-    with run.supervised() as runtime:
-        algorithm = make_algorithm(cfg, run.inputs, runtime.buffer, runtime.learners, run.sampler)
+    with run.start() as training:  # the actors and the algorithm; step 0's evaluation, or the checkpoint restored
+        runtime, algorithm = training.runtime, training.algorithm
         rollouts = Rollouts(cfg, runtime, algorithm, run.sampler, run.inputs.prompt_ids)
-        run.begin(runtime, algorithm)  # step 0's evaluation, or the checkpoint restored
-        for step in run.steps():
+        for step in training.steps():
             record = StepRecord(step)
             with record.timed("step"):
                 groups, dropped = rollouts.collect(step, record)  # plan -> generate -> verify
@@ -38,6 +36,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                 with record.timed("build"):
                     step_batch = algorithm.build(groups, dropped, step=step)
                 rollouts.start_ahead(step)  # asynchronous rollouts sample on these weights meanwhile
+                version = runtime.version  # the policy the update starts from
                 with record.timed("update"):
                     record.add(runtime.learners.update(step_batch.batch, step_batch.loss))
                 with record.timed("sync"):
@@ -45,9 +44,9 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                     record.add(runtime.hand_over_to_generators())  # (and the step's GPU memory, where it is modelled)
                 record.add(algorithm.after_update(step, step_batch))  # what enters and leaves the buffer
                 record.add(step_batch.metrics)
-                record.add(rollouts.stats(step_batch, record))
-            run.end_step(record)  # evaluate, log, save when due
-        result = run.finish()
+                record.add(rollouts.stats(step_batch, record, version))
+            training.end_step(record)  # evaluate, log, save when due
+        result = training.finish()
     if cfg.logging.plots:
         write_plots(result.run_dir, log)
     return result

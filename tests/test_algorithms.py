@@ -141,10 +141,11 @@ def test_config_errors_of_the_loss_fail_when_the_algorithm_is_built():
 
 
 def test_keep_informative_refills_with_other_questions_until_the_batch_is_full():
-    asked = []
+    asked, numbers = [], []
 
-    def more(taken):
+    def more(number, taken):
         asked.append(set(taken))
+        numbers.append(number)
         n = len(asked)
         # each round brings one informative and one uninformative new question
         return [fresh_group(prompt(f"r{n}i"), [[1], [2]], [True, False]), fresh_group(prompt(f"r{n}u"), [[1], [2]], [True, True])]
@@ -154,6 +155,7 @@ def test_keep_informative_refills_with_other_questions_until_the_batch_is_full()
     assert [g.prompt.uid for g in kept] == ["b", "r1i", "r2i"]
     assert sorted(g.prompt.uid for g in dropped) == ["a", "r1u", "r2u"]
     assert asked == [{"a", "b"}, {"a", "b", "r1i", "r1u"}]  # questions already in the step stay out
+    assert numbers == [2, 3]  # the step's rounds, numbered from its first (what keys their seeds)
     assert metrics == {"dynamic_sampling_kept": 0.5, "dynamic_sampling_rounds": 2}
     # Gives up after max_rounds; surplus informative groups are verified, not trained.
     kept, dropped, metrics = keep_informative(first, wanted=10, more=more, max_rounds=1)
@@ -434,7 +436,7 @@ def test_exgrpo_bookkeeping_sees_groups_that_dynamic_sampling_dropped():
     step(algo, 1, lambda uid, n: [True, False, False, False])  # flips the switch
     plan = algo.plan(algo.sampler, 8)
     groups = roll_out(plan, lambda uid, n: [True] * n if uid in ("q0", "q1") else [True, False, False, False])
-    kept, dropped, _ = keep_informative(groups, 8, more=lambda taken: [])
+    kept, dropped, _ = keep_informative(groups, 8, more=lambda number, taken: [])
     built = algo.build(kept, dropped, step=2)
     assert len(built.groups) == 6 and len(built.dropped) == 2
     metrics = algo.after_update(2, built)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayrep.cluster.placement import make_plan
+from rayrep.runtime.system import run_plan
 from rayrep.config import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_the_node_types_can_hold_each_presets_plan(preset):
     the whole plan (GPU groups on GPU nodes, CPU roles on CPU nodes)."""
     config = launcher_config()
     types = node_capacity(config)
-    plan = make_plan(load_preset(preset), replay=True)
+    plan = run_plan(load_preset(preset))
     for name, bundles in plan.groups.items():
         strict = plan.strategies[name] == "STRICT_PACK"
         shapes = [bundles] if strict else [[b] for b in bundles]  # STRICT_PACK: all on one node

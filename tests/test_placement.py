@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from rayrep.algos import ALGORITHMS
 from rayrep.cluster.placement import Placement, PlacementError, check_fits, free_port, make_plan
 from rayrep.config import ConfigError, load_preset
+from rayrep.runtime.system import run_plan
 from rayrep.runtime.weights import engine_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def test_colocated_plan_shares_bundles_between_roles():
 def test_the_default_plan_fits_the_2_cpus_of_ray_start_head_on_a_2_core_machine():
     for name in ("grpo", "rlep", "exgrpo"):
         cfg = load_preset("tiny-cpu").replace(**{"algorithm.name": name, "algorithm.std_normalize": name != "exgrpo"})
-        assert make_plan(cfg, replay=ALGORITHMS[name].replays).total["CPU"] <= 2, name
+        assert run_plan(cfg).total["CPU"] <= 2, name
 
 
 def test_every_gpu_generates_by_default():
@@ -87,7 +87,7 @@ def test_gpu_plans_keep_a_nodes_learner_ranks_together(preset, nodes):
     """1 x 8 and 8 x 8: each GPU group is one node (STRICT_PACK, at most 8 GPUs), learner
     ranks 8n .. 8n + 7 on node n, CPU roles on CPU nodes, the totals the preset's."""
     cfg = load_preset(preset)
-    plan = make_plan(cfg, replay=True)
+    plan = run_plan(cfg)
     gpu_groups = [name for name in plan.groups if name.startswith("policy-")]
     assert len(gpu_groups) == plan.nodes == nodes
     for name in gpu_groups:

@@ -461,7 +461,7 @@ def test_a_shards_bucket_index_follows_its_questions_and_draws_as_a_sorted_scan(
     shard = ReplayShard(CAP, seed=3)
     uids = [f"q{i:03d}" for i in range(120)]
     rng.shuffle(uids)  # arriving out of id order
-    shard.add_packed(PackedAnswers.pack([(uid, prompt(1), answers_of(1, 1)) for uid in uids]))
+    shard.apply(PackedAnswers.pack([(uid, prompt(1), answers_of(1, 1)) for uid in uids]), False, {}, [])
 
     def scan(exclude=()) -> dict[int, list[str]]:
         members: dict[int, list[str]] = {}
@@ -471,8 +471,8 @@ def test_a_shards_bucket_index_follows_its_questions_and_draws_as_a_sorted_scan(
         return {k: sorted(v) for k, v in members.items()}
 
     for round_ in range(4):
-        shard.set_buckets({uid: rng.randrange(-1, K + 1) for uid in rng.sample(uids, 60)})
-        shard.retire(rng.sample(sorted(shard.questions), 5))
+        shard.apply(None, False, {uid: rng.randrange(-1, K + 1) for uid in rng.sample(uids, 60)}, [])
+        shard.apply(None, False, {}, rng.sample(sorted(shard.questions), 5))
         if round_ == 2:  # a restored shard indexes what it restored
             exported = shard.export()
             shard = ReplayShard(CAP, seed=3)
@@ -928,7 +928,7 @@ def test_process_memory_growth_of_an_in_process_shard():
     try:
         before = tracemalloc.get_traced_memory()[0]
         for item in batches:
-            shard.add_packed(PackedAnswers.pack([item]))
+            shard.apply(PackedAnswers.pack([item]), False, {}, [])
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()

@@ -19,7 +19,7 @@ import ray
 from rayrep.buffer.answers import Answer, DrawLimit
 from rayrep.buffer.files import BufferFileError, read_pool, write_pool
 from rayrep.buffer.pool import read_source, start_pool, stop_pool
-from rayrep.buffer.replay import ReplayBuffer, pool_exists, pool_shards, shard_of
+from rayrep.buffer.replay import AttachedPool, ReplayBuffer, ReplayStore, pool_exists, pool_shards, shard_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def items(questions, count: int, first: int = 0, version: int = 0, run: str = ""
             for q in questions]
 
 
-def content(buffer: ReplayBuffer, questions=range(40)) -> dict:
+def content(buffer: ReplayStore, questions=range(40)) -> dict:
     """Every stored answer (its token ids) by question, the buckets, and the stats."""
     stored = {}
     for _, packed in buffer.stored_answers([f"q{q}" for q in questions]):
@@ -57,7 +57,7 @@ def pool(ray_cluster, tmp_path):
 
 def test_two_writers_at_once_lose_nothing_and_each_draws_the_others_answers(pool):
     name, _ = pool
-    writers = {run: ReplayBuffer(0, 0, pool=name, writer=run) for run in ("run-a", "run-b")}
+    writers = {run: AttachedPool(name, writer=run) for run in ("run-a", "run-b")}
     rounds = 25
 
     def write(run: str, offset: int):
@@ -87,7 +87,7 @@ def test_two_writers_at_once_lose_nothing_and_each_draws_the_others_answers(pool
 
 def test_an_age_limit_draws_only_recent_answers_and_counts_the_old(pool):
     name, _ = pool
-    buffer = ReplayBuffer(0, 0, pool=name, writer="run")
+    buffer = AttachedPool(name, writer="run")
     for version in range(10):
         buffer.apply(items(range(6), 1, first=version, version=version, run="run"))
     drawn = buffer.sample_answers([(f"q{q}", 10) for q in range(6)], DrawLimit(version=12, max_lag=4, run="run"))
@@ -100,7 +100,7 @@ def test_an_age_limit_draws_only_recent_answers_and_counts_the_old(pool):
     assert buffer.take_counts() == {}
 
 
-def kill(buffer: ReplayBuffer, shard: int) -> int:
+def kill(buffer: AttachedPool, shard: int) -> int:
     pid = ray.get(buffer.shards[shard].pid.remote())
     os.kill(pid, signal.SIGKILL)
     return pid
@@ -108,7 +108,7 @@ def kill(buffer: ReplayBuffer, shard: int) -> int:
 
 def test_a_shard_killed_between_and_during_writes_comes_back_whole_and_is_counted(pool):
     name, _ = pool
-    buffer = ReplayBuffer(0, 0, pool=name, writer="run")
+    buffer = AttachedPool(name, writer="run")
     undisturbed = ReplayBuffer(0, 0)
     for r in range(5):
         for b in (buffer, undisturbed):
@@ -134,14 +134,14 @@ def test_a_shard_killed_between_and_during_writes_comes_back_whole_and_is_counte
 
 def test_a_pool_started_again_from_its_folder_is_the_pool_it_was(pool):
     name, home = pool
-    buffer = ReplayBuffer(0, 0, pool=name, writer="run")
+    buffer = AttachedPool(name, writer="run")
     buffer.apply(items(range(25), 3, run="run"), buckets={f"q{q}": q % 8 for q in range(25)}, retire=["q3", "q4"])
     before = content(buffer)
     assert before["version"] > 0 and before["retired"] == 2
     stop_pool(name)
     assert not pool_exists(name)
     start_pool(name, home, 2)
-    again = ReplayBuffer(0, 0, pool=name, writer="run")
+    again = AttachedPool(name, writer="run")
     assert content(again) == before
     # Lost with its cluster, without a last snapshot: the journal brings back every write.
     again.apply(items(range(25), 1, first=50), buckets={"q0": 5})
@@ -149,7 +149,7 @@ def test_a_pool_started_again_from_its_folder_is_the_pool_it_was(pool):
     for shard in pool_shards(name)[0]:
         ray.kill(shard, no_restart=True)
     start_pool(name, home, 2)
-    assert content(ReplayBuffer(0, 0, pool=name, writer="run")) == after_writes
+    assert content(AttachedPool(name, writer="run")) == after_writes
     with pytest.raises(Exception, match="has 2 shards, not 3"):
         stop_pool(name)
         start_pool(name, home, 3)
@@ -158,7 +158,7 @@ def test_a_pool_started_again_from_its_folder_is_the_pool_it_was(pool):
 
 def test_a_question_routes_to_the_same_shard_in_a_pool_and_a_run(pool):
     name, _ = pool
-    buffer = ReplayBuffer(0, 0, pool=name, writer="run")
+    buffer = AttachedPool(name, writer="run")
     buffer.apply(items(range(12), 1))
     for q in range(12):
         shard = buffer.shards[shard_of(f"q{q}", 2)]
@@ -239,7 +239,7 @@ def test_exgrpo_and_rlep_runs_attached_to_one_pool_trade_their_answers(pool, tin
         "algorithm.exgrpo.start_pass_rate": 0.0, "logging.run_name": "exgrpo"}), log=lambda _: None)
     records = [r for r in read_metrics(exgrpo.run_dir / "metrics.jsonl") if r["step"] > 0]
     assert records[1]["buffer_questions"] > 0 and records[2]["replayed_questions"] > 0
-    held = ReplayBuffer(0, 0, pool=name, writer="check").census()["by_run"]
+    held = AttachedPool(name, writer="check").census()["by_run"]
     assert list(held) == [str(exgrpo.run_dir.resolve())]
 
     rlep = train(tiny_cfg.replace(**small, **{
@@ -249,7 +249,7 @@ def test_exgrpo_and_rlep_runs_attached_to_one_pool_trade_their_answers(pool, tin
     # The same seed visits the same questions: step 2 those the ExGRPO run stored at its step 2.
     assert records[0]["replay_share"] == 0 and records[1]["replay_share"] > 0
     assert all("replay_shard_replaced" not in r for r in records)
-    held = ReplayBuffer(0, 0, pool=name, writer="check").census()["by_run"]
+    held = AttachedPool(name, writer="check").census()["by_run"]
     assert set(held) == {str(exgrpo.run_dir.resolve()), str(rlep.run_dir.resolve())}
 
 
@@ -273,7 +273,7 @@ def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_polic
                          for i in range(rows)],
         "extra_info": [{"index": f"t{i}"} for i in range(rows)],
     }), tmp_path / "traces.parquet")
-    buffer = ReplayBuffer(0, 0, pool=name, writer="import")
+    buffer = AttachedPool(name, writer="import")
     imported = import_text(tiny_cfg, tiny_policy, tmp_path / "traces.parquet", buffer, writer="a stronger model",
                            log=lambda _: None)
     # The long one is right, but cut to the policy's answer length it would not be: left out.
@@ -293,14 +293,14 @@ def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_polic
             logits = model(input_ids=ids).logits[0, :-1] / tiny_cfg.generator.temperature
         own = torch.log_softmax(logits.float(), -1).gather(1, ids[0, 1:, None])[:, 0][len(prompt) - 1 :]
         np.testing.assert_allclose(answer.logprobs, own.numpy(), rtol=1e-4, atol=1e-5)
-    assert ReplayBuffer(0, 0, pool=name, writer="check").census()["by_source"] == {"external": 6}
+    assert AttachedPool(name, writer="check").census()["by_source"] == {"external": 6}
 
 
 def test_a_pool_holding_a_runs_questions_under_other_prompt_tokens_is_refused(pool):
     from rayrep.buffer.replay import PoolError, check_attachable
 
     name, _ = pool
-    buffer = ReplayBuffer(0, 0, pool=name, writer="other-tokenizer")
+    buffer = AttachedPool(name, writer="other-tokenizer")
     buffer.apply(items(range(4), 1))  # prompts [1, 2, q]
     same = {f"q{q}": [1, 2, q] for q in range(4)} | {"new": [5]}
     assert buffer.prompts_differing(same) == []
@@ -357,7 +357,7 @@ def test_two_runs_at_once_on_one_pool_lose_no_answer_and_replay_each_others(pool
         assert job.returncode == 0, output[-3000:]
     runs = {seed: read_metrics(tmp_path / f"seed-{seed}" / "metrics.jsonl") for seed in (0, 1)}
     stored = {seed: sum(r.get("buffer_stored", 0) for r in records) for seed, records in runs.items()}
-    census = ReplayBuffer(0, 0, pool=name, writer="check").census()
+    census = AttachedPool(name, writer="check").census()
     assert census["by_run"] == {str((tmp_path / f"seed-{seed}").resolve()): stored[seed] for seed in (0, 1)}
     assert sum(r.get("exgrpo_replays_from_others", 0) for records in runs.values() for r in records) > 0
 
@@ -366,9 +366,9 @@ WRITER = """
 import sys, numpy as np, ray
 sys.path.insert(0, {root!r})
 from rayrep.buffer.answers import Answer
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import AttachedPool
 ray.init(log_to_driver=False)
-pool = ReplayBuffer(0, 0, pool={name!r}, writer="doomed")
+pool = AttachedPool({name!r}, writer="doomed")
 for batch in range(10_000):
     pool.apply([(f"q{{q}}", np.array([1, 2, q], np.int32),
                  [Answer(np.array([q, batch, i] + [5] * 200, np.int32), np.zeros(203, np.float32), 1.0)
@@ -389,7 +389,7 @@ def test_a_run_killed_mid_write_leaves_every_question_whole(pool):
         assert writer.stdout.readline()
     writer.kill()
     writer.wait()
-    buffer = ReplayBuffer(0, 0, pool=name, writer="after")
+    buffer = AttachedPool(name, writer="after")
 
     def per_write() -> dict:
         counts = {}
@@ -407,7 +407,7 @@ def test_a_run_killed_mid_write_leaves_every_question_whole(pool):
     held = content(buffer)
     stop_pool(name)
     start_pool(name, home, 2)
-    assert content(ReplayBuffer(0, 0, pool=name, writer="after")) == held
+    assert content(AttachedPool(name, writer="after")) == held
 
 
 def test_exgrpo_retires_a_question_for_every_run_or_only_for_itself_as_configured(pool):
@@ -421,7 +421,7 @@ def test_exgrpo_retires_a_question_for_every_run_or_only_for_itself_as_configure
 
     name, _ = pool
     K, uids = 4, ["q0", "q1", "q2", "q3"]
-    seed = ReplayBuffer(0, 0, pool=name, writer="seed")
+    seed = AttachedPool(name, writer="seed")
     seed.apply([(uid, np.array(PROMPT_IDS, np.int32), [answer(q, i) for i in range(3)]) for q, uid in enumerate(uids)],
                buckets={uid: 2 for uid in uids})
 
@@ -431,7 +431,7 @@ def test_exgrpo_retires_a_question_for_every_run_or_only_for_itself_as_configure
                           "algorithm.exgrpo.replay_ratio": 0.5, "algorithm.exgrpo.start_pass_rate": 0.99,
                           "replay.pool": name, "replay.retire_scope": scope})
         prompts = [prompt(uid) for uid in uids]
-        return ExGRPO(cfg, prompts, {uid: PROMPT_IDS for uid in uids}, ReplayBuffer(0, 0, pool=name, writer=run),
+        return ExGRPO(cfg, prompts, {uid: PROMPT_IDS for uid in uids}, AttachedPool(name, writer=run),
                       learners=None, sampler=PromptSampler(prompts, seed=0, keep_at_least=4))
 
     def replayed_by(algo: ExGRPO, plans: int = 25) -> set[str]:

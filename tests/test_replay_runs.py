@@ -1,6 +1,10 @@
 """RLEP and ExGRPO on a real local Ray cluster: real learners, vLLM generators, buffer shard actors."""
 
 import dataclasses
+import json
+import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,33 @@ from rayrep.pipelines.collect import collect_pool
 from rayrep.run.log import read_metrics
 from rayrep.train import train
 from rayrep.types import Group, Rollout
+
+
+RECORDED = Path(__file__).parent / "recorded_metrics"
+"""Each short run's metrics as the code before the rollouts' redesign (issue 44) wrote them,
+on a 2-core CPU machine: `RAYREP_RECORD_METRICS=1` writes them again."""
+NOT_RECORDED = re.compile(r"time|seconds|gbps|per_second")
+"""Wall-clock figures, which no two runs share."""
+
+
+def same_as_recorded(name: str, records: list[dict]) -> None:
+    """The run's records hold every recorded metric of every step, equal within round-off
+    (counts exactly): a change to how answers travel must not change what a run computes."""
+    kept = [{k: v for k, v in r.items() if not NOT_RECORDED.search(k)} for r in records]
+    path = RECORDED / f"{name}.json"
+    if os.environ.get("RAYREP_RECORD_METRICS"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(kept, indent=0, sort_keys=True) + "\n")
+        return
+    recorded = json.loads(path.read_text())
+    assert len(kept) == len(recorded), name
+    for now, then in zip(kept, recorded):
+        for key, value in then.items():
+            assert key in now, (name, now["step"], key)
+            if isinstance(value, float):
+                assert now[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (name, now["step"], key)
+            else:
+                assert now[key] == value, (name, now["step"], key)
 
 
 def small(cfg, tmp_path, **changes):
@@ -51,6 +82,7 @@ def test_collect_then_rlep_run_replays_the_pool(ray_cluster, tiny_cfg, tiny_poli
     run = train(cfg.replace(**{"algorithm.name": "rlep", "algorithm.rlep.pool": stats["pool"], "logging.run_name": "rlep"}),
                 log=lambda _: None)
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
+    same_as_recorded("rlep", records)
     assert len(records) == 2
     for record in records:
         assert record["replay_share"] > 0 and record["replay_tokens"] > 0
@@ -69,6 +101,7 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
     })
     run = train(cfg, log=lambda _: None)
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
+    same_as_recorded("exgrpo-deepspeed-dynamic", records)
     # As the public code: step 1 flips the switch and stores nothing, step 2 collects, step 3 replays.
     assert records[0]["exgrpo_collecting"] == 1.0 and records[0]["buffer_questions"] == 0
     assert records[1]["buffer_questions"] > 0 and records[0]["replayed_questions"] == records[1]["replayed_questions"] == 0
@@ -98,6 +131,7 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
         changes.update({"algorithm.rlep.pool": pool_stats["pool"], "algorithm.group_size": 4})
     cfg = small(tiny_cfg, tmp_path, **changes)
     records = [r for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl") if r["step"] > 0]
+    same_as_recorded(f"{name}-dynamic", records)
     K = cfg.algorithm.group_size
     assert sum(r["dynamic_sampling_rounds"] for r in records) > 0  # refills did happen
     for r in records:

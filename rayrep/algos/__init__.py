@@ -15,7 +15,7 @@ from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import Algorithm, AlgorithmInputs
 from rayrep.algos.rlep import RLEP
 from rayrep.buffer.answers import Origin
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
@@ -42,7 +42,7 @@ def check_inputs(cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[
     return algorithm_class(cfg).check_inputs(cfg, AlgorithmInputs(prompts, prompt_ids, origin=origin))
 
 
-def make_algorithm(cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None,
+def make_algorithm(cfg: Config, inputs: AlgorithmInputs, buffer: ReplayStore | None,
                    learners: LearnerGroup | None, sampler: PromptSampler) -> Algorithm:
     """The algorithm, whole: RLEP's pool goes into the buffer's shards now; ExGRPO retires
     questions from `sampler`, the run's training set."""

@@ -35,7 +35,7 @@ import numpy as np
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import Answer, DrawLimit, Origin
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
@@ -61,11 +61,11 @@ class ExGRPO(GRPO):
         return inputs
 
     @classmethod
-    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None, learners: LearnerGroup | None,
+    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayStore | None, learners: LearnerGroup | None,
                sampler: PromptSampler) -> ExGRPO:
         return cls(cfg, inputs.prompts, inputs.prompt_ids, buffer, learners, sampler, inputs.origin)
 
-    def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]], buffer: ReplayBuffer,
+    def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]], buffer: ReplayStore,
                  learners: LearnerGroup | None, sampler: PromptSampler, origin: Origin = Origin()):
         """`learners`: where the entropy pass that chooses replayed answers runs (None only
         where no step replays: tests of the buffer's bookkeeping); `sampler`: the run's
@@ -80,7 +80,7 @@ class ExGRPO(GRPO):
         `retired_here` (all in `state()`, or the buffer's own snapshot)."""
         self.replayed_last: frozenset[str] = frozenset()
         """The questions the last replaying step replayed (for `exgrpo_replayed_again` only)."""
-        self.retires_for_all = not buffer.attached or cfg.replay.retire_scope == "pool"
+        self.retires_for_all = buffer.retires_for_everyone(cfg.replay.retire_scope)
         self.retired_here: set[str] = set()
         """Questions this run retired, on a shared pool that retires per run: never drawn by
         it again, still there for the others (`replay.retire_scope = "run"`)."""
@@ -128,8 +128,8 @@ class ExGRPO(GRPO):
             self.replayed_last = replayed
         metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy,
                    "exgrpo_replays_gone": float(len(uids) - len(chosen)), "exgrpo_replayed_again": again}
-        if self.buffer.attached:  # a shared pool: how many of the chosen answers other runs sampled
-            metrics["exgrpo_replays_from_others"] = float(sum(a.run != self.origin.run for a in chosen.values()))
+        # How many of the chosen answers other runs sampled (of a shared pool's; none of the run's own buffer).
+        metrics["exgrpo_replays_from_others"] = float(sum(a.run != self.origin.run for a in chosen.values()))
         joined = [g.with_replays((chosen[g.prompt.uid].rollout(self.prompt_ids[g.prompt.uid]),)
                                  if g.prompt.uid in chosen else ()) if g.pending_replays else g for g in groups]
         return joined, metrics

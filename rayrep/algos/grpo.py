@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 from rayrep.algos.advantages import group_advantages
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import DrawLimit, Origin
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, derive_seed
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
@@ -63,7 +63,7 @@ class GRPO:
         return inputs
 
     @classmethod
-    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None, learners: LearnerGroup | None,
+    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayStore | None, learners: LearnerGroup | None,
                sampler: PromptSampler) -> GRPO:
         """The algorithm, whole, with the run's replay buffer, learners and training set."""
         return cls(cfg, inputs.origin)

@@ -36,7 +36,7 @@ from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import Answer, Origin
 from rayrep.buffer.files import BufferFileError, read_pool
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
@@ -61,11 +61,11 @@ class RLEP(GRPO):
         return dataclasses.replace(inputs, pool=load_pool(cfg, inputs.prompt_ids))
 
     @classmethod
-    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayBuffer | None, learners: LearnerGroup | None,
+    def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayStore | None, learners: LearnerGroup | None,
                sampler: PromptSampler) -> RLEP:
         return cls(cfg, inputs.prompt_ids, inputs.pool, buffer, inputs.origin)
 
-    def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]], pool: ExperiencePool | None, buffer: ReplayBuffer,
+    def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]], pool: ExperiencePool | None, buffer: ReplayStore,
                  origin: Origin = Origin()):
         """`pool`: from `load_pool`, checked against `prompt_ids`; it goes into `buffer`'s
         shards now (None: a shared pool the buffer is attached to holds the successes)."""

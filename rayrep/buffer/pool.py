@@ -3,7 +3,7 @@
 A pool is S `PoolShard` actors, detached (they outlive the job that started them) and named
 `<pool>/shard-<i>` in the `POOL_NAMESPACE` Ray namespace (`rayrep.buffer.replay.pool_shard`
 finds them); `jobs/pool.py` starts, stops, inspects, exports and imports pools, and a run
-attaches with `--replay.pool NAME` (`ReplayBuffer(..., pool=NAME)`) instead of starting
+attaches with `--replay.pool NAME` (`AttachedPool(NAME)`) instead of starting
 shards of its own. Questions are routed to shards by the same stable hash as a run's
 buffer, so a pool and a run's snapshot trade questions freely.
 
@@ -42,7 +42,7 @@ import ray
 
 from rayrep.buffer.answers import FACTS, PackedAnswers
 from rayrep.buffer.files import BufferFileError, read_pool, read_snapshot, write_pool_export, write_snapshot
-from rayrep.buffer.replay import POOL_NAMESPACE, PoolError, ReplayBuffer, pool_exists, pool_shards
+from rayrep.buffer.replay import POOL_NAMESPACE, PoolError, ReplayStore, pool_exists, pool_shards
 from rayrep.buffer.shard import ReplayShard
 
 DESCRIPTION = "pool.json"
@@ -312,7 +312,7 @@ def stop_pool(name: str) -> int:
 
 # ---------------------------------------------------------------------- export and import
 
-def export_pool(buffer: ReplayBuffer, path: str | Path) -> dict:
+def export_pool(buffer: ReplayStore, path: str | Path) -> dict:
     """Every stored answer of the buffer (a pool's, or any other) as one Parquet experience
     pool: the snapshot's columns, with provenance, which RLEP replays
     (`--algorithm.rlep.pool`) and `import_into` takes back. Returns its counts."""
@@ -363,7 +363,7 @@ def read_source(source: str | Path) -> Imported:
     return Imported(str(source), [(uid, prompt_ids, answers) for uid, (prompt_ids, answers) in pool.items()], {}, [])
 
 
-def import_into(buffer: ReplayBuffer, source: str | Path | Imported) -> dict:
+def import_into(buffer: ReplayStore, source: str | Path | Imported) -> dict:
     """Add what `source` holds (`read_source`'s, or a path it reads first) to the buffer,
     deduplicated by token ids; a snapshot's buckets and retired questions come along. Text
     pools need the policy to tokenize and score them: `rayrep.pipelines.pool.import_text`."""
@@ -379,7 +379,7 @@ IMPORT_QUESTIONS = 2048
 """Questions sent to the shards per call while importing: a call's arguments stay a few MB."""
 
 
-def add_in_parts(buffer: ReplayBuffer, items: list) -> int:
+def add_in_parts(buffer: ReplayStore, items: list) -> int:
     """Add (question id, prompt ids, answers) items, deduplicated, `IMPORT_QUESTIONS` at a
     time; returns how many answers were stored."""
     return sum(buffer.apply(items[first : first + IMPORT_QUESTIONS], dedup=True)["stored"]

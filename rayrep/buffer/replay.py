@@ -1,4 +1,5 @@
-"""ReplayBuffer: the client of S replay shards.
+"""The replay store's client: `ReplayStore`, over S replay shards, in two kinds (the run's own
+`ReplayBuffer`, an `AttachedPool`).
 
 Questions are routed to shards by a stable hash of their id (the same shard on every run
 and machine, whatever Python's hash seed). Every operation groups its work by shard and
@@ -22,7 +23,9 @@ loses nothing.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import os
 import random
 import uuid
 from collections import Counter
@@ -81,11 +84,24 @@ def check_attachable(name: str, prompt_ids: dict[str, list[int]]) -> None:
     """A run may attach to pool `name` only if it runs on this cluster and holds none of the
     run's questions under other prompt tokens (another tokenizer or chat template wrote them:
     it would replay answers to other prompts). A PoolError names what is wrong."""
-    differing = ReplayBuffer(0, 0, pool=name, writer="check").prompts_differing(prompt_ids)
+    differing = AttachedPool(name, writer="check").prompts_differing(prompt_ids)
     if differing:
         raise PoolError(f"replay pool {name!r} holds {len(differing)} of this run's questions under other prompt "
                         f"tokens than this run's tokenizer and chat template give (first: {differing[0]!r}); "
                         f"attach runs of one tokenizer to one pool")
+
+
+def join_pool_cluster(pool: str) -> None:
+    """A run attached to a named pool joins the cluster the pool lives on before anything
+    starts: RAY_ADDRESS's, else the one `ray start` runs on this machine (a local cluster of
+    its own would hold no pool). A PoolError if there is none."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True, logging_level=logging.ERROR)
+    except ConnectionError as err:
+        raise PoolError(f"replay.pool {pool!r}: no Ray cluster to find the pool on ({err}); a pool lives on a "
+                        f"running cluster (ray start --head; jobs/pool.py start): run there, or set RAY_ADDRESS") from None
 
 
 def bucket_weights(K: int, scale: str) -> dict[int, float]:
@@ -100,62 +116,83 @@ def bucket_weights(K: int, scale: str) -> dict[int, float]:
     return {k: math.exp(-((k / K - 0.5) ** 2) / (2 * sigma**2)) for k in range(1, K)}
 
 
-class ReplayBuffer:
-    """The client of S shard actors (or, with S = 0, of one in-process shard)."""
+class ReplayStore:
+    """What a run reads from and writes to: S shard actors (or, with S = 0, one in-process
+    shard), behind one protocol with two implementations. `ReplayBuffer` is the run's own
+    shards, placed with its other roles, snapshotted into its folder and restored on resume;
+    `AttachedPool` is a named pool's, which outlives the run, keeps itself and is written by
+    other runs too. Each says what it keeps (`keeps_snapshots`, `snapshot`, `resume`), whose
+    retirements it holds (`retires_for_everyone`), what it needs placed (`shards_to_place`)
+    and what it stops (`shutdown`): nothing above `rayrep.buffer` asks which one it has
+    (`open_replay_store` picks it, from `replay.pool`)."""
 
-    def __init__(self, num_shards: int, max_answers_per_question: int, seed: int = 0,
-                 placement: Placement | None = None, pool: str = "", writer: str = ""):
-        """`placement`: shards go into its "replay" bundles (the run's plan); without one
-        they ask for no CPU of their own (they hold memory, not compute). `pool`: attach to
-        that named pool's shards instead (`rayrep.buffer.pool`; `num_shards` and the cap
-        are the pool's), writing as `writer` (the run) with a sequence number per write."""
-        self.pool = pool
+    keeps_snapshots = False
+    """Whether the run snapshots the store into its folder and restores it on resume."""
+
+    def __init__(self, shards: list, num_shards: int, max_answers_per_question: int, seed: int,
+                 start_shard: Callable[[int], Any] | None = None):
         self.rng = random.Random(seed)
-        self.seed, self.placement = seed, placement
-        self._routes: dict[str, int] = {}
-        if pool:
-            shards, description = pool_shards(pool)
-            num_shards, max_answers_per_question = description["shards"], description["max_answers_per_question"]
-            self.writer = f"{writer or 'client'}#{uuid.uuid4().hex[:12]}"
-            """This client's name in the pool's shards: each write is applied once per (writer, sequence number)."""
-            self.writes = 0
-            self._seen = [Counter() for _ in shards]
-            """Per shard: its restarts and lost writes as its last answer said."""
-            for s, stats in enumerate(ray.get([shard.stats.remote() for shard in shards])):
-                self._seen[s].update(restarts=stats["restarts"], lost_writes=stats["lost_writes"])
+        self.seed = seed
         self.num_shards, self.cap = num_shards, max_answers_per_question
-        if not pool:
-            shards = [ReplayShard(max_answers_per_question, seed)] if num_shards == 0 else \
-                [self._start_shard(i) for i in range(num_shards)]
-        # A run's shard that dies comes back in its bundle holding its questions as of the
-        # restore point; what the dead one was given since is counted as lost. A pool's shard
-        # is started again by Ray and restores itself (nothing to replace here).
-        self.supervisor = Supervisor("replay shard", shards, None if pool else self._start_shard,
-                                     ready=self._restore_shard, on_replaced=self._count_lost)
+        self._routes: dict[str, int] = {}
+        self.supervisor = Supervisor("replay shard", shards, start_shard, ready=self._restore_shard,
+                                     on_replaced=self._count_lost)
         self.shards = self.supervisor.workers
-        self.restore_point: Path | None = None
-        """The last snapshot (`snapshot`): what a shard that dies is restored from; None: empty."""
-        self._restore_point_counters: list[tuple[int, int]] = [(0, 0)] * len(self.shards)
-        self._since_snapshot = [Counter() for _ in self.shards]
-        """Per shard: answers and question updates (buckets, retirements) written since the restore point."""
         self.counts: Counter = Counter()
         """Shards replaced, writes they lost, and answers draws held back (`DrawLimit`),
         since `take_counts` was last called."""
 
-    def _start_shard(self, index: int) -> ray.actor.ActorHandle:
-        options = self.placement.options("replay", index) if self.placement else {"num_cpus": 0}
-        return RemoteReplayShard.options(**options).remote(self.cap, self.seed * 1000 + index)
+    @staticmethod
+    def shards_to_place(cfg) -> int:
+        """Shard bundles the run's placement plan must hold for this kind of store."""
+        return 0
 
-    # ------------------------------------------------------------------ plumbing
+    @staticmethod
+    def check_before_start(cfg, prompt_ids: dict[str, list[int]]) -> None:
+        """What can be wrong with the store a run of `cfg` opens, checked before any actor
+        starts and before the run's folder is written."""
+
+    def retires_for_everyone(self, scope: str) -> bool:
+        """Whether ExGRPO's retirement of a question (`replay.retire_scope`) takes it out of
+        the store itself, or only out of this run's view of it."""
+        return True
 
     @property
     def in_process(self) -> bool:
-        return self.num_shards == 0 and not self.pool
+        return self.num_shards == 0
+
+    # ------------------------------------------------------------------ what each kind keeps
 
     @property
-    def attached(self) -> bool:
-        """Whether the shards are a named pool's, which outlives this client and keeps itself."""
-        return bool(self.pool)
+    def changed(self) -> bool:
+        return False
+
+    restore_point: Path | None = None
+
+    def snapshot(self, directory: str | Path) -> Path | None:
+        """Nothing for a store that keeps itself."""
+        return None
+
+    def resume(self, directory: str | Path) -> None:
+        """A resumed run's store as its checkpoint holds it; a store that keeps itself went on
+        without the run."""
+
+    def shutdown(self) -> None:
+        """A store that outlives the run stays up."""
+
+    def _restore_shard(self, s: int, shard) -> ray.ObjectRef | None:
+        return None
+
+    def _count_lost(self, replaced: list[int]) -> None:
+        pass
+
+    def _write_shards(self, work: dict[int, tuple]) -> dict[int, dict]:
+        return self._call(lambda shard: shard.apply, work)
+
+    def _note_stats(self, s: int, stats: dict) -> None:
+        pass
+
+    # ------------------------------------------------------------------ plumbing
 
     def _call(self, method: Callable[[Any], Any], args: dict[int, tuple], num_returns: int = 1) -> dict[int, object]:
         """`method(shard)` (the shard's method, e.g. `lambda shard: shard.apply`) called on
@@ -200,17 +237,13 @@ class ReplayBuffer:
         """Each shard's write (packed answers, dedup, buckets, retire) in one call, all shards
         in parallel; their stats, by shard. A pool's shards take it as this client's next
         write (`PoolShard.write`), and say whether they restarted or lost writes since."""
-        if not self.attached:
-            results = self._call(lambda shard: shard.apply, work)
-        else:
-            self.writes += 1
-            results = self._call(lambda shard: shard.write, {s: (self.writer, self.writes, *w) for s, w in work.items()})
-            for s, result in results.items():
-                self._note_recovery(s, result)
+        results = self._write_shards(work)
         for s, (_, _, buckets, retire) in work.items():
-            self._since_snapshot[s]["answers"] += results[s]["stored"]
-            self._since_snapshot[s]["question_updates"] += len(buckets) + len(retire)
+            self._note_write(s, results[s]["stored"], len(buckets) + len(retire))
         return results
+
+    def _note_write(self, s: int, answers: int, question_updates: int) -> None:
+        pass
 
     def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=()) -> dict:
         """A step's writes in one call per shard: add answers, set buckets, retire questions.
@@ -314,9 +347,8 @@ class ReplayBuffer:
 
     def stats(self, now_step: int | None = None) -> dict:
         results = self._call(lambda shard: shard.stats, {s: (now_step,) for s in self._all})
-        if self.attached:
-            for s, result in results.items():
-                self._note_recovery(s, result)
+        for s, result in results.items():
+            self._note_stats(s, result)
         return merge_stats(list(results.values()))
 
     def prompts_differing(self, prompt_ids: dict[str, list[int]]) -> list[str]:
@@ -336,26 +368,70 @@ class ReplayBuffer:
                 merged.setdefault(key, Counter()).update(counts)
         return {key: dict(sorted(counts.items())) for key, counts in merged.items()}
 
+    def exports(self) -> list[dict]:
+        """Every shard's content (`ReplayShard.export`), shard by shard."""
+        parts = self._call(lambda shard: shard.export, {s: () for s in self._all})
+        return [parts[s] for s in self._all]
+
+    def take_counts(self) -> dict[str, int]:
+        """As step metrics (`replay_*`), since the last call: shards replaced and the writes
+        they lost (`replay_shard_*`), answers held back by draws' limits (`replay_held_back`);
+        empty when none of it happened."""
+        taken = {f"replay_{name}": n for name, n in sorted(self.counts.items())}
+        self.counts = Counter()
+        return taken
+
+
+class ReplayBuffer(ReplayStore):
+    """The run's own shards: started in its placement's "replay" bundles (without a placement
+    they ask for no CPU of their own: they hold memory, not compute), snapshotted into its
+    folder, restored on resume, stopped with it. A shard that dies comes back in its bundle
+    holding its questions as of the restore point; what the dead one was given since is
+    counted as lost."""
+
+    keeps_snapshots = True
+
+    def __init__(self, num_shards: int, max_answers_per_question: int, seed: int = 0,
+                 placement: Placement | None = None):
+        self.placement = placement
+        self.restore_point: Path | None = None
+        """The last snapshot (`snapshot`): what a shard that dies is restored from; None: empty."""
+        self._restore_point_counters: list[tuple[int, int]] = [(0, 0)] * max(1, num_shards)
+        self._since_snapshot = [Counter() for _ in range(max(1, num_shards))]
+        """Per shard: answers and question updates (buckets, retirements) written since the restore point."""
+        self.seed, self.cap = seed, max_answers_per_question
+        shards = [ReplayShard(max_answers_per_question, seed)] if num_shards == 0 else \
+            [self._start_shard(i) for i in range(num_shards)]
+        super().__init__(shards, num_shards, max_answers_per_question, seed, self._start_shard)
+
+    @staticmethod
+    def shards_to_place(cfg) -> int:
+        return cfg.replay.num_shards
+
+    def _start_shard(self, index: int) -> ray.actor.ActorHandle:
+        options = self.placement.options("replay", index) if self.placement else {"num_cpus": 0}
+        return RemoteReplayShard.options(**options).remote(self.cap, self.seed * 1000 + index)
+
+    def _note_write(self, s: int, answers: int, question_updates: int) -> None:
+        self._since_snapshot[s]["answers"] += answers
+        self._since_snapshot[s]["question_updates"] += question_updates
+
     # ------------------------------------------------------------------ snapshot
+
+    def resume(self, directory: str | Path) -> None:
+        self.restore(directory)
 
     def snapshot(self, directory: str | Path) -> Path:
         """Write every shard's content to Parquet files in `directory` (each file atomically
         replaced); it becomes the restore point of a shard that dies."""
         from rayrep.buffer.files import write_snapshot
 
-        if self.attached:
-            raise ValueError(f"replay pool {self.pool!r} keeps its own snapshots (jobs/pool.py snapshot)")
         parts = self.exports()
         written = write_snapshot(parts, Path(directory))
         self.restore_point = written
         self._restore_point_counters = [(part["evicted"], part["version"]) for part in parts]
         self._since_snapshot = [Counter() for _ in self._all]
         return written
-
-    def exports(self) -> list[dict]:
-        """Every shard's content (`ReplayShard.export`), shard by shard."""
-        parts = self._call(lambda shard: shard.export, {s: () for s in self._all})
-        return [parts[s] for s in self._all]
 
     @property
     def changed(self) -> bool:
@@ -364,8 +440,6 @@ class ReplayBuffer:
 
     def restore(self, directory: str | Path) -> None:
         """Load a snapshot, routing each question to its shard under this buffer's shard count."""
-        if self.attached:
-            raise ValueError(f"replay pool {self.pool!r} is shared: it is not restored from a run's snapshot")
         parts = self._snapshot_parts(Path(directory))
         self._call(lambda shard: shard.restore, {s: (part,) for s, part in parts.items()})
         self.restore_point = Path(directory)
@@ -403,15 +477,54 @@ class ReplayBuffer:
                                shard_lost_question_updates=lost["question_updates"])
             self._since_snapshot[s] = Counter()
 
-    def take_counts(self) -> dict[str, int]:
-        """As step metrics (`replay_*`), since the last call: shards replaced and the writes
-        they lost (`replay_shard_*`), answers held back by draws' limits (`replay_held_back`);
-        empty when none of it happened."""
-        taken = {f"replay_{name}": n for name, n in sorted(self.counts.items())}
-        self.counts = Counter()
-        return taken
+    def shutdown(self) -> None:
+        if not self.in_process:
+            for shard in self.shards:
+                ray.kill(shard)
 
-    def _note_recovery(self, s: int, stats: dict) -> None:
+
+class AttachedPool(ReplayStore):
+    """A named pool's shards (`rayrep.buffer.pool`), attached to: the pool outlives this
+    client and keeps itself (its shards journal, snapshot and restore themselves, and Ray
+    restarts them), other runs write to it too, and nothing of it is placed or stopped by the
+    run. Each write is applied once per (writer, sequence number)."""
+
+    def __init__(self, pool: str, writer: str = "", seed: int = 0):
+        self.pool = pool
+        shards, description = pool_shards(pool)
+        self.writer = f"{writer or 'client'}#{uuid.uuid4().hex[:12]}"
+        """This client's name in the pool's shards: each write is applied once per (writer, sequence number)."""
+        self.writes = 0
+        self._seen = [Counter() for _ in shards]
+        """Per shard: its restarts and lost writes as its last answer said."""
+        for s, stats in enumerate(ray.get([shard.stats.remote() for shard in shards])):
+            self._seen[s].update(restarts=stats["restarts"], lost_writes=stats["lost_writes"])
+        # A pool's shard is started again by Ray and restores itself: nothing to replace here.
+        super().__init__(shards, description["shards"], description["max_answers_per_question"], seed)
+
+    @property
+    def in_process(self) -> bool:
+        return False
+
+    @staticmethod
+    def check_before_start(cfg, prompt_ids: dict[str, list[int]]) -> None:
+        """The pool lives on a running cluster: join it, and check that the run may attach."""
+        join_pool_cluster(cfg.replay.pool)
+        check_attachable(cfg.replay.pool, prompt_ids)
+
+    def retires_for_everyone(self, scope: str) -> bool:
+        return scope == "pool"
+
+    def _write_shards(self, work: dict[int, tuple]) -> dict[int, dict]:
+        """A pool's shards take each write as this client's next (`PoolShard.write`), and say
+        whether they restarted or lost writes since."""
+        self.writes += 1
+        results = self._call(lambda shard: shard.write, {s: (self.writer, self.writes, *w) for s, w in work.items()})
+        for s, result in results.items():
+            self._note_stats(s, result)
+        return results
+
+    def _note_stats(self, s: int, stats: dict) -> None:
         """Count a pool shard's restarts and lost writes that its stats show since last seen."""
         new = {name: max(0, stats[key] - self._seen[s][key])
                for key, name in (("restarts", "shard_replaced"), ("lost_writes", "shard_lost_writes"))}
@@ -420,11 +533,19 @@ class ReplayBuffer:
         for key in ("restarts", "lost_writes"):
             self._seen[s][key] = stats[key]
 
-    def shutdown(self) -> None:
-        """Stop a run's shards; a pool's stay up for the runs attached to it and the next."""
-        if not self.in_process and not self.attached:
-            for shard in self.shards:
-                ray.kill(shard)
+
+def open_replay_store(cfg, placement: Placement | None = None) -> ReplayStore:
+    """The run's replay store: the shards of the named pool `replay.pool`, attached to, or
+    the run's own `replay.num_shards` shards, in `placement`'s bundles."""
+    replay = cfg.replay
+    if replay.pool:
+        return AttachedPool(replay.pool, writer=cfg.logging.run_name, seed=cfg.run.seed)
+    return ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed, placement)
+
+
+def store_kind(cfg) -> type[ReplayStore]:
+    """The class of the store `open_replay_store` opens for `cfg` (what it needs placed)."""
+    return AttachedPool if cfg.replay.pool else ReplayBuffer
 
 
 def bucket_counts(rng: np.random.Generator, count: int, available: dict[int, int],

@@ -20,7 +20,7 @@ from bisect import bisect_left, insort
 import numpy as np
 import ray
 
-from rayrep.buffer.answers import SOURCES, DrawLimit, PackedAnswers, QuestionAnswers, cumulative_offsets
+from rayrep.buffer.answers import SOURCES, DrawLimit, PackedAnswers, cumulative_offsets
 from rayrep.buffer.store import AnswerStore, StoredQuestion
 from rayrep.library_output import route_library_output
 from rayrep.types import TrainBatch
@@ -76,9 +76,8 @@ class ReplayShard:
         """Whether each question's answers lie together in the store, questions in id order
         (after a compaction, until the next write): what `export` needs."""
         self.version = 0
-        """Writes that changed something (each `add_packed`, `set_buckets`, `retire` or `apply`
-        call that stored, moved or retired anything): the shard's version, named by its
-        snapshots."""
+        """Writes that changed something (each `apply` call that stored, moved or retired
+        anything): the shard's version, named by its snapshots."""
 
     # ------------------------------------------------------------------ writes
 
@@ -86,32 +85,17 @@ class ReplayShard:
         lengths = self.store.columns["lengths"][entry.rows]
         return any(np.array_equal(self.store.tokens_of(row), ids) for row in entry.rows[lengths == len(ids)].tolist())
 
-    def add_packed(self, batch: PackedAnswers, dedup: bool = False) -> int:
-        """Store answers packed with their prompts; returns how many were stored.
-
-        Retired questions take nothing. With `dedup`, an answer whose token ids are already
-        stored under its question is skipped.
-        """
-        return self._take(batch, dedup, {}, [])
-
-    def set_buckets(self, counts: dict[str, int]) -> None:
-        """Record each question's latest number of correct answers (its ExGRPO bucket)."""
-        self._take(None, False, counts, [])
-
-    def retire(self, uids: list[str]) -> int:
-        """Remove questions forever: their answers go, and later adds are refused; returns
-        how many held answers here."""
-        before = len(self.questions)
-        self._take(None, False, {}, uids)
-        return before - len(self.questions)
-
     def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
-        """One round trip for a step's writes: add, then set buckets, then retire; returns stats."""
+        """One round trip for a step's writes, and the shard's only write: add the answers
+        (packed with their prompts; a retired question takes nothing, and with `dedup` an
+        answer whose token ids are already stored under its question is skipped), then set
+        each question's latest number of correct answers (its ExGRPO bucket), then retire
+        questions forever (their answers go, later adds are refused); returns stats."""
         stored = self._take(items, dedup, buckets, retire)
         return {"stored": stored, **self.stats()}
 
     def _take(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
-        """A caller's write (each public write above): `_write` here; a pool's shard journals it."""
+        """A caller's write (`apply`): `_write` here; a pool's shard journals it."""
         return self._write(items, dedup, buckets, retire)
 
     def _write(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:

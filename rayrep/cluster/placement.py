@@ -149,10 +149,10 @@ def describe_transport(transport: str, gpu: bool) -> str:
     return f"{'NCCL' if gpu else 'gloo'} broadcast from learner rank 0 to every engine worker"
 
 
-def make_plan(cfg: Config, learners: bool = True, replay: bool = False) -> Plan:
+def make_plan(cfg: Config, learners: bool = True, replay_shards: int = 0) -> Plan:
     """The plan of a run; `learners=False` leaves the learner role out (sampling jobs);
-    `replay`: the run's algorithm keeps a replay buffer (`rayrep.algos`: its `replays`), whose
-    shards are placed here unless the run attaches to a shared pool's.
+    `replay_shards`: the replay store's shards to place (`rayrep.runtime.system.run_plan`
+    asks the run's algorithm and store how many).
 
     Engine e of tensor-parallel size T spans bundles e*T .. e*T + T - 1 of its role's
     bundles; its actor sits in the first of them (with T > 1 it takes no GPU there: vLLM
@@ -205,8 +205,8 @@ def make_plan(cfg: Config, learners: bool = True, replay: bool = False) -> Plan:
     # CPU nodes when the cluster marks them.
     marker = {place.cpu_node_resource: 0.001} if place.cpu_node_resource else {}
     cpu_roles = [("verifier", "verifiers", cfg.verifier.num_workers, cfg.verifier.cpus_per_worker)]
-    if learners and replay and not cfg.replay.pool:  # a named pool's shards are its own
-        cpu_roles.append(("replay", "replay", cfg.replay.num_shards, cfg.replay.cpus_per_shard))
+    if replay_shards:
+        cpu_roles.append(("replay", "replay", replay_shards, cfg.replay.cpus_per_shard))
     for role, name, count, role_cpus in cpu_roles:
         if count:
             shape = {"CPU": role_cpus, **marker}

@@ -23,7 +23,7 @@ import torch
 from rayrep.buffer.answers import Answer
 from rayrep.buffer.files import text_pool_rows
 from rayrep.buffer.pool import Imported, import_into
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config
 from rayrep.learner.logprobs import token_logprobs
 from rayrep.models import config_overrides
@@ -117,7 +117,7 @@ def read_text(cfg: Config, policy: str, source: str | Path, writer: str = "", lo
     return Imported(str(source), flat, {}, []), counts
 
 
-def import_text(cfg: Config, policy: str, source: str | Path, buffer: ReplayBuffer, writer: str = "",
+def import_text(cfg: Config, policy: str, source: str | Path, buffer: ReplayStore, writer: str = "",
                 log=print) -> dict:
     """`read_text`'s answers added to `buffer`. Returns what was read, kept and stored."""
     read, counts = read_text(cfg, policy, source, writer, log)

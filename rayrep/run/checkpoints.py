@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rayrep.algos.interface import Algorithm
-from rayrep.buffer.replay import ReplayBuffer
+from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config
 from rayrep.data import PromptSampler
 from rayrep.errors import InputError
@@ -209,11 +209,11 @@ class BufferSnapshots:
     with, taken every `replay.snapshot_every` steps and with every checkpoint (not written
     again when nothing changed). Nothing to do for a run without a buffer."""
 
-    def __init__(self, buffer: ReplayBuffer | None, folder: RunFolder, every: int):
-        # A named pool the run is attached to keeps itself (`rayrep.buffer.pool`): the run
-        # snapshots nothing of it, and counts its shards' restarts from their answers.
+    def __init__(self, buffer: ReplayStore | None, folder: RunFolder, every: int):
+        # A store that keeps itself (a named pool the run is attached to) is snapshotted
+        # nothing of by the run, which counts its shards' restarts from their answers.
         self.buffer, self.folder, self.every = buffer, folder, every
-        self.keeps = buffer is not None and not buffer.attached
+        self.keeps = buffer is not None and buffer.keeps_snapshots
 
     def take(self) -> None:
         if self.keeps and (self.buffer.changed or self.buffer.restore_point != self.folder.replay):
@@ -251,7 +251,6 @@ def restore_run(checkpoint: Path, state: RunState, runtime: Runtime, algorithm: 
     evaluations' are restored before anything starts; the generators start from its weights)."""
     runtime.restore_learners(str(checkpoint / "learner"), state.learner)
     if runtime.buffer is not None:
-        if not runtime.buffer.attached:  # a shared pool went on without this run
-            runtime.buffer.restore(checkpoint / "buffer")
+        runtime.buffer.resume(checkpoint / "buffer")  # (a shared pool went on without this run)
         set_rng_state(runtime.buffer.rng, state.buffer_rng)
     algorithm.load_state(state.algorithm)

@@ -1,8 +1,9 @@
 """A training run's lifecycle, around the loop of `rayrep.train`: its inputs checked and its
-folder laid out before anything starts (`Run.open`), the runtime started and supervised
-(`Run.supervised`: a learner's death reported, every actor stopped), the start (step 0's
-evaluation, or a checkpoint restored), and what follows each step (`Run.end_step`: buffer
-snapshots, the evaluation schedule, the step's record, checkpoints, progress)."""
+folder laid out before anything starts (`Run.open`); then started and supervised (`Run.start`:
+the runtime and the algorithm built, the start taken, a learner's death reported, every actor
+stopped), which gives the run whole (`Training`) and what follows each step
+(`Training.end_step`: buffer snapshots, the evaluation schedule, the step's record,
+checkpoints, progress)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from rayrep.algos import AlgorithmInputs, algorithm_class, check_inputs
+from rayrep.algos import AlgorithmInputs, algorithm_class, check_inputs, make_algorithm
 from rayrep.algos.interface import Algorithm
 from rayrep.buffer.answers import Origin
-from rayrep.buffer.replay import check_attachable
+from rayrep.buffer.replay import store_kind
 from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.heap import long_lived
@@ -30,7 +31,7 @@ from rayrep.run.layout import RunFolder
 from rayrep.run.log import MetricsLog, keep_metrics_until, step_fields
 from rayrep.run.record import StepRecord
 from rayrep.run.supervision import learner_death
-from rayrep.runtime.system import Runtime, join_pool_cluster
+from rayrep.runtime.system import Runtime
 
 
 @dataclass
@@ -49,10 +50,6 @@ class Run:
         self.checkpoint, self.state = checkpoint, state
         """The checkpoint resumed from and its state (None: a new run)."""
         self.first_step = state.step + 1 if state else 1
-        self.step = self.first_step
-        """The step in progress (what a learner's death reports)."""
-        self.saved = checkpoint
-        """The latest complete checkpoint."""
 
     @staticmethod
     def open(cfg: Config, resume: bool = False, log=print) -> "Run":
@@ -73,9 +70,8 @@ class Run:
         # policy versions count the updates since) and its sampling temperature.
         origin = Origin(str(folder.path.resolve()), str(policy), cfg.generator.temperature)
         inputs = check_inputs(cfg, train_prompts, prompt_ids, origin)
-        if cfg.replay.pool and algorithm_class(cfg).replays:  # it lives on a running cluster: join it, check it now
-            join_pool_cluster(cfg.replay.pool)
-            check_attachable(cfg.replay.pool, prompt_ids)
+        if algorithm_class(cfg).replays:
+            store_kind(cfg).check_before_start(cfg, prompt_ids)
         checkpoint, state = resume_point(cfg, folder) if resume else (None, None)
         known_start = known_start_evaluation(cfg) if cfg.run.start_eval and state is None else None
 
@@ -89,49 +85,71 @@ class Run:
         return Run(cfg, folder, policy, inputs, sampler, evaluations, checkpoint, state, log)
 
     @contextmanager
-    def supervised(self) -> Iterator[Runtime]:
-        """The run's actors, started (a resumed run's generators from its checkpoint's weights,
-        its learners from the base policy, whose every weight the learner checkpoint's fp32
-        masters then replace) and, however the block ends, stopped. A learner that died
-        turns the error into `LearnerDied`: the run cannot go on, but its last checkpoint can."""
+    def start(self) -> Iterator[Training]:
+        """The run, started and fully built (`Training`): its actors (a resumed run's
+        generators from its checkpoint's weights, its learners from the base policy, whose
+        every weight the learner checkpoint's fp32 masters then replace), its algorithm, its
+        log open, and its start taken (step 0's evaluation, or the checkpoint restored); and,
+        however the block ends, stopped. A learner that died turns the error into
+        `LearnerDied`: the run cannot go on, but its last checkpoint can."""
         runtime = Runtime.start(self.cfg, self.policy, policy_version=self.state.policy_version if self.state else 0,
                                 generator_path=str(self.checkpoint) if self.checkpoint else None,
                                 log_dir=self.folder.path)
         self.log(f"run folder: {self.folder.path} (libraries' output: {LIBRARY_LOG} there)")
         logging = self.cfg.logging
-        self.metrics = MetricsLog(self.folder.path, self.cfg.to_dict(), logging.wandb, logging.wandb_project,
-                                  logging.wandb_mode)
+        metrics = MetricsLog(self.folder.path, self.cfg.to_dict(), logging.wandb, logging.wandb_project,
+                             logging.wandb_mode)
+        training = None
         try:
-            yield runtime
+            algorithm = make_algorithm(self.cfg, self.inputs, runtime.buffer, runtime.learners, self.sampler)
+            training = Training(self, runtime, algorithm, metrics)
+            yield training
         except Exception as error:
-            death = learner_death(runtime, self.folder, self.step, self.saved)
+            in_progress = training.step_in_progress if training is not None else self.first_step
+            death = learner_death(runtime, self.folder, in_progress, training.saved if training else self.checkpoint)
             if death is not None:
                 raise death from error
             raise
         finally:
-            self.metrics.close()
+            metrics.close()
             runtime.shutdown()
 
-    def begin(self, runtime: Runtime, algorithm: Algorithm) -> None:
-        """A new run evaluates its start (step 0); a resumed one restores its checkpoint. The
-        buffer's first snapshot (RLEP's pool, a resumed buffer) is what a shard that dies
-        comes back with."""
-        self.runtime, self.algorithm = runtime, algorithm
+
+class Training:
+    """A started run, whole: what each step reads (`runtime`, `algorithm`) and what follows
+    each step (`end_step`: buffer snapshots, the evaluation schedule, the step's record,
+    checkpoints, progress). Built by `Run.start`, with the run's start taken: step 0's
+    evaluation for a new run, the checkpoint restored for a resumed one. The buffer's first
+    snapshot (RLEP's pool, a resumed buffer) is what a shard that dies comes back with."""
+
+    def __init__(self, run: Run, runtime: Runtime, algorithm: Algorithm, metrics: MetricsLog):
+        self.cfg, self.folder, self.sampler, self.log = run.cfg, run.folder, run.sampler, run.log
+        self.evaluations = run.evaluations
+        self.runtime, self.algorithm, self.metrics = runtime, algorithm, metrics
+        self.first_step = run.first_step
+        self.last_step = run.first_step - 1
+        """The last step ended (`end_step`)."""
+        self.saved = run.checkpoint
+        """The latest complete checkpoint."""
         self.snapshots = BufferSnapshots(runtime.buffer, self.folder, self.cfg.replay.snapshot_every)
-        self.progress = Progress(self.cfg.run.steps, "train", unit="step", log=self.log, done=self.first_step - 1)
-        if self.state is None:
-            self.metrics.log(self.evaluations.run(runtime, step=0))
+        self.progress = Progress(self.cfg.run.steps, "train", unit="step", log=self.log, done=self.last_step)
+        if run.state is None:
+            metrics.log(self.evaluations.run(runtime, step=0))
             self.progress.update(0, **step_fields(self.evaluations.records[-1]))  # step 0 is not a step: no ETA
         else:
-            restore_run(self.checkpoint, self.state, runtime, algorithm)
-            self.log(f"resumed {self.folder.path} at step {self.state.step} (policy version "
-                     f"{self.state.policy_version}) from {self.checkpoint.name}")
-            self.progress.update(self.state.step)
+            restore_run(run.checkpoint, run.state, runtime, algorithm)
+            self.log(f"resumed {self.folder.path} at step {run.state.step} (policy version "
+                     f"{run.state.policy_version}) from {run.checkpoint.name}")
+            self.progress.update(run.state.step)
         self.snapshots.take()
 
-    def steps(self) -> Iterator[int]:
-        for self.step in range(self.first_step, self.cfg.run.steps + 1):
-            yield self.step
+    @property
+    def step_in_progress(self) -> int:
+        """The step after the last one ended (what a learner's death reports)."""
+        return self.last_step + 1
+
+    def steps(self) -> range:
+        return range(self.first_step, self.cfg.run.steps + 1)
 
     def end_step(self, record: StepRecord) -> None:
         """After step `record.step`: the scheduled buffer snapshot, the evaluation when one is
@@ -146,6 +164,7 @@ class Run:
         if step == self.cfg.run.steps or save_every and step % save_every == 0:
             self.save(step)
         self.progress.update(step, **record.progress_fields())
+        self.last_step = step
 
     def save(self, step: int) -> None:
         self.saved = save_run(self.cfg, self.folder, step, self.runtime, self.algorithm, self.sampler,

@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rayrep.algos import algorithm_class
-from rayrep.buffer.replay import PoolError, ReplayBuffer
+from rayrep.buffer.replay import ReplayStore, open_replay_store, store_kind
 from rayrep.cluster.memory import DeviceLedger, check_memory, ledger_gpus, memory_plan
 from rayrep.cluster.placement import Placement, Plan, make_plan
 from rayrep.config import Config
@@ -50,17 +50,11 @@ def connect_ray(plan: Plan) -> bool:
     return True
 
 
-def join_pool_cluster(pool: str) -> None:
-    """A run attached to a named pool joins the cluster the pool lives on before anything
-    starts: RAY_ADDRESS's, else the one `ray start` runs on this machine (a local cluster of
-    its own would hold no pool). A PoolError if there is none."""
-    if ray.is_initialized():
-        return
-    try:
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True, logging_level=logging.ERROR)
-    except ConnectionError as err:
-        raise PoolError(f"replay.pool {pool!r}: no Ray cluster to find the pool on ({err}); a pool lives on a "
-                        f"running cluster (ray start --head; jobs/pool.py start): run there, or set RAY_ADDRESS") from None
+def run_plan(cfg: Config, train: bool = True) -> Plan:
+    """The placement plan of a run (`train=False`: a sampling job's), with the replay shards
+    its algorithm's store needs placed."""
+    shards = store_kind(cfg).shards_to_place(cfg) if train and algorithm_class(cfg).replays else 0
+    return make_plan(cfg, learners=train, replay_shards=shards)
 
 
 def actor_environment(cfg: Config, log_dir: str | Path | None = None) -> dict[str, str]:
@@ -95,7 +89,7 @@ class Runtime:
     verifiers: VerifierPool
     learners: LearnerGroup | None
     sync: WeightSync | None
-    buffer: ReplayBuffer | None
+    buffer: ReplayStore | None
     """The replay buffer of a run whose algorithm replays (its class's `replays`), else None."""
     ledger: DeviceLedger | None
     """Each GPU as the run fills it (a run that models its GPUs), else None."""
@@ -120,7 +114,7 @@ class Runtime:
     def __init__(self, cfg: Config, model_path: str, train: bool, policy_version: int, generator_path: str | None,
                  log_dir: str | Path | None):
         self.cfg = cfg
-        plan = make_plan(cfg, learners=train, replay=algorithm_class(cfg).replays)
+        plan = run_plan(cfg, train)
         self.started_ray = connect_ray(plan)
         self.placement = Placement(plan, cfg.placement.wait_timeout_s, cfg.placement.cluster_can_grow,
                                    actor_env=actor_environment(cfg, log_dir),
@@ -156,9 +150,7 @@ class Runtime:
         if train:
             self.sync = WeightSync(cfg, self.learners, self.generators, policy_version)
             if algorithm_class(cfg).replays:
-                replay = cfg.replay
-                self.buffer = ReplayBuffer(replay.num_shards, replay.max_answers_per_question, cfg.run.seed,
-                                           self.placement, pool=replay.pool, writer=cfg.logging.run_name)
+                self.buffer = open_replay_store(cfg, self.placement)
 
     @property
     def version(self) -> int:
