@@ -56,7 +56,7 @@ def main() -> None:
 
     from rayrep.data.loaders import load_prompts
     from rayrep.verifier import math as vm
-    from rayrep.verifier.answers import MAX_ANSWER_CHARS, last_boxed_content
+    from rayrep.verifier.final_answer import MAX_ANSWER_CHARS, last_boxed_content
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "dapo-sized.parquet"

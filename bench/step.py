@@ -222,8 +222,8 @@ def scoring_overlap(cfg, policy: str, rounds: int) -> None:
 
     from rayrep.cluster.placement import Placement, make_plan
     from rayrep.data import encode_prompts, load_split
-    from rayrep.generator.pool import GeneratorPool
-    from rayrep.verifier.pool import VerifierPool
+    from rayrep.generator.group import GeneratorGroup
+    from rayrep.verifier.group import VerifierGroup
 
     algo, gen = cfg.algorithm, cfg.generator
     prompts = load_split(cfg.data, "train")[: algo.prompts_per_step]
@@ -231,7 +231,7 @@ def scoring_overlap(cfg, policy: str, rounds: int) -> None:
     truths = [p.ground_truth for p in prompts]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     placement = Placement(make_plan(cfg, learners=False))
-    generators, verifiers = GeneratorPool.create(cfg, policy, placement), VerifierPool.create(cfg, placement)
+    generators, verifiers = GeneratorGroup.create(cfg, policy, placement), VerifierGroup.create(cfg, placement)
 
     def rollouts(parts: int, as_they_come: bool, round_index: int) -> tuple[float, float, int]:
         checking = verifiers.checking(truths)

@@ -108,7 +108,7 @@ def main(argv=None):
     import ray
 
     from rayrep.cluster.placement import Placement, make_plan
-    from rayrep.generator.pool import GeneratorPool
+    from rayrep.generator.group import GeneratorGroup
     from rayrep.learner.group import LearnerGroup
     from rayrep.models import resolve_policy
     from rayrep.runtime.system import connect_ray
@@ -125,7 +125,7 @@ def main(argv=None):
             started = connect_ray(plan)
             placement = Placement(plan)
             learners = LearnerGroup(cfg, path, placement)
-            generators = GeneratorPool.create(cfg, path, placement)
+            generators = GeneratorGroup.create(cfg, path, placement)
             try:
                 sync = WeightSync(cfg, learners, generators)
                 size_bytes = sync.manifest.total_bytes

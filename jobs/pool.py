@@ -85,7 +85,7 @@ def main(argv: list[str]) -> dict:
     if args.command == "import" and args.text:
         from rayrep.config import load_preset
         from rayrep.models import resolve_policy
-        from rayrep.pipelines.pool import read_text
+        from rayrep.pipelines.text_import import read_text
 
         cfg = load_preset(args.preset)
         policy = args.policy or resolve_policy(cfg, log=lambda _: None)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rayrep.algos.interface import Algorithm
 from rayrep.config import Config
 from rayrep.data import PromptSampler
-from rayrep.generator.pool import Share
+from rayrep.generator.group import Share
 from rayrep.run.record import StepRecord
 from rayrep.runtime.system import Runtime
 from rayrep.types import Group, StepBatch, StepPlan

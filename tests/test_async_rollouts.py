@@ -86,7 +86,7 @@ def test_pinned_cores_keep_generators_and_learners_apart(ray_cluster, tiny_cfg, 
     import ray
 
     from rayrep.cluster.placement import Placement, make_plan, pinned_cores
-    from rayrep.generator.pool import GeneratorPool
+    from rayrep.generator.group import GeneratorGroup
     from rayrep.learner.group import LearnerGroup
 
     cfg = tiny_cfg.replace(**{"placement.mode": "disaggregated", "placement.pin_cores": True, "placement.threads": 1,
@@ -98,7 +98,7 @@ def test_pinned_cores_keep_generators_and_learners_apart(ray_cluster, tiny_cfg, 
 
     placement = Placement(make_plan(cfg))
     learners = LearnerGroup(cfg, tiny_policy, placement)
-    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    generators = GeneratorGroup.create(cfg, tiny_policy, placement)
     try:
         def affinity(actor, *_):
             return sorted(os.sched_getaffinity(0))

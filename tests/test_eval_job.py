@@ -219,9 +219,9 @@ def test_eval_job_on_a_prompt_file_with_two_benchmarks(tmp_path, tiny_policy, ti
 
 @pytest.fixture(scope="module")
 def verifiers(ray_cluster, tiny_cfg):
-    from rayrep.verifier.pool import VerifierPool
+    from rayrep.verifier.group import VerifierGroup
 
-    pool = VerifierPool.create(tiny_cfg.replace(**{"verifier.num_workers": 2}))
+    pool = VerifierGroup.create(tiny_cfg.replace(**{"verifier.num_workers": 2}))
     yield pool
     pool.shutdown()
 

@@ -1,7 +1,7 @@
 """A generator (vLLM engine actor) that dies loses no prompts and hangs nothing, on a real local Ray cluster.
 
 Two generators sit in their placement group's bundles, as in a run. One is SIGKILLed in the
-middle of a generate call: `GeneratorPool.complete` starts a replacement in the dead one's
+middle of a generate call: `GeneratorGroup.complete` starts a replacement in the dead one's
 bundle and asks it the dead one's prompts whose answers had not arrived; with per-prompt
 seeds every answer is the one an undisturbed call gives. With learners and a weight sync, the replacement joins a
 rebuilt weight group and samples from the learners' current weights at the current policy
@@ -22,7 +22,7 @@ import ray
 from conftest import kill_and_wait
 from rayrep.cluster.placement import Placement, make_plan, weight_transport
 from rayrep.data import encode_prompts, load_split
-from rayrep.generator.pool import GeneratorPool
+from rayrep.generator.group import GeneratorGroup
 from rayrep.runtime.system import Runtime
 from rayrep.types import LossSpec
 from test_learner_and_sync import synthetic_batch
@@ -79,7 +79,7 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
         ray_cluster, tiny_cfg, tiny_policy):
     cfg = two_generators(tiny_cfg)
     placement = Placement(make_plan(cfg, learners=False))
-    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    generators = GeneratorGroup.create(cfg, tiny_policy, placement)
     try:
         prompt_ids = questions(cfg, tiny_policy, 2 * SHARE)
         seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
@@ -218,7 +218,7 @@ def test_a_replacement_that_cannot_start_ends_in_a_clear_error(ray_cluster, tiny
     monkeypatch.setattr(rayrep.cluster.supervisor, "READY_TIMEOUT_S", 5.0)
     cfg = two_generators(tiny_cfg)
     placement = Placement(make_plan(cfg, learners=False))
-    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    generators = GeneratorGroup.create(cfg, tiny_policy, placement)
     try:
         pending = generators.generate([[5, 6, 7, 8]] * 4, n=2, temperature=1.0, top_p=1.0, max_tokens=8)
         placement.remove()

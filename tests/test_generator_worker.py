@@ -1,4 +1,4 @@
-"""GeneratorWorker and GeneratorPool on a real local Ray cluster with a real vLLM engine."""
+"""GeneratorWorker and GeneratorGroup on a real local Ray cluster with a real vLLM engine."""
 
 import os
 
@@ -8,7 +8,7 @@ import torch
 
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.data import encode_prompts, load_split
-from rayrep.generator.pool import GeneratorPool, split_evenly
+from rayrep.generator.group import GeneratorGroup, split_evenly
 
 
 def test_split_evenly_covers_everything_in_order():
@@ -134,7 +134,7 @@ def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
 def pool(ray_cluster, tiny_cfg, tiny_policy):
     cfg = tiny_cfg.replace(**{"generator.num_workers": 2, "placement.cpus_per_bundle": 1, "placement.threads": 1})
     placement = Placement(make_plan(cfg))
-    yield cfg, GeneratorPool.create(cfg, tiny_policy, placement)
+    yield cfg, GeneratorGroup.create(cfg, tiny_policy, placement)
     placement.remove()
 
 
@@ -171,7 +171,7 @@ def test_answers_arrive_in_parts_as_they_finish_and_are_those_of_one_part(pool, 
     before the last answers do."""
     from transformers import AutoTokenizer
 
-    from rayrep.verifier.pool import VerifierPool
+    from rayrep.verifier.group import VerifierGroup
 
     cfg, generators = pool
     prompts = load_split(cfg.data, "train")[:32]
@@ -185,7 +185,7 @@ def test_answers_arrive_in_parts_as_they_finish_and_are_those_of_one_part(pool, 
 
     whole_parts, whole = call(1)
     assert sorted(sorted(part.indices) for part in whole_parts) == [list(range(16)), list(range(16, 32))]
-    verifiers = VerifierPool.create(cfg.replace(**{"verifier.num_workers": 1}))  # (one CPU is left free)
+    verifiers = VerifierGroup.create(cfg.replace(**{"verifier.num_workers": 1}))  # (one CPU is left free)
     try:
         truths = [p.ground_truth for p in prompts]
         expected = verifiers.check(whole_parts, truths)  # (the verifiers up and warm)

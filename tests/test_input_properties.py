@@ -47,7 +47,7 @@ from rayrep.buffer.answers import SOURCES, VERDICTS
 from rayrep.config import Config, ConfigError, config_fields, from_dict, parse_cli
 from rayrep.data.loaders import ROLES, PromptFileError, load_prompts
 from rayrep.verifier import math as vm
-from rayrep.verifier.answers import MAX_ANSWER_CHARS, TAIL_CHARS, Verdict, completion_item, last_boxed_content
+from rayrep.verifier.final_answer import MAX_ANSWER_CHARS, TAIL_CHARS, Verdict, completion_item, last_boxed_content
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[1]

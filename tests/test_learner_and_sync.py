@@ -7,7 +7,7 @@ import ray
 import torch
 
 from rayrep.cluster.placement import Placement, make_plan
-from rayrep.generator.pool import GeneratorPool
+from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
 from rayrep.learner.forward import mini_batches, rows_per_rank, token_budget_batches
 from rayrep.runtime.weights import WeightSync
@@ -401,7 +401,7 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
                               "model.dtype": dtype, "placement.mode": mode})
     cfg, placement, learners = make_learners(cfg, tiny_policy, 2)
     assert placement.plan.transport == {"colocated": "handles", "disaggregated": "broadcast"}[mode]
-    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    generators = GeneratorGroup.create(cfg, tiny_policy, placement)
     sync = WeightSync(cfg, learners, generators)
     assert len(sync.manifest.buckets) > 1  # several bounded buckets, not one call per tensor
     batch = synthetic_batch(seed=1)
@@ -451,7 +451,7 @@ def test_model_config_overrides_reach_learners_generators_and_checkpoints(ray_cl
         Runtime.start(tiny_cfg.replace(**long), tiny_policy)  # refused before any actor starts
     cfg = tiny_cfg.replace(**{**long, "model.rope_theta": 40000.0, "model.max_position_embeddings": 512})
     cfg, placement, learners = make_learners(cfg, tiny_policy, 1)
-    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    generators = GeneratorGroup.create(cfg, tiny_policy, placement)
     try:
         checkpoint = learners.save(str(tmp_path / "ckpt"))
         (per_prompt,) = generators.gather(generators.generate([[5, 6, 7, 8, 9, 10, 11, 12]], n=2, temperature=1.0,

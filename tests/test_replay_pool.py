@@ -260,7 +260,7 @@ def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_polic
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rayrep.pipelines.pool import import_text
+    from rayrep.pipelines.text_import import import_text
 
     name, _ = pool
     rows = 6

@@ -18,9 +18,9 @@ import ray
 from conftest import kill_and_wait
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.cluster.supervisor import MAX_RETRIES
-from rayrep.generator.pool import PendingRollouts
+from rayrep.generator.group import PendingRollouts
 from rayrep.types import Rollout
-from rayrep.verifier.pool import VerifierPool
+from rayrep.verifier.group import VerifierGroup
 
 
 def share(texts_per_prompt, start=0):
@@ -42,7 +42,7 @@ def questions(count, answers_each, start=0):
 def placed(ray_cluster, tiny_cfg):
     cfg = tiny_cfg.replace(**{"verifier.num_workers": 2, "verifier.timeout_s": 1.0})
     placement = Placement(make_plan(cfg, learners=False))
-    pool = VerifierPool.create(cfg, placement)
+    pool = VerifierGroup.create(cfg, placement)
     yield pool, placement
     pool.shutdown()
     for worker in pool.workers:

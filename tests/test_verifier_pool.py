@@ -1,13 +1,13 @@
-"""VerifierPool on a real local Ray cluster: parallel scoring, time limits, counted statuses."""
+"""VerifierGroup on a real local Ray cluster: parallel scoring, time limits, counted statuses."""
 
 import time
 
 import pytest
 import ray
 
-from rayrep.generator.pool import PendingRollouts
+from rayrep.generator.group import PendingRollouts
 from rayrep.types import Rollout
-from rayrep.verifier.pool import VerifierPool
+from rayrep.verifier.group import VerifierGroup
 
 
 def chunk(texts_per_prompt, start=0):
@@ -18,7 +18,7 @@ def chunk(texts_per_prompt, start=0):
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_cfg):
     cfg = tiny_cfg.replace(**{"verifier.num_workers": 2, "verifier.timeout_s": 1.0})
-    verifiers = VerifierPool.create(cfg)
+    verifiers = VerifierGroup.create(cfg)
     yield verifiers
     verifiers.shutdown()
 
@@ -54,5 +54,5 @@ def test_a_hanging_input_costs_at_most_the_limit_and_is_counted(pool):
 
 
 def test_zero_workers_score_in_process(ray_cluster):
-    verdicts = VerifierPool(timeout_s=1.0).check([chunk([["\\boxed{2}"]])], ["2"])
+    verdicts = VerifierGroup(timeout_s=1.0).check([chunk([["\\boxed{2}"]])], ["2"])
     assert verdicts.correct == [[True]]

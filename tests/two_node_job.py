@@ -14,7 +14,7 @@ import ray
 
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.config import load_preset
-from rayrep.generator.pool import GeneratorPool
+from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
 from rayrep.runtime.weights import WeightSync
 from rayrep.types import LossSpec
@@ -34,7 +34,7 @@ def main(address: str, tiny_policy: str) -> None:
     })
     placement = Placement(make_plan(cfg))
     learners = LearnerGroup(cfg, tiny_policy, placement)
-    generators = GeneratorPool.create(cfg, tiny_policy, placement)
+    generators = GeneratorGroup.create(cfg, tiny_policy, placement)
     try:
         sync = WeightSync(cfg, learners, generators)
         learners.update(synthetic_batch(), LossSpec())

@@ -486,7 +486,7 @@ def import_text_pool(path: str | Path, tokenizer, out_path: str | Path, reward: 
     into a rayrep pool by tokenizing it (`text_pool_rows`). Text carries no behaviour
     log-probs: they are stored as NaN, and replay must recompute them
     (`algorithm.rlep.old_logprobs = "recompute"`, the default); a shared pool's import
-    records the policy's own instead (`rayrep.pipelines.pool.import_text`)."""
+    records the policy's own instead (`rayrep.pipelines.text_import.import_text`)."""
     rows, questions, without = text_pool_rows(path, tokenizer, reward, max_response_tokens)
     written = write_pool(rows, Path(out_path), source_checkpoint=f"imported:{Path(path).name}")
     return ImportedPool(written, len(rows), questions, without)

@@ -366,7 +366,7 @@ def read_source(source: str | Path) -> Imported:
 def import_into(buffer: ReplayStore, source: str | Path | Imported) -> dict:
     """Add what `source` holds (`read_source`'s, or a path it reads first) to the buffer,
     deduplicated by token ids; a snapshot's buckets and retired questions come along. Text
-    pools need the policy to tokenize and score them: `rayrep.pipelines.pool.import_text`."""
+    pools need the policy to tokenize and score them: `rayrep.pipelines.text_import.import_text`."""
     read = source if isinstance(source, Imported) else read_source(source)
     stored = add_in_parts(buffer, read.items)
     stats = buffer.apply(buckets=read.buckets, retire=read.retire) if read.buckets or read.retire else buffer.stats()

@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 
 from rayrep.config import Config
 from rayrep.eval.formulas import summarize_by_source
-from rayrep.generator.pool import PendingRollouts, Share, split_evenly
+from rayrep.generator.group import PendingRollouts, Share, split_evenly
 from rayrep.progress import Progress
 from rayrep.runtime.system import Runtime
 from rayrep.types import Prompt, Rollout
-from rayrep.verifier.pool import VerifierPool
+from rayrep.verifier.group import VerifierGroup
 
 
 EVAL_SLICES = 20
@@ -41,7 +41,7 @@ def eval_slices(samples: Sequence[int], generators: int = 1) -> list[range]:
 
 
 def _score_in_slices(
-    verifiers: VerifierPool,
+    verifiers: VerifierGroup,
     prompts: Sequence[Prompt],
     slices: Sequence[range],
     sample_slice: Callable[[range], Sequence[Share | PendingRollouts]],
@@ -51,7 +51,7 @@ def _score_in_slices(
     """Sample each slice of questions (`sample_slice(indices)`; the next slice's sampling starts
     before this one is scored), score it on the verifier pool, and summarize every verdict at
     the end: the metrics are those of one slice holding all questions, whatever the slicing.
-    `complete`: `GeneratorPool.complete`, which hands a slice's answers to the verifiers as
+    `complete`: `GeneratorGroup.complete`, which hands a slice's answers to the verifiers as
     they arrive (a dead generator replaced, its prompts asked again); its counts are reported
     as `generator_replaced` and `generator_retried_prompts` when not zero. None: the answers
     are given (`sample_slice` returns them as `PendingRollouts`), scored as they are."""
@@ -131,7 +131,7 @@ def evaluate(
 
 
 def score_answers(
-    verifiers: VerifierPool,
+    verifiers: VerifierGroup,
     prompts: Sequence[Prompt],
     answers: Sequence[Sequence[str]],
     progress: Progress | None = None,

@@ -21,13 +21,13 @@ from rayrep.cluster.memory import DeviceLedger, check_memory, ledger_gpus, memor
 from rayrep.cluster.placement import Placement, Plan, make_plan
 from rayrep.config import Config
 from rayrep.generator.engine import check_vllm_version
-from rayrep.generator.pool import GeneratorPool
+from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
 from rayrep.library_output import library_log_env
 from rayrep.models import check_context
 from rayrep.runtime.weights import WeightSync
 from rayrep.sync.collective import nccl_environment
-from rayrep.verifier.pool import VerifierPool
+from rayrep.verifier.group import VerifierGroup
 
 
 def connect_ray(plan: Plan) -> bool:
@@ -85,8 +85,8 @@ class Runtime:
 
     cfg: Config
     placement: Placement
-    generators: GeneratorPool
-    verifiers: VerifierPool
+    generators: GeneratorGroup
+    verifiers: VerifierGroup
     learners: LearnerGroup | None
     sync: WeightSync | None
     buffer: ReplayStore | None
@@ -137,9 +137,9 @@ class Runtime:
         # engines are built after, on the GPUs they left, and take their share of each. Their
         # processes come up and import vLLM meanwhile. Elsewhere the engines are built while
         # the learners set up (on a CPU machine their imports and loads overlap).
-        self.generators = GeneratorPool.start(cfg, generator_path or model_path, self.placement, policy_version,
+        self.generators = GeneratorGroup.start(cfg, generator_path or model_path, self.placement, policy_version,
                                               on_replaced=self.bring_to_policy, engines=not turns)
-        self.verifiers = VerifierPool.create(cfg, self.placement)
+        self.verifiers = VerifierGroup.create(cfg, self.placement)
         if train:
             self.learners = LearnerGroup(cfg, model_path, self.placement)
         if turns:

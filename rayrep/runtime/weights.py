@@ -21,7 +21,7 @@ import ray
 
 from rayrep.config import Config
 
-from rayrep.generator.pool import GeneratorPool
+from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
 
 
@@ -34,7 +34,7 @@ def engine_ranks(engines: int, tensor_parallel_size: int) -> list[list[int]]:
 
 
 class WeightSync:
-    def __init__(self, cfg: Config, learners: LearnerGroup, generators: GeneratorPool, version: int = 0):
+    def __init__(self, cfg: Config, learners: LearnerGroup, generators: GeneratorGroup, version: int = 0):
         self.cfg, self.learners, self.generators = cfg, learners, generators
         self.manifest = learners.weight_manifest(int(cfg.sync.bucket_mb * 2**20))
         self.version = version
@@ -58,7 +58,7 @@ class WeightSync:
         return self._send(onload=False)
 
     def rebuild(self) -> dict[str, float]:
-        """After a generator was replaced (`GeneratorPool.complete`): a group admits no new
+        """After a generator was replaced (`GeneratorGroup.complete`): a group admits no new
         member, so every member leaves it and a new one is made with the pool's generators as
         they are now; then the current weights go to all of them at the current version (no
         new version: the survivors receive what they hold). The learners' parameters may be in

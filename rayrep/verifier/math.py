@@ -7,7 +7,7 @@ timeouts and errors; `verify_batch` checks many completions in one round trip.
 
 The final answer is the content of the ``\\boxed{...}`` (several boxes answer together, as
 math-verify reads them), or without one, what math-verify extracts from the end of the
-text (`rayrep.verifier.answers`). Every
+text (`rayrep.verifier.final_answer`). Every
 check runs in a sandbox process with a hard wall-clock limit (`rayrep.verifier.sandbox`);
 the module-level functions share one sandbox per process, started on first use. Nothing
 here needs an ``if __name__ == "__main__":`` guard.
@@ -19,7 +19,7 @@ import os
 import threading
 from typing import Sequence
 
-from rayrep.verifier.answers import MAX_ANSWER_CHARS, Verdict, last_boxed_content
+from rayrep.verifier.final_answer import MAX_ANSWER_CHARS, Verdict, last_boxed_content
 from rayrep.verifier.reward import Style, correctness_reward
 from rayrep.verifier.sandbox import DEFAULT_TIMEOUT_S, MathSandbox, SandboxError
 

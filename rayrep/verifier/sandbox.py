@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Sequence
 
-from rayrep.verifier.answers import Item, Verdict, completion_item, reference_problem
+from rayrep.verifier.final_answer import Item, Verdict, completion_item, reference_problem
 
 __all__ = ["DEFAULT_MEMORY_LIMIT_BYTES", "DEFAULT_TIMEOUT_S", "MathSandbox", "SandboxError"]
 

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rayrep.verifier.answers import BOXED, MAX_ANSWER_CHARS, Item
+from rayrep.verifier.final_answer import BOXED, MAX_ANSWER_CHARS, Item
 
 # An unescaped dollar sign, or \( or \[: text math-verify reads as LaTeX without boxing it.
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\\(|\\\[")

@@ -1,4 +1,4 @@
-"""GeneratorPool: splits a batch of prompts across W generator workers, whose answers
+"""GeneratorGroup: splits a batch of prompts across W generator workers, whose answers
 arrive in parts as their engines finish them (so that the verifiers score a part while the
 rest is sampled).
 
@@ -79,7 +79,7 @@ def split_evenly(count: int, parts: int) -> list[range]:
     return ranges
 
 
-class GeneratorPool:
+class GeneratorGroup:
     def __init__(self, workers: list[ray.actor.ActorHandle], cfg: Config | None = None, model_path: str | None = None,
                  placement: Placement | None = None, version: int = 0,
                  on_replaced: Callable[[list[int]], None] | None = None):
@@ -95,20 +95,20 @@ class GeneratorPool:
 
     @staticmethod
     def create(cfg: Config, model_path: str, placement: Placement, version: int = 0,
-               on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorPool":
+               on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorGroup":
         """The pool, its engines up."""
-        pool = GeneratorPool.start(cfg, model_path, placement, version, on_replaced)
+        pool = GeneratorGroup.start(cfg, model_path, placement, version, on_replaced)
         pool.wait_until_idle()
         return pool
 
     @staticmethod
     def start(cfg: Config, model_path: str, placement: Placement, version: int = 0,
-              on_replaced: Callable[[list[int]], None] | None = None, engines: bool = True) -> "GeneratorPool":
+              on_replaced: Callable[[list[int]], None] | None = None, engines: bool = True) -> "GeneratorGroup":
         """The pool, its engines starting: other roles may set up meanwhile (`wait_until_idle`).
         `engines=False`: the workers come up without their engines, built by `start_engines`."""
         workers = [start_worker(cfg, model_path, placement, i, version, engines)
                    for i in range(len(placement.plan.slots["generator"]))]
-        return GeneratorPool(workers, cfg, model_path, placement, version, on_replaced)
+        return GeneratorGroup(workers, cfg, model_path, placement, version, on_replaced)
 
     def start_engines(self) -> None:
         """Every engine built (those a pool started without them)."""

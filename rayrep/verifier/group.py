@@ -1,4 +1,4 @@
-"""VerifierPool: CPU actors scoring completions in parallel with math-verify.
+"""VerifierGroup: CPU actors scoring completions in parallel with math-verify.
 
 Each VerifierWorker owns a `MathSandbox` (a child process with a hard per-item time
 limit), so one hanging input costs at most `verifier.timeout_s` and never stalls a step
@@ -28,7 +28,7 @@ from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
 from rayrep.eval import maj_at_k
-from rayrep.generator.pool import PendingRollouts
+from rayrep.generator.group import PendingRollouts
 from rayrep.library_output import route_library_output
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
@@ -95,7 +95,7 @@ def _start_worker(timeout_s: float, placement: Placement | None, index: int) -> 
     return RemoteVerifierWorker.options(**options).remote(timeout_s)
 
 
-class VerifierPool:
+class VerifierGroup:
     def __init__(self, timeout_s: float, workers: list[ray.actor.ActorHandle] | None = None,
                  placement: Placement | None = None):
         """`workers`: VerifierWorker handles; empty or None scores in-process. `placement`:
@@ -106,10 +106,10 @@ class VerifierPool:
         self.workers = self.supervisor.workers
 
     @staticmethod
-    def create(cfg: Config, placement: Placement | None = None) -> "VerifierPool":
+    def create(cfg: Config, placement: Placement | None = None) -> "VerifierGroup":
         timeout_s = cfg.verifier.timeout_s
         workers = [_start_worker(timeout_s, placement, i) for i in range(cfg.verifier.num_workers)]
-        return VerifierPool(timeout_s, workers, placement)
+        return VerifierGroup(timeout_s, workers, placement)
 
     def check(self, pending: Sequence[PendingRollouts], truths: list[str], majority: bool = False) -> Verdicts:
         """Verdicts for the rollouts of `pending`, in prompt order: `checking`, given every part at once."""
@@ -119,7 +119,7 @@ class VerifierPool:
         return checking.result()
 
     def checking(self, truths: list[str], majority: bool = False) -> "Checking":
-        """A check whose parts are sent as they arrive (`GeneratorPool.complete`'s `on_arrival`)
+        """A check whose parts are sent as they arrive (`GeneratorGroup.complete`'s `on_arrival`)
         and whose verdicts are read once all are in. `truths[i]` is the ground truth of prompt
         i; `majority`: also judge each prompt's majority answer."""
         return Checking(self, truths, majority)
@@ -144,7 +144,7 @@ class Checking:
     part, RuntimeError. Other errors (a part's ref that failed upstream) propagate.
     """
 
-    def __init__(self, pool: VerifierPool, truths: list[str], majority: bool):
+    def __init__(self, pool: VerifierGroup, truths: list[str], majority: bool):
         self.pool, self.truths, self.majority = pool, truths, majority
         self.parts: list[PendingRollouts] = []
         self.sent: list[tuple[ray.actor.ActorHandle, ray.ObjectRef]] = []
