@@ -73,7 +73,9 @@ from rayrep.cluster.placement import free_port  # noqa: E402
 from rayrep.cluster.residency import Holding  # noqa: E402
 from rayrep.config import load_preset  # noqa: E402
 from rayrep.sync.collective import TensorSpec, WeightManifest  # noqa: E402
-from rayrep.sync.transport import PeerDied, join_as_engine_worker, join_as_learner  # noqa: E402
+from rayrep.sync.transport import TRANSPORTS, PeerDied  # noqa: E402
+
+HANDLES = TRANSPORTS["handles"]
 
 WIDE = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
             num_key_value_heads=4, tie_word_embeddings=False)
@@ -353,7 +355,7 @@ def stand_in_engine(commands, answers, device_name: str, ballast: int, sizes: di
                 hold(tuple(args[0]))
                 answers.put(("held", device_used(device)))
             elif command == "join":
-                channel = join_as_engine_worker("handles", "127.0.0.1", args[0], 2, 1, "gloo", device)
+                channel = HANDLES.join_as_engine_worker("127.0.0.1", args[0], 2, 1, "gloo", device)
                 answers.put(("joined", None))
             elif command == "receive":
                 manifest, die_after = args
@@ -578,7 +580,7 @@ def soak_receiver(port: int, device_name: str, manifest: WeightManifest, syncs: 
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    channel = join_as_engine_worker("handles", "127.0.0.1", port, 2, 1, "gloo", device)
+    channel = HANDLES.join_as_engine_worker("127.0.0.1", port, 2, 1, "gloo", device)
     weights = torch.empty(manifest.total_bytes // 2, dtype=torch.bfloat16, device=device)
     offsets, at = {}, 0
     for spec in manifest.tensors:
@@ -623,7 +625,7 @@ def soak_check(device: torch.device, manifest: WeightManifest, syncs: int) -> di
     receiver = context.Process(target=soak_receiver, args=(port, str(device), manifest, syncs, expected, results),
                                daemon=True)
     receiver.start()
-    channel = join_as_learner("handles", "127.0.0.1", port, 2, 0, "gloo", device)
+    channel = HANDLES.join_as_learner("127.0.0.1", port, 2, 0, "gloo", device)
     seconds, reserved = [], []
     try:
         for sync in range(syncs):
@@ -663,7 +665,7 @@ def receive_handoffs(port: int, device_name: str, manifest: WeightManifest, sync
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    channel = join_as_engine_worker("handles", "127.0.0.1", port, 2, 1, "gloo", device)
+    channel = HANDLES.join_as_engine_worker("127.0.0.1", port, 2, 1, "gloo", device)
     for _ in range(syncs):
         last = None
         for _, tensor in channel.receive(manifest):
@@ -697,7 +699,7 @@ def handoff_check(device: torch.device, total_bytes: int, bucket_bytes: int, rep
     receiver = context.Process(target=receive_handoffs, args=(port, str(device), manifest, repeats + 1, results),
                                daemon=True)
     receiver.start()
-    channel = join_as_learner("handles", "127.0.0.1", port, 2, 0, "gloo", device)
+    channel = HANDLES.join_as_learner("127.0.0.1", port, 2, 0, "gloo", device)
     times = []
     try:
         for _ in range(repeats + 1):  # the first opens the handles: not timed

@@ -112,7 +112,7 @@ def main(argv=None):
     from rayrep.learner.group import LearnerGroup
     from rayrep.models import resolve_policy
     from rayrep.runtime.system import connect_ray
-    from rayrep.runtime.weights import WeightSync
+    from rayrep.sync.weights import WeightSync
 
     cfg = cfg.replace(**{"learner.num_workers": 1, "generator.num_workers": 1, "verifier.num_workers": 0,
                          "placement.mode": "disaggregated", "placement.threads": 1, "placement.cpus_per_bundle": 1})

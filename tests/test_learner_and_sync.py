@@ -10,7 +10,7 @@ from rayrep.cluster.placement import Placement, make_plan
 from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
 from rayrep.learner.forward import mini_batches, rows_per_rank, token_budget_batches
-from rayrep.runtime.weights import WeightSync
+from rayrep.sync.weights import WeightSync
 from rayrep.types import LossSpec, TrainBatch
 
 

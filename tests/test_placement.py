@@ -10,7 +10,7 @@ import ray
 from rayrep.cluster.placement import Placement, PlacementError, check_fits, free_port, make_plan
 from rayrep.config import ConfigError, load_preset
 from rayrep.runtime.system import run_plan
-from rayrep.runtime.weights import engine_ranks
+from rayrep.sync.weights import engine_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,9 +16,10 @@ from rayrep.config import load_preset
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.cluster.memory import LEARNER, SEND_BUFFERS
 from rayrep.cluster.residency import ABSENT, Residency
-from rayrep.sync.transport import SLOTS, PeerDied, join_as_engine_worker, join_as_learner, paired_worker
+from rayrep.sync.transport import SLOTS, TRANSPORTS, PeerDied, paired_worker
 
 CPU = torch.device("cpu")
+HANDLES = TRANSPORTS["handles"]
 
 
 def manifest() -> WeightManifest:
@@ -39,7 +40,7 @@ def engine_worker(port: int, syncs: int, results, die_after: int | None, sender:
     `die_after`: exit abruptly (as a killed process does) after copying that many buckets of the first."""
     import os
 
-    channel = join_as_engine_worker("handles", "127.0.0.1", port, 2, 1, "gloo", CPU)
+    channel = HANDLES.join_as_engine_worker("127.0.0.1", port, 2, 1, "gloo", CPU)
     for _ in range(syncs):
         received, buffers = {}, 0
         for count, (name, tensor) in enumerate(channel.receive(manifest())):
@@ -73,7 +74,7 @@ def test_the_engine_worker_receives_every_bucket_of_two_syncs_through_shared_mem
     assert len(layout.buckets) > SLOTS + 1  # the sender refills its buffers
     port = free_port()
     process, results = start_worker(port, syncs=2)
-    channel = join_as_learner("handles", "127.0.0.1", port, 2, 0, "gloo", CPU)
+    channel = HANDLES.join_as_learner("127.0.0.1", port, 2, 0, "gloo", CPU)
     residency = Residency("learner rank 0", LEARNER, {}, sizes={})
     try:
         for seed in (1, 2):  # a second sync has buffers of its own, and the store's keys start afresh
@@ -109,7 +110,7 @@ def test_a_learner_rank_hands_its_tensors_to_the_engine_worker_on_its_own_gpu():
 def test_a_sender_whose_engine_worker_dies_fails_at_once_naming_it():
     port = free_port()
     process, _ = start_worker(port, syncs=1, die_after=1)
-    channel = join_as_learner("handles", "127.0.0.1", port, 2, 0, "gloo", CPU)
+    channel = HANDLES.join_as_learner("127.0.0.1", port, 2, 0, "gloo", CPU)
     start = time.monotonic()
     try:
         with pytest.raises(PeerDied, match="engine worker 0"):

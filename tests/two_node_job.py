@@ -16,7 +16,7 @@ from rayrep.cluster.placement import Placement, make_plan
 from rayrep.config import load_preset
 from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
-from rayrep.runtime.weights import WeightSync
+from rayrep.sync.weights import WeightSync
 from rayrep.types import LossSpec
 from test_learner_and_sync import full_state, logprob_gap, model_with, synthetic_batch
 

@@ -11,6 +11,7 @@ from rayrep.config import Config
 from rayrep.learner.sums import MetricSums
 from rayrep.learner.worker import RemoteLearnerWorker
 from rayrep.sync.collective import TensorSpec, WeightManifest
+from rayrep.sync.transport import TRANSPORTS
 from rayrep.types import LossSpec, TrainBatch
 
 
@@ -94,7 +95,7 @@ class LearnerGroup:
         """The ranks that send join the weight transport: rank 0 (a broadcast), or the first
         `world_size - 1` (colocated handles: one per engine worker, the one beside it);
         returns refs to wait on with the generators' joins."""
-        senders = world_size - 1 if weight_transport(self.cfg) == "handles" else 1
+        senders = TRANSPORTS[weight_transport(self.cfg)].senders(world_size)
         return [w.join_weight_group.remote(host, port, world_size) for w in self.workers[:senders]]
 
     def leave_weight_group(self) -> list[ray.ObjectRef]:

@@ -274,11 +274,11 @@ class LearnerWorker:
         0 broadcasts to every engine worker, or, colocated, each rank hands the engine worker
         beside it its tensors."""
         from rayrep.cluster.placement import weight_transport
-        from rayrep.sync.transport import join_as_learner
+        from rayrep.sync.transport import TRANSPORTS
 
-        self.weight_channel = join_as_learner(weight_transport(self.cfg), host, port, world_size, self.rank,
-                                              self.cfg.placement.collective_backend, self.device,
-                                              timedelta(seconds=self.cfg.sync.timeout_s))
+        self.weight_channel = TRANSPORTS[weight_transport(self.cfg)].join_as_learner(
+            host, port, world_size, self.rank, self.cfg.placement.collective_backend, self.device,
+            timedelta(seconds=self.cfg.sync.timeout_s))
 
     def leave_weight_group(self) -> None:
         """Leave the weight transport (it is rebuilt when a generator is replaced)."""
@@ -300,7 +300,7 @@ class LearnerWorker:
             try:
                 if self.weight_channel is not None:
                     self.weight_channel.send(manifest, tensors, self.residency)
-            except Exception:  # a generator died mid-sync (`WeightSync.push` replaces it)
+            except Exception:  # a generator died mid-sync (the runtime replaces it: `Runtime.sync_weights`)
                 self.leave_weight_group()  # the live generators' receives fail now, not at the timeout
                 raise
             finally:

@@ -17,8 +17,11 @@
   finds the engine worker on its own GPU by the GPU's UUID: with tensor parallelism vLLM's
   Ray executor numbers its workers' GPUs its own way, not in the bundles' order.
 
-`rayrep.cluster.placement.weight_transport` is the one place the choice is made; the placement plan
-(and so `--dry-run`) names it.
+Each is a `Transport` (`TRANSPORTS`), both of its ends and how many learner ranks send; the
+runtime's side of a sync is `rayrep.sync.weights.WeightSync`. Which one a run uses is chosen in
+one place, `rayrep.cluster.placement.weight_transport`: it follows from where the roles are
+placed, and the memory and placement plans (and so `--dry-run`), which sit below this
+package, need it too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import uuid
 import weakref
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,8 +42,6 @@ import torch.distributed as dist
 from rayrep.cluster.memory import SEND_BUFFERS
 from rayrep.cluster.residency import ABSENT, DEVICE, Residency
 from rayrep.sync.collective import GROUP_TIMEOUT, WeightGroup, WeightManifest, open_group, pack_bucket, unpack_bucket
-
-Transport = Literal["broadcast", "handles"]
 
 SLOTS = 2
 """Buffers a handle sender fills in turn: bucket b waits until the worker has copied bucket b - 2."""
@@ -237,30 +238,71 @@ def paired_worker(rank: int, identity: str, workers: dict[int, str]) -> int:
                        f"workers' GPUs: {dict(sorted(workers.items()))}")
 
 
-def join_as_learner(transport: Transport, host: str, port: int, world_size: int, rank: int, backend: str,
-                    device: torch.device, timeout: timedelta = GROUP_TIMEOUT) -> WeightChannel | None:
-    """Learner rank `rank`'s end of the weight transport, or None when it sends nothing
-    (`broadcast`: ranks other than 0). Every member's join must be in flight together."""
-    if transport == "broadcast":
+class Transport:
+    """One way a sync's buckets reach the engines: both ends of it, and how many learner
+    ranks send. `TRANSPORTS` holds the two; `rayrep.cluster.placement.weight_transport`
+    names the run's."""
+
+    name: str
+
+    def senders(self, world_size: int) -> int:
+        """How many learner ranks (the first ones) join a transport of `world_size` members."""
+        raise NotImplementedError
+
+    def join_as_learner(self, host: str, port: int, world_size: int, rank: int, backend: str,
+                        device: torch.device, timeout: timedelta = GROUP_TIMEOUT) -> WeightChannel | None:
+        """Learner rank `rank`'s end, or None when it sends nothing. Every member's join must
+        be in flight together."""
+        raise NotImplementedError
+
+    def join_as_engine_worker(self, host: str, port: int, world_size: int, group_rank: int, backend: str,
+                              device: torch.device, timeout: timedelta = GROUP_TIMEOUT) -> WeightChannel:
+        """Engine worker `group_rank - 1`'s end (group rank 0 is learner rank 0's)."""
+        raise NotImplementedError
+
+
+class Broadcast(Transport):
+    """Learner rank 0 broadcasts every bucket over a group whose other members are the engines' workers."""
+
+    name = "broadcast"
+
+    def senders(self, world_size: int) -> int:
+        return 1
+
+    def join_as_learner(self, host, port, world_size, rank, backend, device, timeout=GROUP_TIMEOUT):
         return open_group(host, port, world_size, 0, backend, device, timeout) if rank == 0 else None
-    store = _store(host, port, rank == 0, timeout)
-    identity = device_identity(device)
-    workers = {w: store.get(f"device{w}").decode() for w in range(world_size - 1)} if identity else {}
-    worker = paired_worker(rank, identity, workers)
-    peer_pid = int(store.get(f"pid{worker}"))  # the worker beside this rank has joined
-    return HandleChannel(store, worker, device, peer_pid, timeout)
 
-
-def join_as_engine_worker(transport: Transport, host: str, port: int, world_size: int, group_rank: int,
-                          backend: str, device: torch.device, timeout: timedelta = GROUP_TIMEOUT) -> WeightChannel:
-    """Engine worker `group_rank - 1`'s end (group rank 0 is learner rank 0's)."""
-    if transport == "broadcast":
+    def join_as_engine_worker(self, host, port, world_size, group_rank, backend, device, timeout=GROUP_TIMEOUT):
         return open_group(host, port, world_size, group_rank, backend, device, timeout)
-    worker = group_rank - 1
-    store = _store(host, port, False, timeout)
-    store.set(f"device{worker}", device_identity(device))
-    store.set(f"pid{worker}", str(os.getpid()))
-    return HandleChannel(store, worker, device, timeout=timeout)
+
+
+class Handles(Transport):
+    """Each learner rank hands the engine worker on its own GPU (or, on CPU, of its own index)
+    handles to buffers it packs, through a `TCPStore` hosted by learner rank 0."""
+
+    name = "handles"
+
+    def senders(self, world_size: int) -> int:
+        return world_size - 1  # one per engine worker, the one beside it
+
+    def join_as_learner(self, host, port, world_size, rank, backend, device, timeout=GROUP_TIMEOUT):
+        store = _store(host, port, rank == 0, timeout)
+        identity = device_identity(device)
+        workers = {w: store.get(f"device{w}").decode() for w in range(world_size - 1)} if identity else {}
+        worker = paired_worker(rank, identity, workers)
+        peer_pid = int(store.get(f"pid{worker}"))  # the worker beside this rank has joined
+        return HandleChannel(store, worker, device, peer_pid, timeout)
+
+    def join_as_engine_worker(self, host, port, world_size, group_rank, backend, device, timeout=GROUP_TIMEOUT):
+        worker = group_rank - 1
+        store = _store(host, port, False, timeout)
+        store.set(f"device{worker}", device_identity(device))
+        store.set(f"pid{worker}", str(os.getpid()))
+        return HandleChannel(store, worker, device, timeout=timeout)
+
+
+TRANSPORTS: dict[str, Transport] = {transport.name: transport for transport in (Broadcast(), Handles())}
+"""The transports by name (`rayrep.cluster.placement.weight_transport` gives the run's)."""
 
 
 def _store(host: str, port: int, hosts: bool, timeout: timedelta) -> dist.TCPStore:

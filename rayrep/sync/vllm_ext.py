@@ -68,11 +68,11 @@ class WeightSyncExtension:
         # rank) follows the engine's first.
         from datetime import timedelta
 
-        from rayrep.sync.transport import join_as_engine_worker
+        from rayrep.sync.transport import TRANSPORTS
 
         rank = first_rank + getattr(self, "rank", 0)
-        self._rayrep_channel = join_as_engine_worker(transport, host, port, world_size, rank, backend,
-                                                     self._rayrep_device(), timedelta(seconds=timeout_s))
+        self._rayrep_channel = TRANSPORTS[transport].join_as_engine_worker(
+            host, port, world_size, rank, backend, self._rayrep_device(), timedelta(seconds=timeout_s))
 
     def rayrep_leave_weight_group(self) -> None:
         """Leave the transport (to join a rebuilt one, after a generator was replaced); a worker

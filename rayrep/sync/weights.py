@@ -1,11 +1,14 @@
 """WeightSync: after each update, the learner's weights go to every generator.
 
 A sync gathers full tensors from the FSDP shards bucket by bucket and sends each bucket
-through the run's weight transport (`rayrep.cluster.placement.weight_transport`): a broadcast from
-learner rank 0 over a group of its own (gloo on CPU, NCCL on GPU) whose other members are
-the generator workers, or, colocated, handles from each learner rank to the engine worker
-beside it (`rayrep.sync.transport`). Generators load everything in one `reload_weights`
-and move to the new policy version.
+through the run's weight transport (`rayrep.sync.transport`, chosen by
+`rayrep.cluster.placement.weight_transport`): a broadcast from learner rank 0 over a group of
+its own (gloo on CPU, NCCL on GPU) whose other members are the generator workers, or,
+colocated, handles from each learner rank to the engine worker beside it. Generators load
+everything in one `reload_weights` (`rayrep.sync.vllm_ext`) and move to the new policy
+version. This module is the runtime's side; both ends run in the actors
+(`LearnerWorker.broadcast_weights`, `GeneratorWorker.receive_weights`), and what it asks of
+each group is `Senders` and `Receivers`, so that it imports neither.
 
 A transport admits no new member: when a generator is replaced, every member leaves and a
 new one is made with the replacement in it (`rebuild`), which then receives the current
@@ -17,12 +20,35 @@ the dead one (`Runtime.sync_weights`), which rebuilds the transport and sends ag
 from __future__ import annotations
 
 import time
+from typing import Protocol
+
 import ray
 
 from rayrep.config import Config
+from rayrep.sync.collective import WeightManifest
 
-from rayrep.generator.group import GeneratorGroup
-from rayrep.learner.group import LearnerGroup
+
+class Senders(Protocol):
+    """What a sync asks of the learners (`rayrep.learner.group.LearnerGroup`)."""
+
+    def weight_manifest(self, bucket_bytes: int) -> WeightManifest: ...
+
+    def rendezvous_address(self) -> tuple[str, int]: ...
+
+    def join_weight_group(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef]: ...
+
+    def leave_weight_group(self) -> list[ray.ObjectRef]: ...
+
+    def broadcast_weights(self, manifest: WeightManifest, onload: bool = False) -> list[ray.ObjectRef]: ...
+
+
+class Receivers(Protocol):
+    """What a sync asks of the generators (`rayrep.generator.group.GeneratorGroup`): their
+    actors (`join_weight_group`, `leave_weight_group`, `receive_weights` each) and a barrier."""
+
+    workers: list
+
+    def wait_until_idle(self) -> None: ...
 
 
 def engine_ranks(engines: int, tensor_parallel_size: int) -> list[list[int]]:
@@ -34,7 +60,7 @@ def engine_ranks(engines: int, tensor_parallel_size: int) -> list[list[int]]:
 
 
 class WeightSync:
-    def __init__(self, cfg: Config, learners: LearnerGroup, generators: GeneratorGroup, version: int = 0):
+    def __init__(self, cfg: Config, learners: Senders, generators: Receivers, version: int = 0):
         self.cfg, self.learners, self.generators = cfg, learners, generators
         self.manifest = learners.weight_manifest(int(cfg.sync.bucket_mb * 2**20))
         self.version = version
