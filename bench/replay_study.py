@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rayrep.config import Config, ConfigError, parse_cli  # noqa: E402
-from rayrep.eval.study import study_table, summarize_study  # noqa: E402
+from rayrep.stats.study import study_table, summarize_study  # noqa: E402
 from rayrep.plots import load_run_metrics, plot_study  # noqa: E402
 from rayrep.pipelines.compare import check_finished_run, run_stage  # noqa: E402
 from rayrep.run.layout import RunFolder  # noqa: E402

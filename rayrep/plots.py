@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rayrep.errors import InputError
-from rayrep.eval.study import mean_curve, series
+from rayrep.stats.study import mean_curve, series
 from rayrep.run.layout import RunFolder
 
 

@@ -251,7 +251,7 @@ def curve(values, se=0.01, every=10):
 
 
 def test_mean_and_standard_error_by_hand():
-    from rayrep.eval.formulas import mean_and_se
+    from rayrep.stats.formulas import mean_and_se
 
     mean, se = mean_and_se([1.0, 2.0, 3.0, 4.0])
     # deviations -1.5, -0.5, 0.5, 1.5: squares sum to 5; sample variance 5/3; SE sqrt(5/3/4)
@@ -263,8 +263,8 @@ def test_mean_and_standard_error_by_hand():
 
 
 def test_study_summary_of_made_up_curves():
-    from rayrep.eval.formulas import mean_and_se
-    from rayrep.eval.study import first_step_reaching, mean_curve, study_table, summarize_study
+    from rayrep.stats.formulas import mean_and_se
+    from rayrep.stats.study import first_step_reaching, mean_curve, study_table, summarize_study
 
     assert first_step_reaching([(0, 0.1), (10, 0.3), (20, 0.5)], 0.3) == 10
     assert first_step_reaching([(0, 0.1)], 0.3) is None

@@ -1,9 +1,10 @@
-"""Evaluation: the formulas (`formulas`: avg@k, unbiased pass@k, the standard error;
-maj@k votes with the verifier, `rayrep.verifier.voting`), the runner that evaluates a
-policy on a runtime (`runner`), and the report (`report`). The formulas' names are
-stable: `rayrep.eval.pass_at_k`, `rayrep.eval.maj_at_k`."""
+"""Evaluation, one floor above the runtime: the runner that evaluates a policy on a runtime
+(`runner`) and the report (`report`). The formulas it uses are pure statistics on the bottom
+floor (`rayrep.stats.formulas`: avg@k, unbiased pass@k, the standard error; maj@k votes with
+the verifier, `rayrep.verifier.voting`); their names here are stable:
+`rayrep.eval.pass_at_k`, `rayrep.eval.maj_at_k`."""
 
-from rayrep.eval.formulas import (avg_at_k, mean_and_se, pass_at_k, pass_ks, standard_error, summarize,
+from rayrep.stats.formulas import (avg_at_k, mean_and_se, pass_at_k, pass_ks, standard_error, summarize,
                                   summarize_by_source)
 from rayrep.verifier.voting import maj_at_k
 

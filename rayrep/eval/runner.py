@@ -1,6 +1,6 @@
 """The one path that evaluates a policy (training-time evaluations, `jobs/eval.py`, a
 pipeline's checkpoint): sample on a runtime's generators in slices, score on its
-verifiers, summarize per benchmark (`rayrep.eval.formulas`)."""
+verifiers, summarize per benchmark (`rayrep.stats.formulas`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from rayrep.config import Config
-from rayrep.eval.formulas import summarize_by_source
+from rayrep.stats.formulas import summarize_by_source
 from rayrep.generator.group import PendingRollouts, Share, split_evenly
 from rayrep.progress import Progress
 from rayrep.runtime.system import Runtime

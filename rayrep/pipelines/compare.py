@@ -19,7 +19,7 @@ from rayrep.algos import ALGORITHMS, GRPO
 from rayrep.buffer.files import check_pool_file
 from rayrep.config import Config, ConfigError, InputError, differing_fields
 from rayrep.eval.runner import evaluate_checkpoint
-from rayrep.eval.study import compare_runs, comparison_table
+from rayrep.stats.study import compare_runs, comparison_table
 from rayrep.pipelines.collect import collect_pool
 from rayrep.plots import plot_curves
 from rayrep.run.lifecycle import RunResult

@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
-from rayrep.eval import maj_at_k
+from rayrep.verifier.voting import maj_at_k
 from rayrep.generator.group import PendingRollouts
 from rayrep.library_output import route_library_output
 from rayrep.types import Rollout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from rayrep.eval.formulas import mean_and_se
+from rayrep.stats.formulas import mean_and_se
 
 
 def series(records: Sequence[dict], metric: str) -> list[tuple[int, float]]:
