@@ -1,0 +1,156 @@
+"""What a training step's answers cost the driver: bytes in and out, CPU seconds, memory.
+
+    python bench/driver_data.py [--shapes tiny paper] [--repeats 3]
+
+Today every rollout's token ids and log-probs come to the driver (the generators' results,
+`ray.get` in `GeneratorGroup.complete`), become groups, are collated into the learners'
+`TrainBatch` there (`algorithm.build`) and go back into the object store for the learners
+(`ray.put`). This bench runs exactly that data path in one process, without actors, on
+synthetic answers of a given shape, and measures each part:
+
+- `in`: the bytes of the step's rollouts as Ray serializes a generator's result (pickle
+  protocol 5; lists of Python numbers are all in band), and the driver's CPU seconds to
+  deserialize them;
+- `build`: the groups made from them and `GRPO.build` over them (rewards, advantages, the
+  collated batch), in CPU seconds;
+- `out`: the bytes of the `TrainBatch` as `ray.put` serializes it (its tensors out of
+  band), and the CPU seconds to do so;
+- `peak`: the driver's resident memory at its highest, above where it started (each shape
+  runs in a process of its own).
+
+Shapes: `tiny` is the tiny-cpu preset's step (64 questions x 8 answers, 10-36 response
+tokens, 34-token prompts); `paper` is the RLEP preset's (512 questions x 18 answers:
+16 fresh and 2 replayed, responses of 1,000-3,072 tokens, 200-token prompts). Repeats are
+run one after another in the same process; the median is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "tiny": dict(preset="tiny-cpu", questions=64, fresh=8, replays=0, prompt=34, response=(10, 36)),
+    "paper": dict(preset="qwen2.5-math-7b-rlep", questions=512, fresh=16, replays=2, prompt=200,
+                  response=(1000, 3072)),
+}
+
+
+def serialized(value) -> tuple[bytes, list]:
+    """`value` as Ray's serializer lays it out: pickle 5, contiguous buffers out of band."""
+    buffers: list = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return data, buffers
+
+
+def nbytes(data: bytes, buffers: list) -> int:
+    return len(data) + sum(memoryview(b).nbytes for b in buffers)
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_answers(shape: str, path: Path) -> None:
+    """One generator's result for the step, as its worker returns it (per question, its
+    rollouts, token ids and log-probs as Python lists), serialized into `path`."""
+    import numpy as np
+
+    from rayrep.types import Rollout
+
+    spec = SHAPES[shape]
+    rng = np.random.default_rng(0)
+    low, high = spec["response"]
+    shares = []
+    for _ in range(spec["questions"]):
+        prompt_ids = rng.integers(3, 30000, spec["prompt"]).tolist()
+        per_question = []
+        for _ in range(spec["fresh"] + spec["replays"]):
+            n = int(rng.integers(low, high + 1))
+            per_question.append(Rollout(prompt_ids, rng.integers(3, 30000, n).tolist(),
+                                        (-rng.random(n)).astype(np.float32).tolist(), "", "stop", 0))
+        shares.append(per_question)
+    data, buffers = serialized(shares)
+    assert not buffers  # lists of Python numbers: everything in band
+    path.write_bytes(data)
+
+
+def measure(shape: str, path: Path, repeats: int) -> dict:
+    from rayrep.algos.grpo import GRPO
+    from rayrep.config import load_preset
+    from rayrep.types import Group, Prompt
+
+    spec = SHAPES[shape]
+    cfg = load_preset(spec["preset"])
+    answers = spec["fresh"] + spec["replays"]
+    prompts = [Prompt(uid=f"q{q}", messages=({"role": "user", "content": f"question {q}"},), ground_truth="1")
+               for q in range(spec["questions"])]
+    correct = [(q % 3 == 0,) * answers for q in range(spec["questions"])]
+    replayed = (False,) * spec["fresh"] + (True,) * spec["replays"]
+    data = path.read_bytes()  # where Ray's object store holds a result before the driver reads it
+    start_rss = rss_mib()
+    runs = []
+    for _ in range(repeats):
+        figures = {}
+        begin = time.process_time()
+        rollouts = pickle.loads(data)
+        figures["in_seconds"] = time.process_time() - begin
+        begin = time.process_time()
+        groups = [Group(p, tuple(r), ok, replayed) for p, r, ok in zip(prompts, rollouts, correct)]
+        batch = GRPO(cfg).build(groups, step=1).batch
+        figures["build_seconds"] = time.process_time() - begin
+        begin = time.process_time()
+        out, out_buffers = serialized(batch)
+        figures["out_seconds"] = time.process_time() - begin
+        figures["out_bytes"] = nbytes(out, out_buffers)
+        tokens = int(batch.response_mask.sum())
+        runs.append(figures)
+        del rollouts, groups, batch, out, out_buffers
+    median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    return {"shape": shape, "answers": spec["questions"] * answers, "response_tokens": tokens,
+            "in_bytes": len(data), **median, "peak_mib_above_start": rss_mib() - start_rss}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "paper"], choices=sorted(SHAPES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--make", nargs=2, help=argparse.SUPPRESS)  # SHAPE PATH: write its answers (a child)
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # SHAPE PATH: measure it (a child)
+    args = parser.parse_args()
+    if args.make:
+        make_answers(args.make[0], Path(args.make[1]))
+        return
+    if args.one:
+        print(json.dumps(measure(args.one[0], Path(args.one[1]), args.repeats)))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for shape in args.shapes:  # each made, then measured, in a fresh process: its peak memory is its own
+            path = Path(folder) / f"{shape}.pickle"
+            subprocess.run([sys.executable, __file__, "--make", shape, str(path)], check=True)
+            done = subprocess.run([sys.executable, __file__, "--one", shape, str(path), "--repeats", str(args.repeats)],
+                                  capture_output=True, text=True, check=True)
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            path.unlink()
+    print(f"{'shape':<6} {'answers':>8} {'tokens':>11} {'in MB':>8} {'in s':>6} {'build s':>8} {'out MB':>8} "
+          f"{'out s':>6} {'peak MiB':>9}")
+    for r in rows:
+        print(f"{r['shape']:<6} {r['answers']:>8,} {r['response_tokens']:>11,} {r['in_bytes'] / 1e6:>8.1f} "
+              f"{r['in_seconds']:>6.2f} {r['build_seconds']:>8.2f} {r['out_bytes'] / 1e6:>8.1f} "
+              f"{r['out_seconds']:>6.2f} {r['peak_mib_above_start']:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
