@@ -216,7 +216,7 @@ def order_check(model_dir: str, config, device: torch.device) -> dict:
         loss = LossSpec(entropy_coef=cfg.learner.entropy_coef)
         for step in range(2):  # the second step has AdamW's state to move too
             moved_on = worker.onload()
-            rows, entropies = worker.mean_entropies(packed.forward_batch())
+            rows, entropies = worker.mean_entropies(packed)
             figures[f"step{step}_after_entropy_pass"] = [worker.residency.at(PARAMETERS), *devices_of(worker)]
             worker.update(batch, loss)  # refuses parameters anywhere but on the device
             figures[f"step{step}"] = {"onload_moved": moved_on, "entropies": [float(e) for e in entropies],

@@ -16,7 +16,7 @@ Prints a progress line with an ETA as slices of questions finish, then the table
 every number, with the checkpoint, the prompt files, the sampling settings and the time
 taken, to a JSON file: `<logging.out_dir>/eval/<checkpoint>-<time>.json`, or `--out`.
 The same evaluation as a training run's (`rayrep.eval.evaluate`), on a generator and a
-verifier pool started for it.
+verifier group started for it.
 """
 
 import time

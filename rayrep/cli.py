@@ -19,7 +19,6 @@ from rayrep.errors import InputError
 from rayrep.generator.engine import engine_description
 from rayrep.learner import LearnerDied
 from rayrep.run.layout import RunFolder
-from rayrep.runtime.system import run_plan
 
 
 def resume_base(run_dir: str) -> dict:
@@ -134,6 +133,8 @@ def parse_job_args(parser, argv: list[str] | None = None):
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
     if args.plans and args.dry_run:
+        from rayrep.runtime.system import run_plan  # (torch and Ray: not for --help or a config error)
+
         lines = [run_plan(cfg, train=args.trains).describe(), engine_description(cfg)]
         plan = memory_plan(cfg, trains=args.trains)
         if plan is None:

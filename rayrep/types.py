@@ -18,7 +18,7 @@ import math
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +61,14 @@ class Rollout:
     """'stop' (the policy ended its answer) or 'length' (cut at the response limit)."""
     version: int = 0
     """Policy version (number of weight syncs) of the weights that sampled it."""
+
+
+class TokenSequences(Protocol):
+    """Answers a forward pass can read: (prompt ids, response ids) of each, in order. The
+    replay shards' packed answers are such (`rayrep.buffer.answers.PackedAnswers`), so that
+    the learners read them where the shards left them and know nothing of the buffer."""
+
+    def sequences(self) -> tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]: ...
 
 
 class GroupAnswer(NamedTuple):

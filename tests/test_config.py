@@ -159,8 +159,13 @@ def test_shared_pool_settings_need_a_pool_and_one_source_of_replays():
         cfg.replace(**{"replay.others_only": True})
     with pytest.raises(ConfigError, match="replay.retire_scope='run'.*these are for a shared pool"):
         cfg.replace(**{"replay.retire_scope": "run"})
+    # RLEP's own input check, before any actor starts (another algorithm ignores algorithm.rlep.pool).
+    from rayrep.algos import check_inputs
+
+    both = {"algorithm.rlep.pool": "p.parquet", "replay.pool": "shared"}
     with pytest.raises(ConfigError, match="algorithm.rlep.pool='p.parquet' and replay.pool='shared'.*jobs/pool.py import"):
-        cfg.replace(**{"algorithm.name": "rlep", "algorithm.rlep.pool": "p.parquet", "replay.pool": "shared"})
+        check_inputs(cfg.replace(**{"algorithm.name": "rlep", **both}), [], {})
+    assert check_inputs(cfg.replace(**both), [], {}).pool is None
     cfg.replace(**{"replay.pool": "shared", "replay.others_only": True, "replay.retire_scope": "run"})
 
 

@@ -128,7 +128,9 @@ class ExGRPO(GRPO):
             self.replayed_last = replayed
         metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy,
                    "exgrpo_replays_gone": float(len(uids) - len(chosen)), "exgrpo_replayed_again": again}
-        # How many of the chosen answers other runs sampled (of a shared pool's; none of the run's own buffer).
+        # How many of the chosen answers other runs sampled: of a shared pool's; of a run's own
+        # buffer none (unless its folder moved between a stop and its resume: the answers name
+        # the folder they were sampled in).
         metrics["exgrpo_replays_from_others"] = float(sum(a.run != self.origin.run for a in chosen.values()))
         joined = [g.with_replays((chosen[g.prompt.uid].rollout(self.prompt_ids[g.prompt.uid]),)
                                  if g.prompt.uid in chosen else ()) if g.pending_replays else g for g in groups]
@@ -143,7 +145,7 @@ class ExGRPO(GRPO):
         rank reduces its rows to one mean per answer over the answer's own response tokens,
         and only the chosen answers come back here.
         """
-        parts = self.buffer.stored_answers(uids, limit, as_batch=True)
+        parts = self.buffer.stored_answers(uids, limit)
         means = self.learners.mean_entropies([ref for _, ref in parts])
         picks: dict[str, int] = {}
         lowest: list[float] = []

@@ -14,17 +14,19 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from rayrep.algos.advantages import group_advantages
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import DrawLimit, Origin
-from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, derive_seed
 from rayrep.data import PromptSampler
-from rayrep.learner.group import LearnerGroup
 from rayrep.types import TOKEN_SUM_AGGREGATIONS, Group, LossSpec, StepBatch, StepPlan, TrainBatch
 from rayrep.verifier.reward import rewards
+
+if TYPE_CHECKING:
+    from rayrep.buffer.replay import ReplayStore
+    from rayrep.learner.group import LearnerGroup
 
 
 class GRPO:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 from rayrep.buffer.answers import Origin
 from rayrep.config import Config
@@ -41,7 +41,8 @@ class AlgorithmInputs:
 
     prompts: list[Prompt]
     prompt_ids: dict[str, list[int]]
-    pool: Any = None
+    pool: object = None
+    """What the algorithm's `check_inputs` read for it (RLEP: its `ExperiencePool`), or None."""
     origin: Origin = Origin()
 
 

@@ -55,8 +55,14 @@ class RLEP(GRPO):
     @classmethod
     def check_inputs(cls, cfg: Config, inputs: AlgorithmInputs) -> AlgorithmInputs:
         """The experience pool, read and checked against this run's prompt tokens; a run
-        attached to a shared pool (`replay.pool`) replays that instead."""
+        attached to a shared pool (`replay.pool`) replays that instead, and is given no pool
+        file of its own."""
         if cfg.replay.pool:
+            if cfg.algorithm.rlep.pool:
+                raise ConfigError(
+                    f"algorithm.rlep.pool={cfg.algorithm.rlep.pool!r} and replay.pool={cfg.replay.pool!r}: an attached "
+                    f"RLEP run replays the shared pool; import the file into it (jobs/pool.py import --name "
+                    f"{cfg.replay.pool} {cfg.algorithm.rlep.pool})")
             return inputs
         return dataclasses.replace(inputs, pool=load_pool(cfg, inputs.prompt_ids))
 

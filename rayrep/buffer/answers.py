@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rayrep.types import Group, Rollout, TrainBatch
+from rayrep.types import Group, Rollout
 
 SOURCES = ("pool", "online", "external")
 """Where an answer came from: an offline experience pool (RLEP), a run's own rollouts
@@ -77,6 +77,8 @@ class Answer:
     def fresh_successes(cls, group: Group, step: int, origin: Origin = Origin()) -> list[Answer]:
         """The verified-correct answers sampled for a scored group this step (not its
         replayed ones), as answers that enter the buffer at `step`."""
+        if not group.rewards:
+            raise ValueError(f"question {group.prompt.uid!r}: its group is not scored yet (no rewards to store)")
         return [
             cls(np.array(a.rollout.response_ids, np.int32), np.array(a.rollout.logprobs, np.float32), a.reward,
                 a.rollout.version, "online", step, origin.temperature, "correct", origin.run, origin.checkpoint)
@@ -202,12 +204,12 @@ class PackedAnswers:
         firsts = cumulative_offsets(self.counts).tolist()
         return {uid: answers[first:last] for uid, first, last in zip(self.uids, firsts, firsts[1:])}
 
-    def forward_batch(self) -> TrainBatch:
-        """The answers (packed with prompts) as the learner's batch type, one row each, in
-        order, each row a question of its own: what a forward pass over them needs."""
+    def sequences(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(prompt ids, response ids) of every answer, in order (packed with prompts): what a
+        forward pass over the stored answers needs (`rayrep.types.TokenSequences`)."""
         prompts = [self.prompt(q) for q, count in enumerate(self.counts.tolist()) for _ in range(count)]
         responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.facts))]
-        return TrainBatch.of_sequences(prompts, responses, range(len(responses)))
+        return prompts, responses
 
 
 def cumulative_offsets(lengths: np.ndarray) -> np.ndarray:

@@ -41,7 +41,6 @@ from rayrep.buffer.shard import RemoteReplayShard, ReplayShard
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.errors import InputError
-from rayrep.types import TrainBatch
 
 
 def shard_of(uid: str, num_shards: int) -> int:
@@ -163,15 +162,9 @@ class ReplayStore:
 
     # ------------------------------------------------------------------ what each kind keeps
 
-    @property
-    def changed(self) -> bool:
-        return False
-
-    restore_point: Path | None = None
-
-    def snapshot(self, directory: str | Path) -> Path | None:
-        """Nothing for a store that keeps itself."""
-        return None
+    def snapshot(self, directory: str | Path) -> Path:
+        """Every shard's content into Parquet files in `directory` (where `keeps_snapshots`)."""
+        raise NotImplementedError
 
     def resume(self, directory: str | Path) -> None:
         """A resumed run's store as its checkpoint holds it; a store that keeps itself went on
@@ -282,19 +275,18 @@ class ReplayStore:
                 self.counts["held_back"] += part.held_back
         return merged
 
-    def stored_answers(self, uids: list[str], limit: DrawLimit | None = None, as_batch: bool = False
-                       ) -> list[tuple[list[tuple[str, list[int]]], ray.ObjectRef | PackedAnswers | TrainBatch]]:
+    def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
+                       ) -> list[tuple[list[tuple[str, list[int]]], ray.ObjectRef | PackedAnswers]]:
         """Every stored answer of the questions `uids` that `limit` allows, left where it is.
 
         Per shard holding any of them: ((question id, its answers' serial numbers) in order,
         the answers packed with their prompts, `PackedAnswers`: a ref to the shard's result,
         or the value itself for an in-process buffer). The refs go on to other actors
         (ExGRPO's entropy pass on the learners) without passing through this process; the
-        answers the limit held back are counted (`take_counts`). `as_batch`: the answers as the
-        learner's batch type (`PackedAnswers.forward_batch`), built on the shard.
+        answers the limit held back are counted (`take_counts`).
         """
         groups = self._by_shard(uids, key=lambda u: u)
-        parts = self._call(lambda shard: shard.stored_answers, {s: (group, limit, as_batch) for s, group in groups.items()},
+        parts = self._call(lambda shard: shard.stored_answers, {s: (group, limit) for s, group in groups.items()},
                            num_returns=2)
         held_back = sum(held for (_, held), _ in parts.values())
         if held_back:
@@ -514,6 +506,9 @@ class AttachedPool(ReplayStore):
 
     def retires_for_everyone(self, scope: str) -> bool:
         return scope == "pool"
+
+    def snapshot(self, directory: str | Path) -> Path:
+        raise ValueError(f"replay pool {self.pool!r} keeps its own snapshots (jobs/pool.py snapshot)")
 
     def _write_shards(self, work: dict[int, tuple]) -> dict[int, dict]:
         """A pool's shards take each write as this client's next (`PoolShard.write`), and say

@@ -23,7 +23,6 @@ import ray
 from rayrep.buffer.answers import SOURCES, DrawLimit, PackedAnswers, cumulative_offsets
 from rayrep.buffer.store import AnswerStore, StoredQuestion
 from rayrep.library_output import route_library_output
-from rayrep.types import TrainBatch
 
 
 class BucketIndex:
@@ -217,13 +216,12 @@ class ReplayShard:
         packed.held_back = held_back
         return packed
 
-    def stored_answers(self, uids: list[str], limit: DrawLimit | None = None, as_batch: bool = False
-                       ) -> tuple[tuple[list[tuple[str, list[int]]], int], PackedAnswers | TrainBatch]:
+    def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
+                       ) -> tuple[tuple[list[tuple[str, list[int]]], int], PackedAnswers]:
         """(((question id, its answers' serial numbers) of those held here with an answer
         `limit` allows, in order; how many answers the limit held back), all those answers
-        packed with their prompts, or with `as_batch` as the learner's batch type). Two values
-        so that a caller can read the small index and pass the answers on by reference
-        (`.options(num_returns=2)`)."""
+        packed with their prompts). Two values so that a caller can read the small index and
+        pass the answers on by reference (`.options(num_returns=2)`)."""
         present = [uid for uid in dict.fromkeys(uids) if uid in self.questions]
         entries = [self.questions[uid] for uid in present]
         rows, sizes, held_back = self._usable(entries, limit)
@@ -232,8 +230,7 @@ class ReplayShard:
         prompts = [entry.prompt_ids for entry, k in zip(entries, kept.tolist()) if k]
         packed = self.store.gather(present, sizes[kept], rows, prompts=prompts)
         serials = np.split(self.store.columns["serials"][rows], cumulative_offsets(sizes[kept])[1:-1])
-        return ([(uid, own.tolist()) for uid, own in zip(present, serials)], held_back), (
-            packed.forward_batch() if as_batch else packed)
+        return ([(uid, own.tolist()) for uid, own in zip(present, serials)], held_back), packed
 
     def answers_by_serial(self, uids: list[str], serials: list[int]) -> PackedAnswers:
         """The stored answer of serial number `serials[q]` of each question `uids[q]`, packed;

@@ -1,4 +1,4 @@
-"""The one supervisor of actors that die, used by every pool whose actors hold nothing the
+"""The one supervisor of actors that die, used by every actor group whose actors hold nothing the
 run cannot rebuild (generators, verifiers, replay shards).
 
 A call whose actor died is asked again of a replacement started in the dead one's bundle,

@@ -362,10 +362,6 @@ def validate(cfg: Config) -> None:
     if not replay.pool and (replay.others_only or replay.retire_scope == "run"):
         raise ConfigError(f"replay.others_only={replay.others_only}, replay.retire_scope={replay.retire_scope!r}: "
                           "these are for a shared pool (replay.pool); a run's own buffer holds only its answers")
-    if replay.pool and algo.rlep.pool:
-        raise ConfigError(f"algorithm.rlep.pool={algo.rlep.pool!r} and replay.pool={replay.pool!r}: an attached RLEP "
-                          f"run replays the shared pool; import the file into it (jobs/pool.py import --name "
-                          f"{replay.pool} {algo.rlep.pool})")
     data = cfg.data
     if not data.test_files and data.arithmetic_test_size > data.arithmetic_test_reserve:
         # Past the reserve, test problems would be among those the tiny policy was warm-started on.

@@ -49,7 +49,7 @@ def _score_in_slices(
     complete: Callable[..., tuple[list[PendingRollouts], list]] | None = None,
 ) -> dict[str, float]:
     """Sample each slice of questions (`sample_slice(indices)`; the next slice's sampling starts
-    before this one is scored), score it on the verifier pool, and summarize every verdict at
+    before this one is scored), score it on the verifier group, and summarize every verdict at
     the end: the metrics are those of one slice holding all questions, whatever the slicing.
     `complete`: `GeneratorGroup.complete`, which hands a slice's answers to the verifiers as
     they arrive (a dead generator replaced, its prompts asked again); its counts are reported
@@ -104,7 +104,7 @@ def evaluate(
     Samples `cfg.eval_samples(data_source)` answers per question (`generator.eval_samples`,
     or a benchmark's own count from `generator.eval_samples_by_source`) at
     `generator.eval_temperature` and `eval_top_p`, up to `generator.max_response_tokens`
-    tokens, on the generator pool; the verifier pool scores them and judges each question's
+    tokens, on the generator group; the verifier group scores them and judges each question's
     majority answer. Also returns the mean response length and the verifier's timeouts and
     errors, and, when a generator died meanwhile (replaced, its questions sampled again with
     their seeds), `generator_replaced` and `generator_retried_prompts`.
@@ -137,7 +137,7 @@ def score_answers(
     progress: Progress | None = None,
 ) -> dict[str, float]:
     """`evaluate`'s metrics for given answer texts instead of sampled ones: `answers[i]` are
-    the k answers to `prompts[i]`. The same slicing, verifier-pool scoring and summary; no
+    the k answers to `prompts[i]`. The same slicing, verifier-group scoring and summary; no
     `mean_response_tokens` (texts have no token ids). Needs Ray (answers travel as objects)."""
     import ray
 
@@ -148,7 +148,7 @@ def score_answers(
     slices = [range(len(prompts))] if progress is None else eval_slices([len(t) for t in answers], shares)
 
     def sample_slice(part: range) -> list[PendingRollouts]:
-        # one share per verifier, indexed within the slice, as the generator pool hands them out
+        # one share per verifier, indexed within the slice, as the generator group hands them out
         return [PendingRollouts(share, ray.put([rollouts[part[i]] for i in share]))
                 for share in split_evenly(len(part), shares) if len(share)]
 

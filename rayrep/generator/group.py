@@ -5,7 +5,7 @@ rest is sampled).
 A generator that dies (its process killed, its node lost) loses no prompts: `complete`
 has the supervisor (`rayrep.cluster.supervisor`) start a new one in the same placement-group
 bundle, brought to the current policy by whoever holds it (`on_replaced`: the runtime,
-through the rebuilt weight sync; without one, the pool's checkpoint is the policy), and
+through the rebuilt weight sync; without one, the group's checkpoint is the policy), and
 asks it the dead one's prompts whose answers had not arrived, with the same per-prompt seeds.
 """
 
@@ -29,7 +29,7 @@ class ShareRequest:
     """What one generator was asked for its share of a generate call: enough to ask again."""
 
     generator: int
-    """The generator's index in the pool (its placement slot)."""
+    """The generator's index in the group (its placement slot)."""
     prompt_ids: list[list[int]]
     counts: list[int]
     temperature: float
@@ -96,22 +96,22 @@ class GeneratorGroup:
     @staticmethod
     def create(cfg: Config, model_path: str, placement: Placement, version: int = 0,
                on_replaced: Callable[[list[int]], None] | None = None) -> "GeneratorGroup":
-        """The pool, its engines up."""
-        pool = GeneratorGroup.start(cfg, model_path, placement, version, on_replaced)
-        pool.wait_until_idle()
-        return pool
+        """The group, its engines up."""
+        group = GeneratorGroup.start(cfg, model_path, placement, version, on_replaced)
+        group.wait_until_idle()
+        return group
 
     @staticmethod
     def start(cfg: Config, model_path: str, placement: Placement, version: int = 0,
               on_replaced: Callable[[list[int]], None] | None = None, engines: bool = True) -> "GeneratorGroup":
-        """The pool, its engines starting: other roles may set up meanwhile (`wait_until_idle`).
+        """The group, its engines starting: other roles may set up meanwhile (`wait_until_idle`).
         `engines=False`: the workers come up without their engines, built by `start_engines`."""
         workers = [start_worker(cfg, model_path, placement, i, version, engines)
                    for i in range(len(placement.plan.slots["generator"]))]
         return GeneratorGroup(workers, cfg, model_path, placement, version, on_replaced)
 
     def start_engines(self) -> None:
-        """Every engine built (those a pool started without them)."""
+        """Every engine built (those a group started without them)."""
         ray.get([w.start_engine.remote() for w in self.workers])
 
     def wait_until_idle(self) -> None:

@@ -71,7 +71,6 @@ class PolicyForward:
         self.cfg, self.sharding, self.device = cfg, sharding, device
         self.rank, self.world_size = rank, world_size
 
-
     def __call__(self, batch: TrainBatch, rows: torch.Tensor, entropy: Entropy):
         """Log-prob (and entropy) of every token of `rows` under the current weights.
 

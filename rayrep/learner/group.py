@@ -12,7 +12,7 @@ from rayrep.learner.sums import MetricSums
 from rayrep.learner.worker import RemoteLearnerWorker
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.sync.transport import TRANSPORTS
-from rayrep.types import LossSpec, TrainBatch
+from rayrep.types import LossSpec, TokenSequences, TrainBatch
 
 
 def as_ref(value: object) -> ray.ObjectRef:
@@ -33,12 +33,11 @@ class LearnerGroup:
         self.base_model_path = model_path
         self.cfg = cfg
 
-    def mean_entropies(self, batches: list[ray.ObjectRef | TrainBatch]) -> list[torch.Tensor]:
-        """Per batch of answers (each row a question of its own, or a ref to one, as the
-        replay buffer returns them), [N] mean token entropy of each row over its own response
-        tokens, under the current weights. Each rank reduces its rows: only N numbers per
-        batch come back."""
-        refs = [as_ref(b) for b in batches]  # one copy in the object store, read by every rank
+    def mean_entropies(self, answers: list[ray.ObjectRef | TokenSequences]) -> list[torch.Tensor]:
+        """Per set of answers (`TokenSequences`, or a ref to one, as the replay buffer returns
+        them), [N] mean token entropy of each answer over its own response tokens, under the
+        current weights. Each rank reduces its rows: only N numbers per set come back."""
+        refs = [as_ref(a) for a in answers]  # one copy in the object store, read by every rank
         pending = [[w.mean_entropies.remote(ref) for w in self.workers] for ref in refs]
         means = []
         for shares in (ray.get(p) for p in pending):

@@ -34,7 +34,7 @@ from rayrep.learner.sharding import compute_dtype
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
 from rayrep.sync.collective import TIED_EMBEDDING, WeightManifest
-from rayrep.types import LossSpec, TrainBatch
+from rayrep.types import LossSpec, TokenSequences, TrainBatch
 
 if TYPE_CHECKING:
     from rayrep.sync.transport import WeightChannel
@@ -118,10 +118,13 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ forward passes and training
 
-    def mean_entropies(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, [n] mean token entropy of each row over its own response tokens) for this
-        rank's share of `batch` (ExGRPO's choice of the answer to replay: the stored answers
-        as the replay shards sent them, `PackedAnswers.forward_batch`)."""
+    def mean_entropies(self, answers: TokenSequences) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, [n] mean token entropy of each answer over its own response tokens) for this
+        rank's share of `answers` (ExGRPO's choice of the answer to replay: the stored answers,
+        a ref resolved by Ray, as the replay shards packed them); each answer is a row and a
+        question of its own."""
+        prompts, responses = answers.sequences()
+        batch = TrainBatch.of_sequences(prompts, responses, range(len(responses)))
         # Colocated, the hand-over to the learners brought the state back; this pass moves nothing.
         self.residency.require("ExGRPO's entropy pass", PARAMETERS)
         with self.residency.working_on(FORWARD_PASS):

@@ -25,7 +25,7 @@ class Evaluations:
         """The step-0 evaluation of another run with this run's start, to reuse rather than repeat."""
 
     def due(self, step: int) -> bool:
-        """Whether training step `step` (1 on) ends with an evaluation; the start's is `Run.begin`'s."""
+        """Whether training step `step` (1 on) ends with an evaluation; the start's is taken when the run starts (`Training`)."""
         every = self.cfg.run.eval_every
         return bool(every and step % every == 0) or step == self.cfg.run.steps
 

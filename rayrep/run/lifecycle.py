@@ -105,8 +105,9 @@ class Run:
             training = Training(self, runtime, algorithm, metrics)
             yield training
         except Exception as error:
-            in_progress = training.step_in_progress if training is not None else self.first_step
-            death = learner_death(runtime, self.folder, in_progress, training.saved if training else self.checkpoint)
+            in_progress, saved = (self.first_step, self.checkpoint) if training is None else \
+                (training.step_in_progress, training.saved)
+            death = learner_death(runtime, self.folder, in_progress, saved)
             if death is not None:
                 raise death from error
             raise
@@ -145,8 +146,9 @@ class Training:
 
     @property
     def step_in_progress(self) -> int:
-        """The step after the last one ended (what a learner's death reports)."""
-        return self.last_step + 1
+        """The step after the last one ended, or the last step while the run finishes (what a
+        learner's death reports)."""
+        return min(self.last_step + 1, self.cfg.run.steps)
 
     def steps(self) -> range:
         return range(self.first_step, self.cfg.run.steps + 1)

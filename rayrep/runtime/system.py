@@ -73,7 +73,7 @@ class Runtime:
     the turns they take on shared GPUs.
 
     The runtime holds the policy version the generators sample, and so brings a replacement
-    generator to it: the generator pool's supervisor calls `bring_to_policy` once a new one
+    generator to it: the generator group's supervisor calls `bring_to_policy` once a new one
     is ready, and a generator that dies during a weight sync is replaced here.
 
     Colocated, a learner rank and an engine worker share each GPU and take turns
@@ -162,7 +162,7 @@ class Runtime:
         models its GPUs): what every live learner rank and engine held since the last one."""
         if self.ledger is None:
             return
-        refs = [ref for pool in (self.generators, self.learners) if pool is not None for ref in pool.memory_reports()]
+        refs = [ref for group in (self.generators, self.learners) if group is not None for ref in group.memory_reports()]
         holdings = []
         for ref in refs:
             try:
@@ -226,7 +226,7 @@ class Runtime:
 
     def bring_to_policy(self, replaced: list[int]) -> None:
         """New generators (`replaced`) take the current weights and version: through a rebuilt
-        weight sync in training; elsewhere the pool's checkpoint is the policy already. Where
+        weight sync in training; elsewhere the group's checkpoint is the policy already. Where
         the roles take turns, the engines sleep for it (it overwrites every weight) and wake
         again if it was their turn."""
         if self.sync is None:
@@ -259,8 +259,8 @@ class Runtime:
             self.learners.shutdown()
         if self.verifiers is not None:
             self.verifiers.shutdown()
-        for pool in (self.generators, self.verifiers):
-            for worker in pool.workers if pool is not None else []:
+        for group in (self.generators, self.verifiers):
+            for worker in group.workers if group is not None else []:
                 ray.kill(worker)
         self.placement.remove()
         if self.started_ray:

@@ -67,7 +67,7 @@ class WeightSync:
         self._join()
 
     def _join(self) -> None:
-        """A new rendezvous: learner rank 0 and every worker of every engine of the pool as it is now."""
+        """A new rendezvous: learner rank 0 and every worker of every engine of the generator group as it is now."""
         host, port = self.learners.rendezvous_address()
         ranks = engine_ranks(len(self.generators.workers), self.cfg.generator.tensor_parallel_size)
         world = 1 + sum(len(r) for r in ranks)
@@ -85,7 +85,7 @@ class WeightSync:
 
     def rebuild(self) -> dict[str, float]:
         """After a generator was replaced (`GeneratorGroup.complete`): a group admits no new
-        member, so every member leaves it and a new one is made with the pool's generators as
+        member, so every member leaves it and a new one is made with the group's generators as
         they are now; then the current weights go to all of them at the current version (no
         new version: the survivors receive what they hold). The learners' parameters may be in
         host memory (the engines' turn on shared GPUs): they come back for it and leave after."""

@@ -3,15 +3,15 @@
 Each VerifierWorker owns a `MathSandbox` (a child process with a hard per-item time
 limit), so one hanging input costs at most `verifier.timeout_s` and never stalls a step
 longer than that. Verdict statuses (ok / no_answer / timeout / error) come back with the
-scores so the driver can count timeouts and errors per step. For evaluation, the pool
+scores so the driver can count timeouts and errors per step. For evaluation, the group
 also votes: each question's majority answer (maj@k) is judged where its answers are.
 
-A verifier actor that dies (its process killed, its node lost) loses no work: the pool
+A verifier actor that dies (its process killed, its node lost) loses no work: the group
 starts a new one in the same placement-group bundle and sends it the dead one's shares
 again, up to `MAX_RETRIES` times per share, then fails naming the verifier and the cause.
 Each call's `Verdicts.statuses` counts the replacements and the re-sent completions.
 
-With `verifier.num_workers = 0` the pool scores in-process through the same sandbox code.
+With `verifier.num_workers = 0` the group scores in-process through the same sandbox code.
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ from ray.exceptions import RayActorError
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
-from rayrep.verifier.voting import maj_at_k
 from rayrep.generator.group import PendingRollouts
 from rayrep.library_output import route_library_output
 from rayrep.types import Rollout
 from rayrep.verifier.sandbox import MathSandbox
-
-
+from rayrep.verifier.voting import maj_at_k
 
 
 @dataclass
@@ -144,15 +142,15 @@ class Checking:
     part, RuntimeError. Other errors (a part's ref that failed upstream) propagate.
     """
 
-    def __init__(self, pool: VerifierGroup, truths: list[str], majority: bool):
-        self.pool, self.truths, self.majority = pool, truths, majority
+    def __init__(self, group: VerifierGroup, truths: list[str], majority: bool):
+        self.group, self.truths, self.majority = group, truths, majority
         self.parts: list[PendingRollouts] = []
         self.sent: list[tuple[ray.actor.ActorHandle, ray.ObjectRef]] = []
         """Each part's verifier and the ref of its verdicts (for a pool with actors)."""
 
     def send(self, part: PendingRollouts) -> None:
         self.parts.append(part)
-        workers = self.pool.workers
+        workers = self.group.workers
         if workers:
             self.sent.append(self._submit(len(self.parts) - 1, workers[(len(self.parts) - 1) % len(workers)]))
 
@@ -166,10 +164,10 @@ class Checking:
     def result(self) -> Verdicts:
         """The verdicts of every part sent, in prompt order (waits for the verifiers)."""
         counts: Counter = Counter()
-        if not self.pool.workers:
+        if not self.group.workers:
             from rayrep.verifier.math import default_sandbox
 
-            results = [_check(default_sandbox(), ray.get(part.ref), self._truths(part), self.pool.timeout_s,
+            results = [_check(default_sandbox(), ray.get(part.ref), self._truths(part), self.group.timeout_s,
                               self.majority) for part in self.parts]
         else:
             def submit(key: int, worker) -> ray.ObjectRef:
@@ -177,8 +175,8 @@ class Checking:
                     self.sent[key] = self._submit(key, worker)
                 return self.sent[key][1]
 
-            workers = len(self.pool.workers)
-            by_key, retries, replaced = self.pool.supervisor.gather(
+            workers = len(self.group.workers)
+            by_key, retries, replaced = self.group.supervisor.gather(
                 {key: key % workers for key in range(len(self.parts))}, submit,
                 lambda key: f"share of {len(self.parts[key].indices)} prompt(s)")
             if replaced:
