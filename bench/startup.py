@@ -52,7 +52,7 @@ for _ in range(2):
     before = time.perf_counter()
     out = engine.sample(llm, prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=48, seeds=list(range(64)))
     calls.append(time.perf_counter() - before)
-    answers.append([[(r.response_ids, r.logprobs) for r in per_prompt] for per_prompt in out])
+    answers.append([[(r.response_ids.tolist(), r.logprobs.tolist()) for r in per_prompt] for per_prompt in out])
 digest = hashlib.sha256(repr(answers).encode()).hexdigest()
 print("RESULT " + json.dumps({"build_s": built - start, "first_s": calls[0], "second_s": calls[1], "answers": digest}))
 """

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -48,19 +50,39 @@ class Prompt:
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "user"), "")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Rollout:
-    """One response to one question, as a generator returned it (or the buffer replays it)."""
+    """One response to one question, as a generator returned it (or the buffer replays it).
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
+    Token ids and log-probs are arrays (int32, float32; given as any sequence, they become
+    such), never lists of Python numbers: an array crosses Ray as one buffer, read in place,
+    where a list of 3,000 numbers is 3,000 objects to pickle, unpickle and hold
+    (`bench/driver_data.py`). The answers to one prompt share its prompt's array."""
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
     """Behaviour policy's log-prob of each response token (same length as response_ids)."""
     text: str
     finish_reason: str
     """'stop' (the policy ended its answer) or 'length' (cut at the response limit)."""
     version: int = 0
     """Policy version (number of weight syncs) of the weights that sampled it."""
+
+    def __post_init__(self):
+        for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("logprobs", np.float32)):
+            value = getattr(self, name)
+            if not (isinstance(value, np.ndarray) and value.dtype == dtype):
+                object.__setattr__(self, name, np.asarray(value, dtype))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Rollout):
+            return NotImplemented
+        return (np.array_equal(self.prompt_ids, other.prompt_ids) and np.array_equal(self.response_ids, other.response_ids)
+                and np.array_equal(self.logprobs, other.logprobs, equal_nan=True)
+                and (self.text, self.finish_reason, self.version) == (other.text, other.finish_reason, other.version))
+
+    __hash__ = None  # (arrays: a rollout is not a key)
 
 
 class TokenSequences(Protocol):

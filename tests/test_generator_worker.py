@@ -154,13 +154,13 @@ def test_rollouts_are_consistent_with_a_transformers_forward_pass(pool, tiny_pol
     model = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
     for ids, group in zip(prompt_ids, groups):
         for rollout in group:
-            assert rollout.prompt_ids == ids and rollout.version == 0
+            assert rollout.prompt_ids.tolist() == ids and rollout.version == 0
             assert rollout.finish_reason in ("stop", "length")
             assert tokenizer.decode(rollout.response_ids, skip_special_tokens=True) == rollout.text
-            full = torch.tensor([ids + rollout.response_ids])
+            full = torch.tensor([ids + rollout.response_ids.tolist()])
             with torch.no_grad():
                 logits = model(full).logits[0, len(ids) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(rollout.response_ids)[:, None])[:, 0]
+            expected = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(rollout.response_ids, dtype=torch.long)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(rollout.logprobs), expected, atol=1e-3)
 
 

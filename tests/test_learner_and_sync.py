@@ -41,8 +41,8 @@ def logprob_gap(model, rollouts) -> float:
     worst = 0.0
     for r in rollouts:
         with torch.no_grad():
-            logits = model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1 : -1]
-        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+            logits = model(torch.tensor([r.prompt_ids.tolist() + r.response_ids.tolist()])).logits[0, len(r.prompt_ids) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(r.response_ids, dtype=torch.long)[:, None])[:, 0]
         worst = max(worst, float((torch.tensor(r.logprobs) - expected).abs().max()))
     return worst
 

@@ -235,10 +235,10 @@ def test_vllm_logprobs_match_transformers(tiny_policy, tiny_cfg):
     for group in groups:
         for rollout in group:
             assert len(rollout.logprobs) == len(rollout.response_ids) > 0
-            ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+            ids = torch.tensor([rollout.prompt_ids.tolist() + rollout.response_ids.tolist()])
             with torch.no_grad():
                 logits = model(ids).logits[0, len(rollout.prompt_ids) - 1 : -1]
-            expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(rollout.response_ids)[:, None])[:, 0]
+            expected = torch.log_softmax(logits.float(), -1).gather(1, torch.as_tensor(rollout.response_ids, dtype=torch.long)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(rollout.logprobs), expected, atol=1e-3), (rollout.text,)
 
 

@@ -88,9 +88,9 @@ class Answer:
     def rollout(self, prompt_ids: list[int]) -> Rollout:
         """This answer replayed: a rollout of the question whose prompt tokens are `prompt_ids`."""
         return Rollout(
-            prompt_ids=list(prompt_ids),
-            response_ids=self.response_ids.tolist(),
-            logprobs=self.logprobs.tolist(),
+            prompt_ids=prompt_ids,
+            response_ids=self.response_ids,
+            logprobs=self.logprobs,
             text="",  # replayed answers were verified when they were stored
             finish_reason="stop",
             version=self.version,

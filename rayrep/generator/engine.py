@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import numpy as np
+
 from rayrep.config import Config, InputError
 from rayrep.heap import long_lived
 from rayrep.models import config_overrides
@@ -231,12 +233,15 @@ def sample_as_finished(
 
 
 def _rollouts(ids: list[int], output, version: int) -> list[Rollout]:
-    """A finished request's answers to the prompt `ids`, with their sampled tokens' log-probs."""
+    """A finished request's answers to the prompt `ids`, with their sampled tokens' log-probs
+    (arrays; the answers share the prompt's)."""
+    prompt = np.asarray(ids, np.int32)
     rollouts = []
     for completion in output.outputs:
-        response = list(completion.token_ids)
+        response = np.fromiter(completion.token_ids, np.int32, len(completion.token_ids))
         # logprobs=0 returns exactly the sampled token's log-prob at each position.
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, response)]
-        rollouts.append(Rollout(prompt_ids=list(ids), response_ids=response, logprobs=logprobs, text=completion.text,
+        logprobs = np.fromiter((step[token].logprob for step, token in zip(completion.logprobs, response.tolist())),
+                               np.float32)
+        rollouts.append(Rollout(prompt_ids=prompt, response_ids=response, logprobs=logprobs, text=completion.text,
                                 finish_reason=completion.finish_reason or "stop", version=version))
     return rollouts
