@@ -17,6 +17,10 @@ synthetic answers of a given shape, and measures each part:
 - `peak`: the driver's resident memory at its highest, above where it started (each shape
   runs in a process of its own).
 
+Each shape runs twice, one after the other: with the rollouts' token ids and log-probs as
+arrays (what `Rollout` holds) and as lists of Python numbers (what it held before), and the
+ratios of the two are printed last.
+
 Shapes: `tiny` is the tiny-cpu preset's step (64 questions x 8 answers, 10-36 response
 tokens, 34-token prompts); `paper` is the RLEP preset's (512 questions x 18 answers:
 16 fresh and 2 replayed, responses of 1,000-3,072 tokens, 200-token prompts). Repeats are
@@ -61,7 +65,7 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def make_answers(shape: str, path: Path) -> None:
+def make_answers(shape: str, path: Path, lists: bool = False) -> None:
     """One generator's result for the step, as its worker returns it (per question, its
     rollouts, as `Rollout` holds them), serialized into `path` (in band: reading it back
     copies what Ray would map in place, so `in` errs on the high side)."""
@@ -78,8 +82,12 @@ def make_answers(shape: str, path: Path) -> None:
         per_question = []
         for _ in range(spec["fresh"] + spec["replays"]):
             n = int(rng.integers(low, high + 1))
-            per_question.append(Rollout(prompt_ids, rng.integers(3, 30000, n).tolist(),
-                                        (-rng.random(n)).astype(np.float32).tolist(), "", "stop", 0))
+            rollout = Rollout(prompt_ids, rng.integers(3, 30000, n).tolist(),
+                              (-rng.random(n)).astype(np.float32).tolist(), "", "stop", 0)
+            if lists:  # as rollouts were before they held arrays: Python numbers, one object each
+                for name in ("prompt_ids", "response_ids", "logprobs"):
+                    object.__setattr__(rollout, name, getattr(rollout, name).tolist())
+            per_question.append(rollout)
         shares.append(per_question)
     path.write_bytes(pickle.dumps(shares, protocol=5))
 
@@ -124,30 +132,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["tiny", "paper"], choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--make", nargs=2, help=argparse.SUPPRESS)  # SHAPE PATH: write its answers (a child)
+    parser.add_argument("--make", nargs=3, help=argparse.SUPPRESS)  # SHAPE PATH KIND: write its answers (a child)
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # SHAPE PATH: measure it (a child)
     args = parser.parse_args()
     if args.make:
-        make_answers(args.make[0], Path(args.make[1]))
+        make_answers(args.make[0], Path(args.make[1]), lists=args.make[2] == "lists")
         return
     if args.one:
         print(json.dumps(measure(args.one[0], Path(args.one[1]), args.repeats)))
         return
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for shape in args.shapes:  # each made, then measured, in a fresh process: its peak memory is its own
-            path = Path(folder) / f"{shape}.pickle"
-            subprocess.run([sys.executable, __file__, "--make", shape, str(path)], check=True)
-            done = subprocess.run([sys.executable, __file__, "--one", shape, str(path), "--repeats", str(args.repeats)],
-                                  capture_output=True, text=True, check=True)
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            path.unlink()
-    print(f"{'shape':<6} {'answers':>8} {'tokens':>11} {'in MB':>8} {'in s':>6} {'build s':>8} {'out MB':>8} "
-          f"{'out s':>6} {'peak MiB':>9}")
+        for shape in args.shapes:
+            for kind in ("lists", "arrays"):  # each made, then measured, in a fresh process: its peak memory is its own
+                path = Path(folder) / f"{shape}-{kind}.pickle"
+                subprocess.run([sys.executable, __file__, "--make", shape, str(path), kind], check=True)
+                done = subprocess.run([sys.executable, __file__, "--one", shape, str(path), "--repeats", str(args.repeats)],
+                                      capture_output=True, text=True, check=True)
+                rows.append({"kind": kind, **json.loads(done.stdout.strip().splitlines()[-1])})
+                path.unlink()
+    print(f"{'shape':<6} {'rollouts':<8} {'answers':>8} {'tokens':>11} {'in MB':>8} {'in s':>6} {'build s':>8} "
+          f"{'out MB':>8} {'out s':>6} {'peak MiB':>9}")
     for r in rows:
-        print(f"{r['shape']:<6} {r['answers']:>8,} {r['response_tokens']:>11,} {r['in_bytes'] / 1e6:>8.1f} "
+        print(f"{r['shape']:<6} {r['kind']:<8} {r['answers']:>8,} {r['response_tokens']:>11,} {r['in_bytes'] / 1e6:>8.1f} "
               f"{r['in_seconds']:>6.2f} {r['build_seconds']:>8.2f} {r['out_bytes'] / 1e6:>8.1f} "
               f"{r['out_seconds']:>6.2f} {r['peak_mib_above_start']:>9.0f}")
+    for shape in args.shapes:
+        lists, arrays = (next(r for r in rows if r["shape"] == shape and r["kind"] == kind) for kind in ("lists", "arrays"))
+        cpu = {kind: r["in_seconds"] + r["build_seconds"] + r["out_seconds"] for kind, r in (("lists", lists), ("arrays", arrays))}
+        print(f"{shape}: arrays / lists, driver CPU seconds {cpu['arrays'] / max(cpu['lists'], 1e-9):.2f}, "
+              f"peak memory {arrays['peak_mib_above_start'] / max(lists['peak_mib_above_start'], 1e-9):.2f}, "
+              f"bytes in {arrays['in_bytes'] / lists['in_bytes']:.2f}")
 
 
 if __name__ == "__main__":
