@@ -5,17 +5,18 @@
 Today every rollout's token ids and log-probs come to the driver (the generators' results,
 `ray.get` in `GeneratorGroup.complete`), become groups, are collated into the learners'
 `TrainBatch` there (`algorithm.build`) and go back into the object store for the learners
-(`ray.put`). This bench runs exactly that data path in one process, without actors, on
-synthetic answers of a given shape, and measures each part:
+(`ray.put`). This bench runs exactly that data path in a driver of a local Ray instance,
+without actors, on synthetic answers of a given shape put into the object store as a
+generator's result is, and measures each part:
 
-- `in`: the bytes of the step's rollouts as Ray serializes a generator's result (pickle
-  protocol 5), and the driver's CPU seconds to deserialize them;
+- `in`: the bytes of the step's rollouts as Ray serializes them (pickle protocol 5, arrays
+  out of band), and the driver's CPU seconds to `ray.get` them;
 - `build`: the groups made from them and `GRPO.build` over them (rewards, advantages, the
   collated batch), in CPU seconds;
 - `out`: the bytes of the `TrainBatch` as `ray.put` serializes it (its tensors out of
-  band), and the CPU seconds to do so;
-- `peak`: the driver's resident memory at its highest, above where it started (each shape
-  runs in a process of its own).
+  band), and the CPU seconds of the `ray.put`;
+- `peak`: the driver's resident memory at its highest during the three, above where it
+  started (each shape and kind runs in a process of its own).
 
 Each shape runs twice, one after the other: with the rollouts' token ids and log-probs as
 arrays (what `Rollout` holds) and as lists of Python numbers (what it held before), and the
@@ -31,12 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
-import resource
 import statistics
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,25 +51,45 @@ SHAPES = {
 }
 
 
-def serialized(value) -> tuple[bytes, list]:
-    """`value` as Ray's serializer lays it out: pickle 5, contiguous buffers out of band."""
+def serialized_bytes(value) -> int:
+    """The bytes of `value` as Ray's serializer lays it out: pickle 5, contiguous buffers out of band."""
     buffers: list = []
     data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    return data, buffers
-
-
-def nbytes(data: bytes, buffers: list) -> int:
     return len(data) + sum(memoryview(b).nbytes for b in buffers)
 
 
-def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+class PeakMemory:
+    """The process's resident memory at its highest while the block runs, above where it
+    started (sampled every 2 ms from /proc)."""
+
+    def __enter__(self):
+        self.start = self.peak = self.rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+
+    @staticmethod
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.002)
+
+    @property
+    def above_start_mib(self) -> float:
+        return (self.peak - self.start) / 2**20
 
 
-def make_answers(shape: str, path: Path, lists: bool = False) -> None:
-    """One generator's result for the step, as its worker returns it (per question, its
-    rollouts, as `Rollout` holds them), serialized into `path` (in band: reading it back
-    copies what Ray would map in place, so `in` errs on the high side)."""
+def make_answers(shape: str, lists: bool):
+    """One generator's result for the step, as its worker returns it: per question, its
+    rollouts, as `Rollout` holds them, or (`lists`) as it held them before."""
     import numpy as np
 
     from rayrep.types import Rollout
@@ -89,10 +110,17 @@ def make_answers(shape: str, path: Path, lists: bool = False) -> None:
                     object.__setattr__(rollout, name, getattr(rollout, name).tolist())
             per_question.append(rollout)
         shares.append(per_question)
-    path.write_bytes(pickle.dumps(shares, protocol=5))
+    return shares
 
 
-def measure(shape: str, path: Path, repeats: int) -> dict:
+def measure(shape: str, kind: str, repeats: int) -> dict:
+    """The shape's answers put into a local Ray object store (as a generator's result is),
+    then, `repeats` times: `ray.get` in this process (the driver), the build, `ray.put` of
+    the batch."""
+    import gc
+
+    import ray
+
     from rayrep.algos.grpo import GRPO
     from rayrep.config import load_preset
     from rayrep.types import Group, Prompt
@@ -104,53 +132,56 @@ def measure(shape: str, path: Path, repeats: int) -> dict:
                for q in range(spec["questions"])]
     correct = [(q % 3 == 0,) * answers for q in range(spec["questions"])]
     replayed = (False,) * spec["fresh"] + (True,) * spec["replays"]
-    data = path.read_bytes()  # where Ray's object store holds a result before the driver reads it
-    start_rss = rss_mib()
-    runs = []
-    for _ in range(repeats):
-        figures = {}
-        begin = time.process_time()
-        rollouts = pickle.loads(data)
-        figures["in_seconds"] = time.process_time() - begin
-        begin = time.process_time()
-        groups = [Group(p, tuple(r), ok, replayed) for p, r, ok in zip(prompts, rollouts, correct)]
-        batch = GRPO(cfg).build(groups, step=1).batch
-        figures["build_seconds"] = time.process_time() - begin
-        begin = time.process_time()
-        out, out_buffers = serialized(batch)
-        figures["out_seconds"] = time.process_time() - begin
-        figures["out_bytes"] = nbytes(out, out_buffers)
-        tokens = int(batch.response_mask.sum())
-        runs.append(figures)
-        del rollouts, groups, batch, out, out_buffers
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        shares = make_answers(shape, lists=kind == "lists")
+        bytes_in = serialized_bytes(shares)
+        result = ray.put(shares)
+        del shares
+        gc.collect()
+        runs = []
+        for _ in range(repeats):
+            figures = {}
+            with PeakMemory() as memory:
+                begin = time.process_time()
+                rollouts = ray.get(result)
+                figures["in_seconds"] = time.process_time() - begin
+                begin = time.process_time()
+                groups = [Group(p, tuple(r), ok, replayed) for p, r, ok in zip(prompts, rollouts, correct)]
+                batch = GRPO(cfg).build(groups, step=1).batch
+                figures["build_seconds"] = time.process_time() - begin
+                begin = time.process_time()
+                sent = ray.put(batch)
+                figures["out_seconds"] = time.process_time() - begin
+            figures["out_bytes"] = serialized_bytes(batch)
+            figures["peak_mib_above_start"] = memory.above_start_mib
+            tokens = int(batch.response_mask.sum())
+            runs.append(figures)
+            del rollouts, groups, batch, sent
+            gc.collect()
+    finally:
+        ray.shutdown()
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    return {"shape": shape, "answers": spec["questions"] * answers, "response_tokens": tokens,
-            "in_bytes": len(data), **median, "peak_mib_above_start": rss_mib() - start_rss}
+    return {"shape": shape, "kind": kind, "answers": spec["questions"] * answers, "response_tokens": tokens,
+            "in_bytes": bytes_in, **median}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["tiny", "paper"], choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--make", nargs=3, help=argparse.SUPPRESS)  # SHAPE PATH KIND: write its answers (a child)
-    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # SHAPE PATH: measure it (a child)
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # SHAPE KIND: measure it, in this process
     args = parser.parse_args()
-    if args.make:
-        make_answers(args.make[0], Path(args.make[1]), lists=args.make[2] == "lists")
-        return
     if args.one:
-        print(json.dumps(measure(args.one[0], Path(args.one[1]), args.repeats)))
+        print("RESULT " + json.dumps(measure(*args.one, args.repeats)))
         return
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        for shape in args.shapes:
-            for kind in ("lists", "arrays"):  # each made, then measured, in a fresh process: its peak memory is its own
-                path = Path(folder) / f"{shape}-{kind}.pickle"
-                subprocess.run([sys.executable, __file__, "--make", shape, str(path), kind], check=True)
-                done = subprocess.run([sys.executable, __file__, "--one", shape, str(path), "--repeats", str(args.repeats)],
-                                      capture_output=True, text=True, check=True)
-                rows.append({"kind": kind, **json.loads(done.stdout.strip().splitlines()[-1])})
-                path.unlink()
+    for shape in args.shapes:
+        for kind in ("lists", "arrays"):  # each in a fresh process (and Ray instance) of its own
+            done = subprocess.run([sys.executable, __file__, "--one", shape, kind, "--repeats", str(args.repeats)],
+                                  capture_output=True, text=True, check=True)
+            rows.append(json.loads(next(line for line in done.stdout.splitlines()
+                                        if line.startswith("RESULT "))[len("RESULT "):]))
     print(f"{'shape':<6} {'rollouts':<8} {'answers':>8} {'tokens':>11} {'in MB':>8} {'in s':>6} {'build s':>8} "
           f"{'out MB':>8} {'out s':>6} {'peak MiB':>9}")
     for r in rows:
