@@ -322,25 +322,27 @@ class TrainBatch:
         count = len(response_ids)
         lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompt_ids, response_ids)], dtype=torch.long)
         width = int(lengths.max()) if count else 1
-        input_ids = torch.full((count, width), pad_id, dtype=torch.long)
-        response_mask = torch.zeros((count, width), dtype=torch.bool)
-        old_logprobs = torch.zeros((count, width), dtype=torch.float32)
+        # Filled as numpy arrays, then wrapped: rows arrive as arrays (read-only where Ray
+        # maps them in place) or lists, and numpy copies either into place.
+        input_ids = np.full((count, width), pad_id, np.int64)
+        response_mask = np.zeros((count, width), bool)
+        old_logprobs = np.zeros((count, width), np.float32)
         for row, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
             start, end = len(prompt), len(prompt) + len(response)
-            input_ids[row, :start] = torch.as_tensor(prompt, dtype=torch.long)
-            input_ids[row, start:end] = torch.as_tensor(response, dtype=torch.long)
+            input_ids[row, :start] = prompt
+            input_ids[row, start:end] = response
             response_mask[row, start:end] = True
             if logprobs is not None:
-                old_logprobs[row, start:end] = torch.as_tensor(logprobs[row], dtype=torch.float32)
+                old_logprobs[row, start:end] = logprobs[row]
 
         def flags(values) -> "torch.Tensor":
             return torch.zeros(count, dtype=torch.bool) if values is None else torch.tensor(list(values), dtype=torch.bool)
 
         return cls(
-            input_ids=input_ids,
+            input_ids=torch.from_numpy(input_ids),
             lengths=lengths,
-            response_mask=response_mask,
-            old_logprobs=old_logprobs,
+            response_mask=torch.from_numpy(response_mask),
+            old_logprobs=torch.from_numpy(old_logprobs),
             recompute_old=flags(recompute_old),
             advantages=torch.zeros(count) if advantages is None else torch.as_tensor(advantages, dtype=torch.float32),
             replay_mask=flags(replayed),

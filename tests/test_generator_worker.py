@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -160,8 +161,8 @@ def test_rollouts_are_consistent_with_a_transformers_forward_pass(pool, tiny_pol
             full = torch.tensor([ids + rollout.response_ids.tolist()])
             with torch.no_grad():
                 logits = model(full).logits[0, len(ids) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(rollout.response_ids, dtype=torch.long)[:, None])[:, 0]
-            assert torch.allclose(torch.tensor(rollout.logprobs), expected, atol=1e-3)
+            expected = torch.log_softmax(logits, -1).gather(1, torch.from_numpy(rollout.response_ids.astype(np.int64))[:, None])[:, 0]
+            assert torch.allclose(torch.from_numpy(rollout.logprobs.copy()), expected, atol=1e-3)
 
 
 def test_answers_arrive_in_parts_as_they_finish_and_are_those_of_one_part(pool, tiny_policy):

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -42,8 +43,8 @@ def logprob_gap(model, rollouts) -> float:
     for r in rollouts:
         with torch.no_grad():
             logits = model(torch.tensor([r.prompt_ids.tolist() + r.response_ids.tolist()])).logits[0, len(r.prompt_ids) - 1 : -1]
-        expected = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(r.response_ids, dtype=torch.long)[:, None])[:, 0]
-        worst = max(worst, float((torch.tensor(r.logprobs) - expected).abs().max()))
+        expected = torch.log_softmax(logits, -1).gather(1, torch.from_numpy(r.response_ids.astype(np.int64))[:, None])[:, 0]
+        worst = max(worst, float((torch.from_numpy(r.logprobs.copy()) - expected).abs().max()))
     return worst
 
 

@@ -4,6 +4,7 @@ checks, and loading in transformers and vLLM."""
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -238,8 +239,8 @@ def test_vllm_logprobs_match_transformers(tiny_policy, tiny_cfg):
             ids = torch.tensor([rollout.prompt_ids.tolist() + rollout.response_ids.tolist()])
             with torch.no_grad():
                 logits = model(ids).logits[0, len(rollout.prompt_ids) - 1 : -1]
-            expected = torch.log_softmax(logits.float(), -1).gather(1, torch.as_tensor(rollout.response_ids, dtype=torch.long)[:, None])[:, 0]
-            assert torch.allclose(torch.tensor(rollout.logprobs), expected, atol=1e-3), (rollout.text,)
+            expected = torch.log_softmax(logits.float(), -1).gather(1, torch.from_numpy(rollout.response_ids.astype(np.int64))[:, None])[:, 0]
+            assert torch.allclose(torch.from_numpy(rollout.logprobs.copy()), expected, atol=1e-3), (rollout.text,)
 
 
 def test_tiny_policy_lands_in_the_target_band(tiny_policy, tiny_cfg):
