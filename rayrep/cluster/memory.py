@@ -235,10 +235,15 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def compute_bytes(cfg: Config) -> int:
+    """Bytes of one value in the compute dtype (`model.dtype`): weights, KV cache, activations."""
+    return 2 if cfg.model.dtype == "bfloat16" else 4
+
+
 def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
     """Each holder's parts, in bytes on one GPU (see the module's docstring)."""
     learner, gen, place = cfg.learner, cfg.generator, cfg.placement
-    c = 2 if cfg.model.dtype == "bfloat16" else 4
+    c = compute_bytes(cfg)
     P, W, H, L, V = shape.parameters, learner.num_workers, shape.hidden_size, shape.num_hidden_layers, shape.vocab_size
     sequence = cfg.data.max_prompt_tokens + gen.max_response_tokens
     tokens = learner.micro_batch_size * sequence
@@ -362,7 +367,7 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True, sequence: int 
     """The plan of `cfg` for a policy of `shape`; `sequence`: the longest sequence an engine
     must hold (default: the longest prompt and answer; a server: its context)."""
     gen, place = cfg.generator, cfg.placement
-    c = 2 if cfg.model.dtype == "bfloat16" else 4
+    c = compute_bytes(cfg)
     sizes = part_sizes(cfg, shape)
     colocated = place.mode == "colocated"
     if not trains:

@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from rayrep.cluster.memory import GIB, MemoryPlan, ModelShape, memory_plan
+from rayrep.cluster.memory import GIB, MemoryPlan, compute_bytes, memory_plan, model_shape
 from rayrep.config import Config, InputError, load_preset
 from rayrep.run.layout import RunFolder
 
@@ -90,11 +90,10 @@ def check_serving_memory(cfg: Config, checkpoint: str, context: int) -> MemoryPl
             raise InputError("the server's memory plan does not fit: " + "; ".join(plan.problems()) + "\n"
                              + plan.describe())
         return plan
-    from rayrep.models import read_model_config
-
-    shape = ModelShape.of(read_model_config(checkpoint, local_only=True))
-    itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
-    needed = context * shape.kv_bytes_per_token(itemsize)
+    shape = model_shape(cfg, local_only=True, path=checkpoint)
+    if shape is None:
+        raise InputError(f"{checkpoint}: no config.json to size the server's KV cache from")
+    needed = context * shape.kv_bytes_per_token(compute_bytes(cfg))
     have = int(cfg.generator.cpu_kv_cache_gib * GIB)
     if needed > have:
         raise InputError(f"a {context:,}-token context of {checkpoint} needs {needed / GIB:.2f} GiB of KV cache "
