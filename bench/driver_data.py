@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import statistics
 import subprocess
@@ -40,6 +39,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,7 +61,7 @@ def serialized_bytes(value) -> int:
 
 class PeakMemory:
     """The process's resident memory at its highest while the block runs, above where it
-    started (sampled every 2 ms from /proc)."""
+    started (sampled every 2 ms; psutil's RSS, as bench/buffer.py reads it)."""
 
     def __enter__(self):
         self.start = self.peak = self.rss()
@@ -75,7 +76,7 @@ class PeakMemory:
 
     @staticmethod
     def rss() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return psutil.Process().memory_info().rss
 
     def _sample(self) -> None:
         while self.running:

@@ -80,7 +80,7 @@ class Answer:
         if not group.rewards:
             raise ValueError(f"question {group.prompt.uid!r}: its group is not scored yet (no rewards to store)")
         return [
-            cls(np.array(a.rollout.response_ids, np.int32), np.array(a.rollout.logprobs, np.float32), a.reward,
+            cls(a.rollout.response_ids, a.rollout.logprobs, a.reward,  # (int32 and float32 already: no copy)
                 a.rollout.version, "online", step, origin.temperature, "correct", origin.run, origin.checkpoint)
             for a in group.fresh() if a.correct
         ]
