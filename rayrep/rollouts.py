@@ -173,7 +173,7 @@ def rollout_stats(groups: Sequence[Group], generate_seconds: float) -> dict[str,
     """What this step's fresh rollouts looked like (every verified group, trained or not)."""
     answers = [a for g in groups for a in g.fresh()]
     fresh, marks = [a.rollout for a in answers], [a.correct for a in answers]
-    tokens = sum(len(r.response_ids) for r in fresh)
+    tokens = sum(r.response_length for r in fresh)
     return {
         "accuracy": sum(marks) / max(1, len(marks)),
         "response_length": tokens / max(1, len(fresh)),

@@ -2,7 +2,10 @@
 
 Names, used the same way everywhere:
 - a **rollout** is one response to one question, with its token ids and the behaviour
-  log-probs of the policy that produced it (sampled this step, or replayed);
+  log-probs of the policy that produced it (sampled this step, or replayed); where the
+  arrays stay in the object store (with the generator that sampled them, or the buffer
+  shard that drew them), the driver holds a `RolloutRef`: what it decides on, and where
+  the arrays are;
 - a **group** is one question's rollouts in one training step (G fresh + M replayed);
 - a stored **answer** (`rayrep.buffer.answers.Answer`) is a response kept in the replay
   buffer; it becomes a rollout again when it is replayed (within a group, each rollout with
@@ -84,6 +87,77 @@ class Rollout:
 
     __hash__ = None  # (arrays: a rollout is not a key)
 
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    def answer_arrays(self, key: object = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(prompt ids, response ids, behaviour log-probs): a rollout is its own source."""
+        return self.prompt_ids, self.response_ids, self.logprobs
+
+
+class AnswerSource(Protocol):
+    """Where answers' arrays are kept: a generator's part of a generate call (`RolloutPart`),
+    or a draw of stored answers (`rayrep.buffer.answers.PackedAnswers`)."""
+
+    def answer_arrays(self, key) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(prompt ids, response ids, behaviour log-probs; NaN where unknown) of answer `key`."""
+        ...
+
+
+class RolloutPart(list):
+    """What a generator returns for one part of a generate call: per prompt of the part, its
+    rollouts (a list of lists, as verifiers read it), kept in the object store; answer
+    (p, a) is the a-th rollout of the part's p-th prompt."""
+
+    def answer_arrays(self, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        prompt, answer = key
+        return self[prompt][answer].answer_arrays()
+
+
+class PartFacts(NamedTuple):
+    """What the driver reads of a generator's `RolloutPart`, which it sends on by reference."""
+
+    positions: list[int]
+    """The part's prompts: their positions in the generate call's prompts."""
+    answers: list[list[tuple[int, str]]]
+    """Per prompt, each answer's (response length, finish reason)."""
+    version: int
+    """The policy version that sampled them."""
+
+
+@dataclass(frozen=True)
+class RolloutRef:
+    """A rollout whose arrays stay where they were made: what the driver holds of an answer
+    in a step. It decides on the facts (the verdict comes from the verifiers, who read the
+    arrays themselves); the learners and buffer shards read the arrays from `source`."""
+
+    source: object
+    """An object ref to an `AnswerSource` (or, for an in-process buffer, the source itself)."""
+    key: object
+    """The answer's place in its source."""
+    response_length: int
+    finish_reason: str = "stop"
+    version: int = 0
+
+
+AnyRollout = typing.Union[Rollout, RolloutRef]
+"""A rollout, its arrays here or elsewhere: what a group holds."""
+
+
+def answer_arrays(rollouts: Sequence[AnyRollout]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(prompt ids, response ids, behaviour log-probs) of each rollout, in order: the sources
+    of those held by reference read from the object store in one call (every source once)."""
+    import ray
+
+    refs = list({r.source: None for r in rollouts if isinstance(r, RolloutRef) and isinstance(r.source, ray.ObjectRef)})
+    fetched = dict(zip(refs, ray.get(refs))) if refs else {}
+
+    def source(r: RolloutRef) -> AnswerSource:
+        return fetched[r.source] if isinstance(r.source, ray.ObjectRef) else r.source
+
+    return [r.answer_arrays() if isinstance(r, Rollout) else source(r).answer_arrays(r.key) for r in rollouts]
+
 
 class TokenSequences(Protocol):
     """Answers a forward pass can read: (prompt ids, response ids) of each, in order. The
@@ -96,7 +170,7 @@ class TokenSequences(Protocol):
 class GroupAnswer(NamedTuple):
     """One answer of a group, as a record: what `Group.answers` and its filters give."""
 
-    rollout: Rollout
+    rollout: AnyRollout
     correct: bool
     replayed: bool
     reward: float | None
@@ -110,7 +184,7 @@ class Group:
     `answers`, `fresh` and `replays`."""
 
     prompt: Prompt
-    rollouts: tuple[Rollout, ...]
+    rollouts: tuple[AnyRollout, ...]
     correct: tuple[bool, ...]
     """Per rollout: the verifier's verdict (a replayed success is correct by construction)."""
     replayed: tuple[bool, ...]
@@ -148,7 +222,7 @@ class Group:
         carries a learning signal."""
         return 0 < sum(self.correct) + self.pending_replays < len(self.correct) + self.pending_replays
 
-    def with_replays(self, replays: Sequence[Rollout]) -> "Group":
+    def with_replays(self, replays: Sequence[AnyRollout]) -> "Group":
         """This group with stored successes appended (replays are correct by construction),
         none pending any more."""
         return dataclasses.replace(
@@ -171,7 +245,7 @@ class StepPlan:
     requests: tuple[tuple[Prompt, int], ...]
     """(question, number of fresh rollouts to sample for it), in plan order (`build` draws the
     batch's own: `rayrep.algos.grpo.mini_batch_order`)."""
-    replays: Mapping[str, tuple[Rollout, ...]] = field(default_factory=dict)
+    replays: Mapping[str, tuple[AnyRollout, ...]] = field(default_factory=dict)
     """Question id -> stored answers that join its group after generation (RLEP, ExGRPO)."""
     replay_if_at_most: int | None = None
     """Adaptive replay: a question's stored answers join its group only when at most this
@@ -352,17 +426,47 @@ class TrainBatch:
 
 
 @dataclass(frozen=True)
+class BatchRecipe:
+    """What the learners' batch is made of, without its arrays: the rows' rollouts (by
+    reference, as the driver holds them) and what the driver decided per row. Each learner
+    rank reads the rows' arrays from the object store and collates the batch itself
+    (`collate`), so that no token goes through the driver."""
+
+    rollouts: tuple[AnyRollout, ...]
+    prompt_index: tuple[int, ...]
+    advantages: tuple[float, ...]
+    recompute_old: tuple[bool, ...]
+    replayed: tuple[bool, ...]
+    temperature: float = 1.0
+
+    def collate(self) -> TrainBatch:
+        """The batch: every row's arrays read (`answer_arrays`), then `TrainBatch.of_sequences`."""
+        arrays = answer_arrays(self.rollouts)
+        return TrainBatch.of_sequences(
+            [prompt for prompt, _, _ in arrays], [response for _, response, _ in arrays], self.prompt_index,
+            logprobs=[logprobs for _, _, logprobs in arrays], advantages=self.advantages,
+            recompute_old=self.recompute_old, replayed=self.replayed, temperature=self.temperature)
+
+
+@dataclass(frozen=True)
 class StepBatch:
     """One training step, built by an algorithm from its verified groups: what to train on,
     with which loss, and what the step saw."""
 
-    batch: TrainBatch
+    recipe: BatchRecipe
+    """The learners' batch, by reference (`batch` reads and collates it here)."""
     loss: LossSpec
     groups: tuple[Group, ...]
     """The trained groups, scored (`rewards` set), in the batch's row order."""
     dropped: tuple[Group, ...] = ()
     """Verified groups left out of the batch (dynamic sampling), scored too."""
     metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def batch(self) -> TrainBatch:
+        """The batch itself, its rows read in this process: for tools and tests (the training
+        loop sends the learners `recipe`)."""
+        return self.recipe.collate()
 
     @property
     def seen(self) -> tuple[Group, ...]:

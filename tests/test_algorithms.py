@@ -20,7 +20,7 @@ from rayrep.config import ConfigError, load_preset
 from rayrep.data import PromptSampler
 from rayrep.learner.forward import mini_batches
 from rayrep.rollouts import keep_informative
-from rayrep.types import Group, Prompt, Rollout, StepPlan
+from rayrep.types import Group, Prompt, Rollout, StepPlan, answer_arrays
 
 PROMPT_IDS = [10, 11, 12]
 
@@ -198,14 +198,15 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
     groups = sorted(roll_out(plan, lambda uid, n: [False] * n), key=lambda g: g.prompt.uid)
     assert [g.size for g in groups] == [4, 5, 6]  # G + min(M, stored)
     assert [sum(g.replayed) for g in groups] == [0, 1, 2]
-    assert groups[1].rollouts[4].response_ids.tolist() == [50, 51]
-    replayed_q2 = [tuple(r.response_ids) for r, rep in zip(groups[2].rollouts, groups[2].replayed) if rep]
+    # Replays are held by reference, their arrays left in the draw (`answer_arrays` reads them).
+    [(_, response, _)] = answer_arrays([groups[1].rollouts[4]])
+    assert response.tolist() == [50, 51]
+    replayed_q2 = [tuple(response) for _, response, _ in answer_arrays([a.rollout for a in groups[2].replays()])]
     assert len(set(replayed_q2)) == 2 and all(ids[0] in range(60, 65) for ids in replayed_q2)
     for group in groups:  # replayed rollouts are the verified successes; the learner recomputes their log-probs
-        for r, rep, ok in zip(group.rollouts, group.replayed, group.correct):
-            if rep:
-                assert ok and len(r.logprobs) == len(r.response_ids) and np.isnan(r.logprobs).all()
-                assert r.version == 3 and r.prompt_ids.tolist() == PROMPT_IDS
+        for a, (prompt_ids, response, logprobs) in zip(group.replays(), answer_arrays([a.rollout for a in group.replays()])):
+            assert a.correct and len(logprobs) == len(response) == a.rollout.response_length and np.isnan(logprobs).all()
+            assert a.rollout.version == 3 and prompt_ids.tolist() == PROMPT_IDS
     step = algo.build(groups, step=1)
     position = {g.prompt.uid: i for i, g in enumerate(step.groups)}  # the batch's own order
     # Advantages over all G' rollouts: q1 has 4 failures and 1 success.
@@ -228,7 +229,7 @@ def test_rlep_old_logprob_modes(pool_file):
     ):
         algo = rlep(pool_file, **changes)
         groups = roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1))
-        replayed = [r.logprobs for g in groups for r, rep in zip(g.rollouts, g.replayed) if rep]
+        replayed = [logprobs for g in groups for _, _, logprobs in answer_arrays([a.rollout for a in g.replays()])]
         assert len(replayed) == 2
         if recorded:
             assert all(logprobs.tolist() == [-0.25] * 2 for logprobs in replayed), changes
@@ -309,7 +310,8 @@ def test_a_growing_pool_takes_each_steps_fresh_successes_once(pool_file):
     metrics = algo.after_update(1, step)
     assert metrics["pool_stored"] == 2 and metrics["pool_questions"] == 3  # q1, q2 from the file, q0 now
     drawn = algo.plan(sampler, 1).replays["q0"]
-    assert sorted(r.response_ids.tolist() for r in drawn) == [[100, 0], [101, 0]] and all(r.version == 0 for r in drawn)
+    assert sorted(response.tolist() for _, response, _ in answer_arrays(drawn)) == [[100, 0], [101, 0]]
+    assert all(r.version == 0 for r in drawn)
     # The same successes again, and the replayed ones: nothing new is stored.
     again = algo.build(roll_out(algo.plan(sampler, 1), lambda uid, n: [True, True] + [False] * (n - 2)), step=1)
     assert sum(again.groups[0].replayed) == 2 and algo.after_update(2, again)["pool_stored"] == 0

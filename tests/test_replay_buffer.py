@@ -5,6 +5,7 @@ Expected values come from formulas written out here (hash routing, bucket weight
 binomial tolerances, array sizes), not from the code under test.
 """
 
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -28,6 +29,7 @@ from rayrep.buffer.answers import Answer, PackedAnswers
 from rayrep.buffer.replay import ReplayBuffer, bucket_weights, shard_of
 from rayrep.buffer.shard import ReplayShard
 from rayrep.data.loaders import PromptFileError
+from rayrep.types import answer_arrays
 
 K = 8
 CAP = 8
@@ -556,10 +558,13 @@ def test_answers_by_serial_returns_the_chosen_stored_answers_even_after_other_wr
     # retire a picked question: the picks still name the same answers, or none.
     buffer.add([(f"x{q}", prompt(q), answers_of(q, 50)) for q in range(40)])
     buffer.apply(retire=["p4"])
-    got = buffer.answers_by_serial(picks)
+    got = buffer.answers_by_serial(picks)  # each left where it is (`Answer.at`): read from there
     assert got.keys() == {"p0", "p1", "p3"}
-    for uid in got:
-        assert_same_answer(got[uid], contents[uid][positions[uid]])
+    for uid, answer in got.items():
+        assert answer.response_ids is None
+        [(prompt_ids, response, logprobs)] = answer_arrays([answer.at])
+        assert prompt_ids.tolist() == list(prompt(int(uid[1:]))) and answer.length == len(response)
+        assert_same_answer(dataclasses.replace(answer, response_ids=response, logprobs=logprobs), contents[uid][positions[uid]])
 
 
 # ---------------------------------------------------------------------- stats

@@ -4,10 +4,12 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 import torch
 
 from rayrep.algos.exgrpo import ExGRPO
@@ -20,7 +22,7 @@ from rayrep.learner.group import LearnerGroup
 from rayrep.pipelines.collect import collect_pool
 from rayrep.run.log import read_metrics
 from rayrep.train import train
-from rayrep.types import Group, Rollout
+from rayrep.types import Group, Rollout, RolloutPart, answer_arrays
 
 
 RECORDED = Path(__file__).parent / "recorded_metrics"
@@ -53,6 +55,40 @@ def same_as_recorded(name: str, records: list[dict]) -> None:
                 assert now[key] == value, (name, now["step"], key)
 
 
+ROLLOUT_CLASSES = {("rayrep.types", "Rollout"), ("rayrep.types", "RolloutPart"), ("rayrep.types", "TrainBatch"),
+                   ("rayrep.buffer.answers", "PackedAnswers")}
+"""What holds answers' token arrays: what the driver must never read in a step."""
+_unpickled: list | None = None
+
+
+def _note_unpickled(event: str, args: tuple) -> None:
+    if event == "pickle.find_class" and _unpickled is not None:
+        _unpickled.append(tuple(args))
+
+
+def trained_without_reading_rollouts(cfg):
+    """`train(cfg)`, its driver (this process) watched: every object Ray deserializes here is
+    unpickled, and the unpickler names each class it loads to Python's audit hooks
+    (`pickle.find_class`). A run whose driver `ray.get`s rollouts, answer arrays or a
+    collated batch fails here. (A hook cannot be removed: one, installed once, that a flag
+    turns on; a put-and-get of a rollout first shows that it sees what Ray reads.)"""
+    global _unpickled
+    if not getattr(trained_without_reading_rollouts, "hooked", False):
+        sys.addaudithook(_note_unpickled)
+        trained_without_reading_rollouts.hooked = True
+    _unpickled = []
+    try:
+        ray.get(ray.put(RolloutPart([[Rollout([1], [2], [-0.5], "2", "stop")]])))
+        assert ("rayrep.types", "RolloutPart") in _unpickled, "the audit hook does not see Ray's reads"
+        _unpickled.clear()
+        result = train(cfg, log=lambda _: None)
+        read = ROLLOUT_CLASSES & set(_unpickled)
+    finally:
+        _unpickled = None
+    assert not read, f"the driver read {sorted(read)} during the run"
+    return result
+
+
 def small(cfg, tmp_path, **changes):
     """A few cheap steps of the tiny preset, with 2 buffer shards, taking turns as colocated GPUs
     do (`placement.emulate_gpus`: residency checks and the device-memory ledger live)."""
@@ -82,8 +118,8 @@ def test_collect_then_rlep_run_replays_the_pool(ray_cluster, tiny_cfg, tiny_poli
     some = next(iter(pool.values()))[1][0]
     assert len(some.response_ids) == len(some.logprobs) and np.isfinite(some.logprobs).all()
 
-    run = train(cfg.replace(**{"algorithm.name": "rlep", "algorithm.rlep.pool": stats["pool"], "logging.run_name": "rlep"}),
-                log=lambda _: None)
+    run = trained_without_reading_rollouts(
+        cfg.replace(**{"algorithm.name": "rlep", "algorithm.rlep.pool": stats["pool"], "logging.run_name": "rlep"}))
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
     same_as_recorded("rlep", records)
     assert len(records) == 2
@@ -102,7 +138,7 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
         "algorithm.name": "exgrpo", "algorithm.std_normalize": False, "run.steps": 3, "learner.strategy": "deepspeed",
         "algorithm.exgrpo.start_pass_rate": 0.0, "algorithm.dynamic_sampling": True, "logging.run_name": "exgrpo",
     })
-    run = train(cfg, log=lambda _: None)
+    run = trained_without_reading_rollouts(cfg)
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] > 0]
     same_as_recorded("exgrpo-deepspeed-dynamic", records)
     # As the public code: step 1 flips the switch and stores nothing, step 2 collects, step 3 replays.
@@ -133,7 +169,7 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
         # enough that three steps surely hold some (about 1 in 5 groups).
         changes.update({"algorithm.rlep.pool": pool_stats["pool"], "algorithm.group_size": 4})
     cfg = small(tiny_cfg, tmp_path, **changes)
-    records = [r for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl") if r["step"] > 0]
+    records = [r for r in read_metrics(trained_without_reading_rollouts(cfg).run_dir / "metrics.jsonl") if r["step"] > 0]
     same_as_recorded(f"{name}-dynamic", records)
     K = cfg.algorithm.group_size
     assert sum(r["dynamic_sampling_rounds"] for r in records) > 0  # refills did happen
@@ -197,7 +233,9 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
         expected[prompt.uid] = answers[int(np.argmin(entropies))].response_ids.tolist()
         lowest.append(min(entropies))
     chosen, mean_entropy = algo.lowest_entropy_answers([p.uid for p in prompts])
-    assert {uid: a.response_ids.tolist() for uid, a in chosen.items()} == expected
+    # Chosen by reference (`Answer.at`): the learners read them where the shards left them.
+    assert {uid: response.tolist() for uid, (_, response, _) in zip(chosen, answer_arrays([a.at for a in chosen.values()]))} \
+        == expected
     assert mean_entropy == pytest.approx(sum(lowest) / len(lowest), rel=1e-4)
     algo.buffer.shutdown()
 

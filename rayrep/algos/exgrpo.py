@@ -184,7 +184,7 @@ class ExGRPO(GRPO):
             for group in seen if self.collecting else ():
                 if 1 <= (k := sum(group.correct)) < K:
                     buckets[group.prompt.uid] = k
-                    items.append((group.prompt.uid, np.array(group.rollouts[0].prompt_ids, np.int32),
+                    items.append((group.prompt.uid, np.array(self.prompt_ids[group.prompt.uid], np.int32),
                                   Answer.fresh_successes(group, step, self.origin)))
             if not self.retires_for_all:
                 self.retired_here.update(all_right)

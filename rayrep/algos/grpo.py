@@ -21,7 +21,7 @@ from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import DrawLimit, Origin
 from rayrep.config import Config, derive_seed
 from rayrep.data import PromptSampler
-from rayrep.types import TOKEN_SUM_AGGREGATIONS, Group, LossSpec, StepBatch, StepPlan, TrainBatch
+from rayrep.types import TOKEN_SUM_AGGREGATIONS, BatchRecipe, Group, LossSpec, StepBatch, StepPlan
 from rayrep.verifier.reward import rewards
 
 if TYPE_CHECKING:
@@ -114,17 +114,14 @@ class GRPO:
         )
         rows = [answer for g in trained for answer in g.answers()]
         recompute_replays = self.replay_old_logprobs == "recompute"
-        batch = TrainBatch.of_sequences(
-            [a.rollout.prompt_ids for a in rows],
-            [a.rollout.response_ids for a in rows],
-            index,
-            logprobs=[a.rollout.logprobs for a in rows],
-            advantages=advantages,
-            recompute_old=[recompute_replays or not a.replayed for a in rows],
-            replayed=[a.replayed for a in rows],
+        # The rows by reference: the learners read their arrays where the generators and the
+        # buffer shards left them (`BatchRecipe.collate`).
+        recipe = BatchRecipe(
+            tuple(a.rollout for a in rows), tuple(index), tuple(advantages.tolist()),
+            tuple(recompute_replays or not a.replayed for a in rows), tuple(a.replayed for a in rows),
             temperature=self.cfg.generator.temperature,
         )
-        return StepBatch(batch, self.loss_spec(trained), tuple(trained), tuple(left_out),
+        return StepBatch(recipe, self.loss_spec(trained), tuple(trained), tuple(left_out),
                          self.step_metrics(trained, left_out))
 
     def after_update(self, step: int, batch: StepBatch) -> dict[str, float]:
@@ -136,7 +133,7 @@ class GRPO:
         """The group with its rewards: the verdict (+1/-1 or 1/0) plus DAPO's overlong shaping."""
         verifier = self.cfg.verifier
         values = rewards(
-            group.correct, [len(r.response_ids) for r in group.rollouts], style=verifier.reward_style,
+            group.correct, [r.response_length for r in group.rollouts], style=verifier.reward_style,
             max_len=self.cfg.generator.max_response_tokens, overlong_buffer=verifier.overlong_buffer,
             overlong_factor=verifier.overlong_factor,
         )

@@ -93,7 +93,8 @@ class RLEP(GRPO):
         fresh = super().plan(sampler, questions, exclude)
         wanted = self.cfg.algorithm.rlep.replays_per_group
         requests = [(p.uid, wanted) for p in fresh.prompts]
-        drawn = self.buffer.sample_answers(requests, self.draw_limit(version), self.draws_logprobs) if wanted else {}
+        # Left in the shards' results: the learners read the drawn answers from there.
+        drawn = self.buffer.draw_answers(requests, self.draw_limit(version), self.draws_logprobs) if wanted else {}
         replays = {
             uid: tuple(answer.rollout(self.prompt_ids[uid]) for answer in answers)
             for uid, answers in drawn.items() if answers

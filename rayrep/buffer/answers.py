@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rayrep.types import Group, Rollout
+from rayrep.types import AnyRollout, Group, Rollout, RolloutRef, answer_arrays
 
 SOURCES = ("pool", "online", "external")
 """Where an answer came from: an offline experience pool (RLEP), a run's own rollouts
@@ -56,12 +56,14 @@ class Origin:
 
 @dataclass
 class Answer:
-    """One stored answer, as it enters or leaves the buffer."""
+    """One stored answer, as it enters or leaves the buffer: its arrays here, or where they
+    are (`at`: a fresh answer on its way from a generator's part to the shards, or a drawn one
+    on its way from a shard to the learners), the driver holding only its facts."""
 
-    response_ids: np.ndarray
-    """int32 [T] token ids of the answer."""
-    logprobs: np.ndarray
-    """float32 [T] behaviour log-probs (NaN where unknown, e.g. imported text-only pools)."""
+    response_ids: np.ndarray | None
+    """int32 [T] token ids of the answer (None: `at` says where they are)."""
+    logprobs: np.ndarray | None
+    """float32 [T] behaviour log-probs (NaN where unknown, e.g. imported text-only pools; None with `at`)."""
     reward: float
     version: int = 0
     """The policy version that sampled it (updates since `checkpoint`)."""
@@ -72,6 +74,12 @@ class Answer:
     verdict: str = "correct"
     run: str = ""
     checkpoint: str = ""
+    at: RolloutRef | None = None
+    """Where its arrays are, when they are not here."""
+
+    @property
+    def length(self) -> int:
+        return self.at.response_length if self.at is not None else len(self.response_ids)
 
     @classmethod
     def fresh_successes(cls, group: Group, step: int, origin: Origin = Origin()) -> list[Answer]:
@@ -80,13 +88,16 @@ class Answer:
         if not group.rewards:
             raise ValueError(f"question {group.prompt.uid!r}: its group is not scored yet (no rewards to store)")
         return [
-            cls(a.rollout.response_ids, a.rollout.logprobs, a.reward,  # (int32 and float32 already: no copy)
-                a.rollout.version, "online", step, origin.temperature, "correct", origin.run, origin.checkpoint)
+            cls(*local_arrays(a.rollout), a.reward, a.rollout.version, "online", step, origin.temperature, "correct",
+                origin.run, origin.checkpoint, at=a.rollout if isinstance(a.rollout, RolloutRef) else None)
             for a in group.fresh() if a.correct
         ]
 
-    def rollout(self, prompt_ids: list[int]) -> Rollout:
-        """This answer replayed: a rollout of the question whose prompt tokens are `prompt_ids`."""
+    def rollout(self, prompt_ids: list[int]) -> AnyRollout:
+        """This answer replayed: a rollout of the question whose prompt tokens are `prompt_ids`
+        (by reference where its arrays are elsewhere; those carry their prompt)."""
+        if self.at is not None:
+            return self.at
         return Rollout(
             prompt_ids=prompt_ids,
             response_ids=self.response_ids,
@@ -95,6 +106,12 @@ class Answer:
             finish_reason="stop",
             version=self.version,
         )
+
+
+def local_arrays(rollout: AnyRollout) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A rollout's (response ids, log-probs) where they are here, as they are (int32 and
+    float32 already: no copy); (None, None) for one held by reference."""
+    return (None, None) if isinstance(rollout, RolloutRef) else (rollout.response_ids, rollout.logprobs)
 
 
 _VERDICT_NAMES = {code: name for name, code in VERDICTS.items()}
@@ -137,7 +154,8 @@ class PackedAnswers:
     """int64 [Q]: how many answers each question has here."""
     offsets: np.ndarray
     """int64 [N + 1]: answer i's tokens are tokens[offsets[i] : offsets[i + 1]]."""
-    tokens: np.ndarray
+    tokens: np.ndarray | None
+    """int32 [offsets[-1]]; None in a draw's facts (`facts_only`) and until `pending` is read."""
     logprobs: np.ndarray | None
     """float32 [offsets[-1]]; None: not carried (a draw for a caller that does not read
     them), unpacked as NaN, unknown."""
@@ -150,13 +168,20 @@ class PackedAnswers:
     prompts: np.ndarray | None = None
     held_back: int = 0
     """Stored answers of these questions that the draw's `DrawLimit` left out."""
+    pending: list[RolloutRef] | None = None
+    """Where each answer's arrays are, when they were packed by reference (`resolve` reads them)."""
 
     @classmethod
     def pack(cls, items: list[tuple[str, np.ndarray | None, list[Answer]]]) -> PackedAnswers:
-        """Pack (question id, prompt ids or None, answers) items."""
+        """Pack (question id, prompt ids or None, answers) items. Answers held by reference
+        (`Answer.at`: all of them or none) are packed without their arrays, which the shard
+        that takes them reads (`resolve`)."""
         answers = [a for _, _, group in items for a in group]
-        lengths = np.array([len(a.response_ids) for a in answers], np.int64)
-        logprob_lengths = np.array([len(a.logprobs) for a in answers], np.int64)
+        by_reference = [a.at is not None for a in answers]
+        if any(by_reference) and not all(by_reference):
+            raise ValueError("answers to pack are all held by reference or none are")
+        lengths = np.array([a.length for a in answers], np.int64)
+        logprob_lengths = lengths if any(by_reference) else np.array([len(a.logprobs) for a in answers], np.int64)
         if not np.array_equal(lengths, logprob_lengths):
             bad = int(np.nonzero(lengths != logprob_lengths)[0][0])
             for uid, _, group in items:  # name the question and the answer
@@ -175,10 +200,11 @@ class PackedAnswers:
             uids=[uid for uid, _, _ in items],
             counts=np.array([len(group) for _, _, group in items], np.int64),
             offsets=cumulative_offsets(lengths),
-            tokens=flat_array([a.response_ids for a in answers], np.int32),
-            logprobs=flat_array([a.logprobs for a in answers], np.float32),
+            tokens=None if any(by_reference) else flat_array([a.response_ids for a in answers], np.int32),
+            logprobs=None if any(by_reference) else flat_array([a.logprobs for a in answers], np.float32),
             facts=facts,
             origins=origins,
+            pending=[a.at for a in answers] if any(by_reference) else None,
         )
         if items and all(prompt is not None for _, prompt, _ in items):
             prompts = [np.asarray(prompt) for _, prompt, _ in items]
@@ -189,20 +215,40 @@ class PackedAnswers:
     def prompt(self, q: int) -> np.ndarray:
         return self.prompts[self.prompt_offsets[q] : self.prompt_offsets[q + 1]]
 
+    def resolve(self) -> None:
+        """Read the arrays of answers packed by reference (`pending`) from where they are:
+        what a shard does with a write before it stores it."""
+        if self.pending is None:
+            return
+        arrays = answer_arrays(self.pending)
+        lengths = np.array([len(response) for _, response, _ in arrays], np.int64)
+        if not np.array_equal(lengths, np.diff(self.offsets)):
+            bad = int(np.nonzero(lengths != np.diff(self.offsets))[0][0])
+            raise ValueError(f"answer {bad} of question batch {self.uids[:3]}...: {lengths[bad]} tokens where it was "
+                             f"announced with {int(np.diff(self.offsets)[bad])}")
+        self.tokens = flat_array([response for _, response, _ in arrays], np.int32)
+        self.logprobs = flat_array([logprobs for _, _, logprobs in arrays], np.float32)
+        self.pending = None
+
+    def facts_only(self) -> DrawnFacts:
+        """What a drawing client reads of these answers when their arrays go on by reference."""
+        return DrawnFacts(self.uids, self.counts, self.offsets, self.facts, self.origins, self.held_back)
+
+    def answer_arrays(self, key: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(prompt ids, response ids, log-probs; NaN where not carried) of answer `key`
+        (`rayrep.types.AnswerSource`: a drawn answer replayed by reference)."""
+        start, end = int(self.offsets[key]), int(self.offsets[key + 1])
+        question = int(np.searchsorted(np.cumsum(self.counts), key, side="right"))
+        logprobs = self.logprobs[start:end] if self.logprobs is not None else np.full(end - start, np.nan, np.float32)
+        return self.prompt(question), self.tokens[start:end], logprobs
+
     def unpack(self) -> dict[str, list[Answer]]:
         """Answers by question; their arrays are views of the packed ones, never of a shard's
         storage."""
         ends = self.offsets.tolist()
         logprobs = self.logprobs if self.logprobs is not None else np.full(len(self.tokens), np.nan, np.float32)
-        origins = self.origins
-        answers = [
-            Answer(self.tokens[start:end], logprobs[start:end], reward, version, SOURCES[source], step, temperature,
-                   _VERDICT_NAMES[verdict], *origins.get(origin, _NO_ORIGIN))
-            for start, end, (reward, version, source, step, temperature, verdict, origin)
-            in zip(ends, ends[1:], self.facts.tolist())  # facts: tuples in FACTS' field order
-        ]
-        firsts = cumulative_offsets(self.counts).tolist()
-        return {uid: answers[first:last] for uid, first, last in zip(self.uids, firsts, firsts[1:])}
+        arrays = [(self.tokens[start:end], logprobs[start:end], None) for start, end in zip(ends, ends[1:])]
+        return by_question(self.uids, self.counts, answers_of(self.facts, self.origins, arrays))
 
     def sequences(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(prompt ids, response ids) of every answer, in order (packed with prompts): what a
@@ -210,6 +256,43 @@ class PackedAnswers:
         prompts = [self.prompt(q) for q, count in enumerate(self.counts.tolist()) for _ in range(count)]
         responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.facts))]
         return prompts, responses
+
+
+@dataclass
+class DrawnFacts:
+    """Drawn answers without their arrays (`PackedAnswers.facts_only`): what the driver reads
+    of a draw whose answers go on to the learners by reference."""
+
+    uids: list[str]
+    counts: np.ndarray
+    offsets: np.ndarray
+    facts: np.ndarray
+    origins: Origins
+    held_back: int = 0
+
+    def unpack(self, at: object) -> dict[str, list[Answer]]:
+        """Answers by question, without arrays, each saying where it is (`Answer.at`): answer
+        i of `at`, a ref to the `PackedAnswers` these are the facts of."""
+        lengths = np.diff(self.offsets).tolist()
+        versions = self.facts["version"].tolist()
+        arrays = [(None, None, RolloutRef(at, i, length, "stop", version))
+                  for i, (length, version) in enumerate(zip(lengths, versions))]
+        return by_question(self.uids, self.counts, answers_of(self.facts, self.origins, arrays))
+
+
+def answers_of(facts: np.ndarray, origins: Origins, arrays: list[tuple]) -> list[Answer]:
+    """Answers from their `FACTS` records and (response ids, log-probs, where they are) each."""
+    return [
+        Answer(response_ids, logprobs, reward, version, SOURCES[source], step, temperature, _VERDICT_NAMES[verdict],
+               *origins.get(origin, _NO_ORIGIN), at=at)
+        for (response_ids, logprobs, at), (reward, version, source, step, temperature, verdict, origin)
+        in zip(arrays, facts.tolist())  # facts: tuples in FACTS' field order
+    ]
+
+
+def by_question(uids: list[str], counts: np.ndarray, answers: list[Answer]) -> dict[str, list[Answer]]:
+    firsts = cumulative_offsets(counts).tolist()
+    return {uid: answers[first:last] for uid, first, last in zip(uids, firsts, firsts[1:])}
 
 
 def cumulative_offsets(lengths: np.ndarray) -> np.ndarray:

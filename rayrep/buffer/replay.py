@@ -259,20 +259,31 @@ class ReplayStore:
     def sample_answers(self, requests: list[tuple[str, int]], limit: DrawLimit | None = None,
                        logprobs: bool = True) -> dict[str, list[Answer]]:
         """Up to `count` stored answers of each question that `limit` allows, uniformly
-        without replacement (RLEP); those it held back are counted (`take_counts`). Without
-        `logprobs`, the answers come without their behaviour log-probs (NaN), and the draw
-        moves half the bytes."""
+        without replacement (RLEP), read here; those it held back are counted (`take_counts`).
+        Without `logprobs`, the answers come without their behaviour log-probs (NaN), and the
+        draw moves half the bytes."""
+        return self._draw(requests, limit, logprobs, by_reference=False)
+
+    def draw_answers(self, requests: list[tuple[str, int]], limit: DrawLimit | None = None,
+                     logprobs: bool = True) -> dict[str, list[Answer]]:
+        """`sample_answers`' draw, the answers left where the shards put them: each comes with
+        its facts and where its arrays are (`Answer.at`), for the learners to read (a training
+        step's replays)."""
+        return self._draw(requests, limit, logprobs, by_reference=True)
+
+    def _draw(self, requests: list[tuple[str, int]], limit: DrawLimit | None, logprobs: bool,
+              by_reference: bool) -> dict[str, list[Answer]]:
         seeds = self.rng.getrandbits(63)
         results = self._call(lambda shard: shard.sample_packed, {
             s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s, limit,
                 logprobs)
             for s, group in self._by_shard(requests).items()
-        })
+        }, num_returns=2 if by_reference else 1)
         merged: dict[str, list[Answer]] = {}
-        for part in results.values():
-            merged.update(part.unpack())
-            if part.held_back:
-                self.counts["held_back"] += part.held_back
+        for facts, answers in results.values():
+            merged.update(facts.unpack(at=answers) if by_reference else answers.unpack())
+            if facts.held_back:
+                self.counts["held_back"] += facts.held_back
         return merged
 
     def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
@@ -295,11 +306,11 @@ class ReplayStore:
 
     def answers_by_serial(self, picks: dict[str, int]) -> dict[str, Answer]:
         """The stored answer of serial number `picks[uid]` (from `stored_answers`) of each
-        question that still holds it."""
+        question that still holds it, left where it is (`Answer.at`)."""
         results = self._call(lambda shard: shard.answers_by_serial, {
             s: ([uid for uid, _ in group], [i for _, i in group]) for s, group in self._by_shard(list(picks.items())).items()
-        })
-        return {uid: answers[0] for part in results.values() for uid, answers in part.unpack().items()}
+        }, num_returns=2)
+        return {uid: answers[0] for facts, ref in results.values() for uid, answers in facts.unpack(at=ref).items()}
 
     def _excluded(self, exclude: frozenset[str]) -> dict[int, list[str]]:
         return {s: self._by_shard(sorted(exclude), key=lambda u: u).get(s, []) for s in self._all}

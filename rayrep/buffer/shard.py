@@ -20,7 +20,7 @@ from bisect import bisect_left, insort
 import numpy as np
 import ray
 
-from rayrep.buffer.answers import SOURCES, DrawLimit, PackedAnswers, cumulative_offsets
+from rayrep.buffer.answers import SOURCES, DrawLimit, DrawnFacts, PackedAnswers, cumulative_offsets
 from rayrep.buffer.store import AnswerStore, StoredQuestion
 from rayrep.library_output import route_library_output
 
@@ -98,7 +98,10 @@ class ReplayShard:
         return self._write(items, dedup, buckets, retire)
 
     def _write(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
-        """Add, set buckets, retire; one more version if anything changed. Returns answers stored."""
+        """Add, set buckets, retire; one more version if anything changed. Returns answers stored.
+        Answers sent by reference are read first, from where the generators left them."""
+        if items is not None:
+            items.resolve()
         stored = self._add(items, dedup) if items is not None else 0
         moved = self._set_buckets(buckets)
         retired = self._retire(list(retire))
@@ -194,11 +197,13 @@ class ReplayShard:
         return rows[keep], np.bincount(question[keep], minlength=len(entries)).astype(np.int64), int((~keep).sum())
 
     def sample_packed(self, uids: list[str], wanted, seed: int | None = None, limit: DrawLimit | None = None,
-                      logprobs: bool = True) -> PackedAnswers:
+                      logprobs: bool = True) -> tuple[DrawnFacts, PackedAnswers]:
         """Up to `wanted[q]` stored answers of question `uids[q]` that `limit` allows,
         uniformly without replacement (what it has when a question has fewer: never
-        placeholders), packed, with their log-probs unless `logprobs` is false (they are
-        half of the bytes); `held_back`: the answers the limit left out.
+        placeholders), packed with their prompts, with their log-probs unless `logprobs` is
+        false (they are half of the bytes); `held_back`: the answers the limit left out. Two
+        values, their facts and the answers, so that a caller can read the facts and pass the
+        answers on by reference (`.options(num_returns=2)`).
 
         Ids and counts as a list of strings and an array cross a Ray call about three times
         faster than a list of (id, count) tuples."""
@@ -212,9 +217,14 @@ class ReplayShard:
         order = np.argsort(question + rng.random(len(question)))
         starts = cumulative_offsets(sizes)
         keep = np.arange(len(question)) - starts[question] < counts[question]
-        packed = self.store.gather(uids, counts, rows[order[keep]], logprobs=logprobs)
+        packed = self.store.gather(uids, counts, rows[order[keep]], prompts=self._prompts(uids), logprobs=logprobs)
         packed.held_back = held_back
-        return packed
+        return packed.facts_only(), packed
+
+    def _prompts(self, uids: list[str]) -> list[np.ndarray]:
+        """Each question's prompt ids (none for one not held here)."""
+        return [entry.prompt_ids if (entry := self.questions.get(uid)) is not None else np.empty(0, np.int32)
+                for uid in uids]
 
     def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
                        ) -> tuple[tuple[list[tuple[str, list[int]]], int], PackedAnswers]:
@@ -232,10 +242,10 @@ class ReplayShard:
         serials = np.split(self.store.columns["serials"][rows], cumulative_offsets(sizes[kept])[1:-1])
         return ([(uid, own.tolist()) for uid, own in zip(present, serials)], held_back), packed
 
-    def answers_by_serial(self, uids: list[str], serials: list[int]) -> PackedAnswers:
+    def answers_by_serial(self, uids: list[str], serials: list[int]) -> tuple[DrawnFacts, PackedAnswers]:
         """The stored answer of serial number `serials[q]` of each question `uids[q]`, packed;
         a question that no longer holds it (retired, evicted, or a restored shard's new
-        numbering) is left out."""
+        numbering) is left out. Their facts, then the answers with their prompts (`sample_packed`)."""
         found_uids, rows = [], []
         for uid, serial in zip(uids, serials):
             entry = self.questions.get(uid)
@@ -244,7 +254,9 @@ class ReplayShard:
                 if len(match):
                     found_uids.append(uid)
                     rows.append(entry.rows[match[0]])
-        return self.store.gather(found_uids, [1] * len(found_uids), np.array(rows, np.int64))
+        packed = self.store.gather(found_uids, [1] * len(found_uids), np.array(rows, np.int64),
+                                   prompts=self._prompts(found_uids))
+        return packed.facts_only(), packed
 
     def _excluded_by_bucket(self, exclude: list[str]) -> dict[int, list[str]]:
         by_bucket: dict[int, list[str]] = {}

@@ -72,7 +72,7 @@ def _score_in_slices(
         checking = verifiers.checking([prompts[i].ground_truth for i in part], majority=True)
         if complete is not None:
             _, rollouts = complete(pending, recovery, on_arrival=checking.send)
-            lengths.extend(len(r.response_ids) for sampled in rollouts for r in sampled)
+            lengths.extend(r.response_length for sampled in rollouts for r in sampled)
         else:
             for answers in pending:
                 checking.send(answers)

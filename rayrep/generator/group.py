@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
-from rayrep.types import Rollout
+from rayrep.types import AnyRollout, PartFacts, Rollout, RolloutRef
 
 
 @dataclass(frozen=True)
@@ -150,10 +150,12 @@ class GeneratorGroup:
 
     def complete(self, shares: Sequence[Share | PendingRollouts], counts: Counter | None = None,
                  on_arrival: Callable[[PendingRollouts], None] | None = None,
-                 ) -> tuple[list[PendingRollouts], list[list[Rollout]]]:
+                 ) -> tuple[list[PendingRollouts], list[list[AnyRollout]]]:
         """Every prompt's rollouts, in prompt order, waiting for the workers, and the parts they
         arrived in; each part goes to `on_arrival` (the verifiers) as soon as it exists, while
-        the engines sample the rest. (Answers made elsewhere, as `PendingRollouts`, arrive at once.)
+        the engines sample the rest. The generators' rollouts come as `RolloutRef`s: this
+        process reads each part's facts, never its arrays. (Answers made elsewhere, as
+        `PendingRollouts`, arrive at once, as they are.)
 
         A generator that dies mid-share loses nothing that arrived: the prompts it had not
         answered are asked again of its replacement (see the module's docstring); with
@@ -162,10 +164,10 @@ class GeneratorGroup:
         """
         counts = Counter() if counts is None else counts
         arrived: list[PendingRollouts] = []
-        by_index: dict[int, list[Rollout]] = {}
+        by_index: dict[int, list[AnyRollout]] = {}
         replaced_before = self.supervisor.replaced
 
-        def take(part: PendingRollouts, rollouts: list[list[Rollout]]) -> None:
+        def take(part: PendingRollouts, rollouts: list[list[AnyRollout]]) -> None:
             if on_arrival is not None:
                 on_arrival(part)
             arrived.append(part)
@@ -181,9 +183,8 @@ class GeneratorGroup:
             [stream], _ = ray.wait(list(live), num_returns=1)
             share, answered = live[stream]
             try:
-                positions = ray.get(next(stream))
-                ref = next(stream)
-                rollouts = ray.get(ref)  # (yielded right after the positions)
+                facts: PartFacts = ray.get(next(stream))
+                ref = next(stream)  # (yielded right after its facts; left where it is)
             except StopIteration:
                 del live[stream]
                 continue
@@ -198,15 +199,26 @@ class GeneratorGroup:
                 live[retry.stream] = (retry, [])
                 counts["retried_prompts"] += len(rest)
                 continue
-            answered.extend(positions)
-            take(PendingRollouts([share.indices[p] for p in positions], ref), rollouts)
+            answered.extend(facts.positions)
+            rollouts = [[RolloutRef(ref, (p, a), length, reason, facts.version) for a, (length, reason) in enumerate(answers)]
+                        for p, answers in enumerate(facts.answers)]
+            take(PendingRollouts([share.indices[p] for p in facts.positions], ref), rollouts)
         if self.supervisor.replaced > replaced_before:
             counts["replaced"] += self.supervisor.replaced - replaced_before
         return arrived, [by_index[i] for i in range(len(by_index))]
 
     def gather(self, shares: Sequence[Share | PendingRollouts]) -> list[list[Rollout]]:
-        """Every prompt's rollouts, in prompt order (waits for the workers)."""
-        return self.complete(shares)[1]
+        """Every prompt's rollouts themselves, in prompt order (waits for the workers)."""
+        return self.read(self.complete(shares)[0])
+
+    @staticmethod
+    def read(arrived: Sequence[PendingRollouts]) -> list[list[Rollout]]:
+        """The rollouts of parts that arrived (`complete`), in prompt order, their arrays read
+        into this process: for tools that write them (the experience pool's collection)."""
+        by_index: dict[int, list[Rollout]] = {}
+        for part, rollouts in zip(arrived, ray.get([part.ref for part in arrived])):
+            by_index.update(zip(part.indices, rollouts))
+        return [list(by_index[i]) for i in range(len(by_index))]
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Every engine frees its GPU memory for the learners (where the roles take turns),

@@ -18,7 +18,7 @@ from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
 from rayrep.sync.collective import WeightManifest
 from rayrep.sync.vllm_ext import EXTENSION_CLASS
-from rayrep.types import Rollout
+from rayrep.types import PartFacts, RolloutPart
 
 
 SLEEP_TAGS = {WEIGHTS: "weights", KV_CACHE: "kv_cache"}
@@ -73,11 +73,13 @@ class GeneratorWorker:
     def generate_as_finished(
         self, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float, max_tokens: int,
         seeds: list[int] | None, parts: int,
-    ) -> Iterator[list[int] | list[list[Rollout]]]:
+    ) -> Iterator[PartFacts | RolloutPart]:
         """`n` rollouts of each prompt (see `rayrep.generator.engine.sample`), as the engine
         finishes them, in about `parts` parts (a Ray streaming call): each part is two objects,
-        the positions of its prompts in `prompt_ids`, then their rollouts, so that a reader can
-        pass the rollouts on (to the verifiers) as soon as they exist."""
+        what the driver decides on (`PartFacts`: the positions of its prompts in `prompt_ids`,
+        each answer's length and finish reason, the policy version), then the rollouts
+        themselves (`RolloutPart`), which the reader passes on by reference (to the verifiers,
+        the learners and the buffer shards) as soon as they exist."""
         from rayrep.generator.engine import sample_as_finished
 
         # Asleep, vLLM's scheduler waits to be woken and the call would hang: refused instead.
@@ -88,8 +90,9 @@ class GeneratorWorker:
         for positions, rollouts in sample_as_finished(self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p,
                                                       max_tokens=max_tokens, seeds=seeds, version=self.version,
                                                       parts=parts, min_tokens=self.cfg.generator.min_response_tokens):
-            yield positions
-            yield rollouts
+            yield PartFacts(positions, [[(r.response_length, r.finish_reason) for r in answers] for answers in rollouts],
+                            self.version)
+            yield RolloutPart(rollouts)
 
     def join_weight_group(self, host: str, port: int, world_size: int, first_rank: int) -> None:
         """Every worker of the engine joins: tensor-parallel rank t as group rank first_rank + t."""

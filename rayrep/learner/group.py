@@ -12,7 +12,7 @@ from rayrep.learner.sums import MetricSums
 from rayrep.learner.worker import RemoteLearnerWorker
 from rayrep.sync.collective import TensorSpec, WeightManifest
 from rayrep.sync.transport import TRANSPORTS
-from rayrep.types import LossSpec, TokenSequences, TrainBatch
+from rayrep.types import BatchRecipe, LossSpec, TokenSequences, TrainBatch
 
 
 def as_ref(value: object) -> ray.ObjectRef:
@@ -47,8 +47,9 @@ class LearnerGroup:
             means.append(values)
         return means
 
-    def update(self, batch: TrainBatch | ray.ObjectRef, loss: LossSpec) -> dict[str, float]:
-        """Run the mini-batch updates of one rollout batch; returns merged metrics."""
+    def update(self, batch: BatchRecipe | TrainBatch | ray.ObjectRef, loss: LossSpec) -> dict[str, float]:
+        """Run the mini-batch updates of one rollout batch; returns merged metrics. A
+        `BatchRecipe` goes to the ranks as one small object; each reads the rows' arrays."""
         ref = as_ref(batch)
         merged = MetricSums()
         for state in ray.get([w.update.remote(ref, loss) for w in self.workers]):

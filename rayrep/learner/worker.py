@@ -34,7 +34,7 @@ from rayrep.learner.sharding import compute_dtype
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
 from rayrep.sync.collective import TIED_EMBEDDING, WeightManifest
-from rayrep.types import LossSpec, TokenSequences, TrainBatch
+from rayrep.types import BatchRecipe, LossSpec, TokenSequences, TrainBatch
 
 if TYPE_CHECKING:
     from rayrep.sync.transport import WeightChannel
@@ -130,13 +130,18 @@ class LearnerWorker:
         with self.residency.working_on(FORWARD_PASS):
             return self.forward.mean_entropies(batch)
 
-    def update(self, batch: TrainBatch, loss: LossSpec) -> dict:
+    def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec) -> dict:
         """Mini-batch policy-gradient updates over `batch`; returns metric sums to merge across ranks.
+        A recipe's rows are read from where the generators and buffer shards left them, and
+        collated here: every rank the whole batch, so that the rows' padding, and so the
+        numbers, are what one collation gives.
 
         Needs the parameters and the optimizer state on the device (the state appears there
         with the first step). Where the roles take turns, the allocator's cache is released at
         the end: it would keep the update's peak through the weight sync that follows."""
         self._require_state("an update")
+        if isinstance(batch, BatchRecipe):
+            batch = batch.collate()
         with self.residency.working_on(UPDATE):
             sums = self._update(batch, loss)
         if self.sharding.optimizer.state and self.residency.at(OPTIMIZER) == ABSENT:

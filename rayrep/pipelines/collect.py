@@ -58,8 +58,9 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
             )
             # Scored as they arrive; a dead generator: replaced, its unanswered prompts asked again.
             checking = runtime.verifiers.checking([p.ground_truth for p in part])
-            _, rollouts = runtime.generators.complete(shares, recovery, on_arrival=checking.send)
+            arrived, _ = runtime.generators.complete(shares, recovery, on_arrival=checking.send)
             correct = checking.result().correct
+            rollouts = runtime.generators.read(arrived)  # (this process writes the pool file: it reads the answers)
             for prompt, sampled, marks in zip(part, rollouts, correct):
                 samples += len(sampled)
                 successes = [r for r, ok in zip(sampled, marks) if ok]
