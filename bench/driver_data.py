@@ -2,25 +2,28 @@
 
     python bench/driver_data.py [--shapes tiny paper] [--repeats 3]
 
-Today every rollout's token ids and log-probs come to the driver (the generators' results,
-`ray.get` in `GeneratorGroup.complete`), become groups, are collated into the learners'
-`TrainBatch` there (`algorithm.build`) and go back into the object store for the learners
-(`ray.put`). This bench runs exactly that data path in a driver of a local Ray instance,
-without actors, on synthetic answers of a given shape put into the object store as a
-generator's result is, and measures each part:
+Three data paths of a step's answers, each run in a driver of a local Ray instance of its
+own, without actors, on synthetic answers of a given shape put into the object store as a
+generator's result is:
 
-- `in`: the bytes of the step's rollouts as Ray serializes them (pickle protocol 5, arrays
-  out of band), and the driver's CPU seconds to `ray.get` them;
-- `build`: the groups made from them and `GRPO.build` over them (rewards, advantages, the
-  collated batch), in CPU seconds;
-- `out`: the bytes of the `TrainBatch` as `ray.put` serializes it (its tensors out of
-  band), and the CPU seconds of the `ray.put`;
+- `refs` (rayrep's): the driver reads each generator part's facts (`PartFacts`: lengths,
+  finish reasons, the version), holds the answers as `RolloutRef`s, builds the groups and
+  `GRPO.build`'s `BatchRecipe` (rewards, advantages, the rows by reference), and puts the
+  recipe for the learners; each learner rank then reads the rows and collates the batch
+  (`BatchRecipe.collate`, timed here as `rank s`: work done on every rank, not the driver);
+- `arrays`: every rollout's token ids and log-probs (int32 and float32 arrays) come to the
+  driver (`ray.get` of the parts), the driver collates the `TrainBatch` and puts it;
+- `lists`: the same with the arrays as lists of Python numbers.
+
+Measured per path:
+- `in`: the bytes the driver reads (pickle protocol 5, arrays out of band, as Ray lays
+  them out) and its CPU seconds to `ray.get` them;
+- `build`: the groups and `GRPO.build`, in CPU seconds;
+- `out`: the bytes of what the driver puts for the learners, and the CPU seconds of the `ray.put`;
 - `peak`: the driver's resident memory at its highest during the three, above where it
-  started (each shape and kind runs in a process of its own).
+  started (each shape and path runs in a process of its own).
 
-Each shape runs twice, one after the other: with the rollouts' token ids and log-probs as
-arrays (what `Rollout` holds) and as lists of Python numbers (what it held before), and the
-ratios of the two are printed last.
+The ratios of `refs` and `arrays` to `lists` are printed last.
 
 Shapes: `tiny` is the tiny-cpu preset's step (64 questions x 8 answers, 10-36 response
 tokens, 34-token prompts); `paper` is the RLEP preset's (512 questions x 18 answers:
@@ -50,6 +53,9 @@ SHAPES = {
     "paper": dict(preset="qwen2.5-math-7b-rlep", questions=512, fresh=16, replays=2, prompt=200,
                   response=(1000, 3072)),
 }
+
+
+KINDS = ("lists", "arrays", "refs")
 
 
 def serialized_bytes(value) -> int:
@@ -90,15 +96,15 @@ class PeakMemory:
 
 def make_answers(shape: str, lists: bool):
     """One generator's result for the step, as its worker returns it: per question, its
-    rollouts, as `Rollout` holds them, or (`lists`) as it held them before."""
+    rollouts (`RolloutPart`), or (`lists`) the lists of Python numbers rollouts held before."""
     import numpy as np
 
-    from rayrep.types import Rollout
+    from rayrep.types import Rollout, RolloutPart
 
     spec = SHAPES[shape]
     rng = np.random.default_rng(0)
     low, high = spec["response"]
-    shares = []
+    shares = RolloutPart()
     for _ in range(spec["questions"]):
         prompt_ids = rng.integers(3, 30000, spec["prompt"]).tolist()
         per_question = []
@@ -116,15 +122,14 @@ def make_answers(shape: str, lists: bool):
 
 def measure(shape: str, kind: str, repeats: int) -> dict:
     """The shape's answers put into a local Ray object store (as a generator's result is),
-    then, `repeats` times: `ray.get` in this process (the driver), the build, `ray.put` of
-    the batch."""
+    then, `repeats` times, the driver's part of the step for path `kind`."""
     import gc
 
     import ray
 
     from rayrep.algos.grpo import GRPO
     from rayrep.config import load_preset
-    from rayrep.types import Group, Prompt
+    from rayrep.types import Group, PartFacts, Prompt, RolloutRef
 
     spec = SHAPES[shape]
     cfg = load_preset(spec["preset"])
@@ -136,8 +141,10 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
     ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         shares = make_answers(shape, lists=kind == "lists")
-        bytes_in = serialized_bytes(shares)
-        result = ray.put(shares)
+        facts = PartFacts(list(range(len(shares))), [[(r.response_length, r.finish_reason) for r in per_question]
+                                                     for per_question in shares], 0)
+        result, facts_ref = ray.put(shares), ray.put(facts)
+        bytes_in = serialized_bytes(facts if kind == "refs" else shares)
         del shares
         gc.collect()
         runs = []
@@ -145,20 +152,30 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
             figures = {}
             with PeakMemory() as memory:
                 begin = time.process_time()
-                rollouts = ray.get(result)
+                if kind == "refs":  # the facts; the part stays where it is
+                    read = ray.get(facts_ref)
+                    rollouts = [[RolloutRef(result, (p, a), length, reason, read.version)
+                                 for a, (length, reason) in enumerate(per_question)]
+                                for p, per_question in enumerate(read.answers)]
+                else:
+                    rollouts = ray.get(result)
                 figures["in_seconds"] = time.process_time() - begin
                 begin = time.process_time()
                 groups = [Group(p, tuple(r), ok, replayed) for p, r, ok in zip(prompts, rollouts, correct)]
-                batch = GRPO(cfg).build(groups, step=1).batch
+                built = GRPO(cfg).build(groups, step=1)
+                sending = built.recipe if kind == "refs" else built.batch
                 figures["build_seconds"] = time.process_time() - begin
                 begin = time.process_time()
-                sent = ray.put(batch)
+                sent = ray.put(sending)
                 figures["out_seconds"] = time.process_time() - begin
-            figures["out_bytes"] = serialized_bytes(batch)
+            figures["out_bytes"] = serialized_bytes(sending)
             figures["peak_mib_above_start"] = memory.above_start_mib
+            begin = time.process_time()
+            batch = built.recipe.collate()  # what each learner rank does with a recipe (outside the peak)
+            figures["rank_seconds"] = time.process_time() - begin if kind == "refs" else 0.0
             tokens = int(batch.response_mask.sum())
             runs.append(figures)
-            del rollouts, groups, batch, sent
+            del rollouts, groups, built, sending, sent, batch
             gc.collect()
     finally:
         ray.shutdown()
@@ -178,23 +195,26 @@ def main() -> None:
         return
     rows = []
     for shape in args.shapes:
-        for kind in ("lists", "arrays"):  # each in a fresh process (and Ray instance) of its own
+        for kind in KINDS:  # each in a fresh process (and Ray instance) of its own
             done = subprocess.run([sys.executable, __file__, "--one", shape, kind, "--repeats", str(args.repeats)],
                                   capture_output=True, text=True, check=True)
             rows.append(json.loads(next(line for line in done.stdout.splitlines()
                                         if line.startswith("RESULT "))[len("RESULT "):]))
-    print(f"{'shape':<6} {'rollouts':<8} {'answers':>8} {'tokens':>11} {'in MB':>8} {'in s':>6} {'build s':>8} "
-          f"{'out MB':>8} {'out s':>6} {'peak MiB':>9}")
+    print(f"{'shape':<6} {'path':<7} {'answers':>8} {'tokens':>11} {'in MB':>9} {'in s':>6} {'build s':>8} "
+          f"{'out MB':>9} {'out s':>6} {'peak MiB':>9} {'rank s':>7}")
     for r in rows:
-        print(f"{r['shape']:<6} {r['kind']:<8} {r['answers']:>8,} {r['response_tokens']:>11,} {r['in_bytes'] / 1e6:>8.1f} "
-              f"{r['in_seconds']:>6.2f} {r['build_seconds']:>8.2f} {r['out_bytes'] / 1e6:>8.1f} "
-              f"{r['out_seconds']:>6.2f} {r['peak_mib_above_start']:>9.0f}")
+        print(f"{r['shape']:<6} {r['kind']:<7} {r['answers']:>8,} {r['response_tokens']:>11,} {r['in_bytes'] / 1e6:>9.3f} "
+              f"{r['in_seconds']:>6.2f} {r['build_seconds']:>8.2f} {r['out_bytes'] / 1e6:>9.3f} "
+              f"{r['out_seconds']:>6.2f} {r['peak_mib_above_start']:>9.0f} {r['rank_seconds']:>7.2f}")
     for shape in args.shapes:
-        lists, arrays = (next(r for r in rows if r["shape"] == shape and r["kind"] == kind) for kind in ("lists", "arrays"))
-        cpu = {kind: r["in_seconds"] + r["build_seconds"] + r["out_seconds"] for kind, r in (("lists", lists), ("arrays", arrays))}
-        print(f"{shape}: arrays / lists, driver CPU seconds {cpu['arrays'] / max(cpu['lists'], 1e-9):.2f}, "
-              f"peak memory {arrays['peak_mib_above_start'] / max(lists['peak_mib_above_start'], 1e-9):.2f}, "
-              f"bytes in {arrays['in_bytes'] / lists['in_bytes']:.2f}")
+        by_kind = {r["kind"]: r for r in rows if r["shape"] == shape}
+        cpu = {kind: r["in_seconds"] + r["build_seconds"] + r["out_seconds"] for kind, r in by_kind.items()}
+        lists = by_kind["lists"]
+        for kind in ("arrays", "refs"):
+            r = by_kind[kind]
+            print(f"{shape}: {kind} / lists, driver CPU seconds {cpu[kind] / max(cpu['lists'], 1e-9):.3f}, "
+                  f"peak memory {r['peak_mib_above_start'] / max(lists['peak_mib_above_start'], 1e-9):.3f}, "
+                  f"bytes in {r['in_bytes'] / lists['in_bytes']:.4f}, bytes out {r['out_bytes'] / lists['out_bytes']:.4f}")
 
 
 if __name__ == "__main__":

@@ -68,10 +68,14 @@ def sample(generators, prompt_ids, seeds, counts=None, kill_after_s=None):
     pending = generators.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds)
     if killer is not None:
         killer.start()
-    done, rollouts = generators.complete(pending, counts)
+    done, held = generators.complete(pending, counts)
     if killer is not None:
         killer.join()
-    assert generators.gather(done) == rollouts  # the parts' refs: those the verifiers read
+    rollouts = generators.read(done)  # the parts' refs: those the verifiers read
+    # What the driver holds of them: their facts, and where they are.
+    assert [[(r.response_length, r.finish_reason, r.version) for r in answers] for answers in held] == \
+        [[(len(r.response_ids), r.finish_reason, r.version) for r in answers] for answers in rollouts]
+    assert generators.gather(done) == rollouts
     return rollouts
 
 
@@ -118,8 +122,8 @@ def test_a_generator_killed_in_the_middle_of_a_call_is_replaced_and_its_prompts_
 
         counts = Counter()
         shares = generators.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds, parts=8)
-        parts, recovered = generators.complete(shares, counts, kill_on_first_part)
-        assert recovered == undisturbed
+        parts, _ = generators.complete(shares, counts, kill_on_first_part)
+        assert generators.read(parts) == undisturbed
         assert sorted(i for part in parts for i in part.indices) == list(range(2 * SHARE))  # none answered twice
         assert counts["replaced"] == 1 and 0 < counts["retried_prompts"] <= SHARE - len(first[0])
     finally:
