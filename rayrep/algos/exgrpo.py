@@ -143,7 +143,8 @@ class ExGRPO(GRPO):
 
         The stored answers go from the shards to the learners as object refs; each learner
         rank reduces its rows to one mean per answer over the answer's own response tokens,
-        and only the chosen answers come back here.
+        and of the chosen answers only their facts come here: each stays in its shard's
+        result (`Answer.at`), where the learners read it when they train on it.
         """
         parts = self.buffer.stored_answers(uids, limit)
         means = self.learners.mean_entropies([ref for _, ref in parts])

@@ -102,9 +102,9 @@ class GRPO:
 
     def build(self, groups: Sequence[Group], dropped: Sequence[Group] = (), *, step: int) -> StepBatch:
         """Score the groups, take advantages over each whole group (fresh and replayed
-        rollouts together), and collate the learner's batch, its questions in an order drawn
-        for `step` (`mini_batch_order`). `dropped`: groups verified but not trained on
-        (dynamic sampling), scored for the record."""
+        rollouts together), and write the learners' batch (`BatchRecipe`: its rows by
+        reference), its questions in an order drawn for `step` (`mini_batch_order`).
+        `dropped`: groups verified but not trained on (dynamic sampling), scored for the record."""
         trained = [self.score(g) for g in mini_batch_order(groups, self.cfg.seed("data"), step)]
         left_out = [self.score(g) for g in dropped]
         algo = self.cfg.algorithm
