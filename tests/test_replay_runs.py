@@ -30,9 +30,10 @@ RECORDED = Path(__file__).parent / "recorded_metrics"
 on a 2-core CPU machine: `RAYREP_RECORD_METRICS=1` writes them again."""
 NOT_RECORDED = re.compile(r"time|seconds|gbps|per_second")
 """Wall-clock figures, which no two runs share."""
-NEW_SINCE_RECORDED = {"exgrpo_replays_from_others"}
-"""Metrics the code logs now that it did not when the figures were recorded (logged at every
-ExGRPO step that replays, 0 without a shared pool)."""
+NEW_SINCE_RECORDED = re.compile(r"^(exgrpo_replays_from_others|mismatch_)")
+"""Metrics the code logs now that it did not when the figures were recorded: at every ExGRPO
+step that replays, the replays other runs sampled (0 without a shared pool); at every step,
+the engines' log-probs against the learner's (`rayrep.learner.mismatch`)."""
 
 
 def same_as_recorded(name: str, records: list[dict]) -> None:
@@ -47,7 +48,7 @@ def same_as_recorded(name: str, records: list[dict]) -> None:
     recorded = json.loads(path.read_text())
     assert len(kept) == len(recorded), name
     for now, then in zip(kept, recorded):
-        assert set(now) - NEW_SINCE_RECORDED == set(then), (name, now["step"], set(now) ^ set(then))
+        assert {k for k in now if not NEW_SINCE_RECORDED.match(k)} == set(then), (name, now["step"], set(now) ^ set(then))
         for key, value in then.items():
             if isinstance(value, float):
                 assert now[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (name, now["step"], key)
@@ -125,6 +126,9 @@ def test_collect_then_rlep_run_replays_the_pool(ray_cluster, tiny_cfg, tiny_poli
     assert len(records) == 2
     for record in records:
         assert record["replay_share"] > 0 and record["replay_tokens"] > 0
+        # The engines (vLLM, fp32 on CPU) and the learner agree on the fresh answers' log-probs.
+        assert abs(record["mismatch_kl"]) < 1e-5 and record["mismatch_ppl_ratio"] == pytest.approx(1, abs=1e-5)
+        assert record["mismatch_learner_ppl"] > 1 and record["mismatch_chi2_token"] < 1e-4
         assert "replay_ratio_mean" in record and "replay_entropy" in record
         assert record["optimizer_steps"] == 2  # 16 questions / 8 per mini-batch, whatever G'
     # The first questions of the run's order are the pooled ones: the first step replays them.

@@ -30,6 +30,7 @@ from rayrep.config import Config
 from rayrep.heap import long_lived
 from rayrep.learner.forward import Entropy, PolicyForward, mini_batches, rows_per_rank
 from rayrep.learner.loss import mini_batch_totals, policy_loss
+from rayrep.learner.mismatch import mismatch_sums
 from rayrep.learner.sharding import compute_dtype
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
@@ -213,6 +214,8 @@ class LearnerWorker:
                 replay_mask=batch.replay_mask[rows].to(self.device), entropy=entropy, totals=totals,
                 behaviour_logp=behaviour,
             )
+            if not dummy:
+                self._note_mismatch(batch, rows, old, mask, sums)
             # Gradients are averaged over ranks; the loss is already a global mean.
             self.sharding.backward(value * self.world_size, last_micro_batch=index == len(chunks) - 1)
             if not dummy:
@@ -225,6 +228,21 @@ class LearnerWorker:
             sums.count("skipped_steps", 0.0 if stepped else 1.0)
             sums.add("grad_norm", grad_norm, 1.0)
             sums.extreme("grad_norm_max", grad_norm)
+
+    def _note_mismatch(self, batch: TrainBatch, rows: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                       sums: MetricSums) -> None:
+        """How far the engines' log-probs of the fresh answers they sampled are from the
+        learner's, at the weights the update began with (`rayrep.learner.mismatch`): the same
+        weights on both sides, so what differs is the engines' kernels and dtype (and, with
+        asynchronous rollouts, the versions between). Replayed answers are left out: their
+        recorded log-probs are an older policy's, or none."""
+        fresh = ~batch.replay_mask[rows]
+        if not fresh.any():
+            return
+        on_device = fresh.to(self.device)
+        engine = batch.old_logprobs[rows[fresh], : old.shape[1]].to(self.device)
+        for name, (total, count) in mismatch_sums(old[on_device].double(), engine.double(), mask[on_device]).items():
+            sums.add(name, total, count)
 
     # ------------------------------------------------------------------ taking turns with the generators
 

@@ -1,0 +1,74 @@
+"""The training-inference mismatch: the engines' log-probs of the tokens they sampled (vLLM,
+its kernels and dtype) against the learner's for the same tokens and weights (FSDP, fp32
+masters).
+
+In terms of the per-token log ratio ``d_t = log pi_learner(y_t) - log pi_engine(y_t)`` over
+an answer's response tokens, `mismatch_sums` gives what verl's rollout correction reports
+(`rollout_corr_helper`, the same formulas for the same inputs): the KL of the engine's
+policy from the learner's (``mean(-d)``, and the k3 estimator ``mean(exp(d) - d - 1)``),
+each policy's perplexity per answer and their ratio, and the chi-square divergences of the
+ratio at token and answer level, with exponents clamped to +-20 where verl clamps them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BOUND = 20.0
+"""Exponents are clamped to [-BOUND, BOUND] before `exp` (the chi-square terms): exp(20) is about 4.9e8."""
+
+
+def _row_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N] sum of each row's values over its valid tokens (padding left out, whatever it holds)."""
+    return torch.where(mask.bool(), values, 0.0).sum(-1)
+
+
+def _row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N] mean of each row's values over its valid tokens (0 for a row without any)."""
+    return _row_sum(values, mask) / mask.sum(-1).clamp_min(1)
+
+
+def mismatch_sums(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor
+                  ) -> dict[str, tuple[float, float]]:
+    """What the mismatch is, as (sum, count) pairs, so that ranks and micro-batches add up
+    (`rayrep.learner.sums.MetricSums`): token means over valid tokens, sequence means over
+    rows with a valid token.
+
+    - `mismatch_kl`: KL(engine || learner) by its direct estimator, mean of -d;
+    - `mismatch_k3_kl`: the same by k3, mean of exp(d) - d - 1 (d not clamped);
+    - `mismatch_learner_ppl`, `mismatch_engine_ppl`: each policy's perplexity per sequence,
+      exp(-mean log-prob), averaged over sequences;
+    - `mismatch_log_ppl_diff`: mean over sequences of mean(engine) - mean(learner) log-prob;
+      `mismatch_ppl_ratio`: mean over sequences of exp of it (learner's perplexity over the engine's);
+    - `mismatch_chi2_token`: mean of exp(d)^2, less 1; `mismatch_chi2_seq`: mean over
+      sequences of exp(sum d)^2, less 1 (both with the exponent clamped).
+    """
+    mask = mask.to(learner_logp.dtype)
+    d = torch.where(mask.bool(), learner_logp - engine_logp, 0.0)
+    tokens = float(mask.sum())
+    rows = mask.sum(-1) > 0
+    sequences = float(rows.sum())
+    learner_mean, engine_mean = _row_mean(learner_logp, mask)[rows], _row_mean(engine_logp, mask)[rows]
+    log_ppl_diff = engine_mean - learner_mean
+    clamped = d.clamp(-BOUND, BOUND)
+    row_sum = _row_sum(d, mask)[rows].clamp(-BOUND, BOUND)
+
+    def tokens_sum(values: torch.Tensor) -> tuple[float, float]:
+        return float(torch.where(mask.bool(), values, 0.0).sum()), tokens
+
+    def rows_sum(values: torch.Tensor) -> tuple[float, float]:
+        return float(values.sum()), sequences
+
+    chi2_token, count = tokens_sum(torch.exp(clamped).square())
+    chi2_seq, seqs = rows_sum(torch.exp(2.0 * row_sum))
+    return {
+        "mismatch_kl": tokens_sum(-d),
+        "mismatch_k3_kl": tokens_sum(torch.exp(d) - d - 1),  # (unclamped, as verl's: inf past exp's range)
+        "mismatch_learner_ppl": rows_sum(torch.exp(-learner_mean)),
+        "mismatch_engine_ppl": rows_sum(torch.exp(-engine_mean)),
+        "mismatch_log_ppl_diff": rows_sum(log_ppl_diff),
+        "mismatch_ppl_ratio": rows_sum(torch.exp(log_ppl_diff)),
+        # E[rho^2] - 1 as a (sum, count) pair: the count's worth of 1 taken off the sum.
+        "mismatch_chi2_token": (chi2_token - count, count),
+        "mismatch_chi2_seq": (chi2_seq - seqs, seqs),
+    }
