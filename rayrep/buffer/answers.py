@@ -222,10 +222,11 @@ class PackedAnswers:
             return
         arrays = answer_arrays(self.pending)
         lengths = np.array([len(response) for _, response, _ in arrays], np.int64)
-        if not np.array_equal(lengths, np.diff(self.offsets)):
-            bad = int(np.nonzero(lengths != np.diff(self.offsets))[0][0])
+        announced = np.diff(self.offsets)
+        if not np.array_equal(lengths, announced):
+            bad = int(np.nonzero(lengths != announced)[0][0])
             raise ValueError(f"answer {bad} of question batch {self.uids[:3]}...: {lengths[bad]} tokens where it was "
-                             f"announced with {int(np.diff(self.offsets)[bad])}")
+                             f"announced with {int(announced[bad])}")
         self.tokens = flat_array([response for _, response, _ in arrays], np.int32)
         self.logprobs = flat_array([logprobs for _, _, logprobs in arrays], np.float32)
         self.pending = None

@@ -237,8 +237,7 @@ class ReplayShard:
         rows, sizes, held_back = self._usable(entries, limit)
         kept = sizes > 0
         present = [uid for uid, k in zip(present, kept.tolist()) if k]
-        prompts = [entry.prompt_ids for entry, k in zip(entries, kept.tolist()) if k]
-        packed = self.store.gather(present, sizes[kept], rows, prompts=prompts)
+        packed = self.store.gather(present, sizes[kept], rows, prompts=self._prompts(present))
         serials = np.split(self.store.columns["serials"][rows], cumulative_offsets(sizes[kept])[1:-1])
         return ([(uid, own.tolist()) for uid, own in zip(present, serials)], held_back), packed
 

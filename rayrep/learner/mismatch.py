@@ -43,32 +43,33 @@ def mismatch_sums(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: t
     - `mismatch_chi2_token`: mean of exp(d)^2, less 1; `mismatch_chi2_seq`: mean over
       sequences of exp(sum d)^2, less 1 (both with the exponent clamped).
     """
-    mask = mask.to(learner_logp.dtype)
-    d = torch.where(mask.bool(), learner_logp - engine_logp, 0.0)
-    tokens = float(mask.sum())
-    rows = mask.sum(-1) > 0
-    sequences = float(rows.sum())
+    valid = mask.bool()
+    d = torch.where(valid, learner_logp - engine_logp, 0.0)
+    rows = valid.any(-1)
+    tokens, sequences = valid.sum().to(d.dtype), rows.sum().to(d.dtype)
     learner_mean, engine_mean = _row_mean(learner_logp, mask)[rows], _row_mean(engine_logp, mask)[rows]
     log_ppl_diff = engine_mean - learner_mean
     clamped = d.clamp(-BOUND, BOUND)
     row_sum = _row_sum(d, mask)[rows].clamp(-BOUND, BOUND)
 
-    def tokens_sum(values: torch.Tensor) -> tuple[float, float]:
-        return float(torch.where(mask.bool(), values, 0.0).sum()), tokens
+    def over_tokens(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, values, 0.0).sum()
 
-    def rows_sum(values: torch.Tensor) -> tuple[float, float]:
-        return float(values.sum()), sequences
-
-    chi2_token, count = tokens_sum(torch.exp(clamped).square())
-    chi2_seq, seqs = rows_sum(torch.exp(2.0 * row_sum))
-    return {
-        "mismatch_kl": tokens_sum(-d),
-        "mismatch_k3_kl": tokens_sum(torch.exp(d) - d - 1),  # (unclamped, as verl's: inf past exp's range)
-        "mismatch_learner_ppl": rows_sum(torch.exp(-learner_mean)),
-        "mismatch_engine_ppl": rows_sum(torch.exp(-engine_mean)),
-        "mismatch_log_ppl_diff": rows_sum(log_ppl_diff),
-        "mismatch_ppl_ratio": rows_sum(torch.exp(log_ppl_diff)),
-        # E[rho^2] - 1 as a (sum, count) pair: the count's worth of 1 taken off the sum.
-        "mismatch_chi2_token": (chi2_token - count, count),
-        "mismatch_chi2_seq": (chi2_seq - seqs, seqs),
+    per_token = {
+        "mismatch_kl": over_tokens(-d),
+        "mismatch_k3_kl": over_tokens(torch.exp(d) - d - 1),  # (unclamped, as verl's: inf past exp's range)
+        # E[rho^2] - 1 as a sum over tokens: the count's worth of 1 taken off.
+        "mismatch_chi2_token": over_tokens(torch.exp(clamped).square()) - tokens,
     }
+    per_sequence = {
+        "mismatch_learner_ppl": torch.exp(-learner_mean).sum(),
+        "mismatch_engine_ppl": torch.exp(-engine_mean).sum(),
+        "mismatch_log_ppl_diff": log_ppl_diff.sum(),
+        "mismatch_ppl_ratio": torch.exp(log_ppl_diff).sum(),
+        "mismatch_chi2_seq": torch.exp(2.0 * row_sum).sum() - sequences,
+    }
+    # One device-to-host copy for all of them, not one sync per metric (as `policy_loss`).
+    *totals, token_count, sequence_count = torch.stack(
+        [*per_token.values(), *per_sequence.values(), tokens, sequences]).tolist()
+    counts = [token_count] * len(per_token) + [sequence_count] * len(per_sequence)
+    return {name: (total, count) for name, total, count in zip([*per_token, *per_sequence], totals, counts)}
