@@ -94,3 +94,18 @@ def kill_and_wait(actor, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, "the killed actor still answers"
         time.sleep(0.1)
+
+
+def run_together(commands: list[list[str]], timeout_s: float = 300.0, **popen) -> list:
+    """`subprocess.run` of each of `commands` (output captured, as text), all started at once:
+    independent jobs that are refused, or only print, spend their time starting up, which
+    two cores do side by side."""
+    import subprocess
+
+    started = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+               for command in commands]
+    done = []
+    for process in started:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return done

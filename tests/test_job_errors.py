@@ -7,13 +7,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def job_command(script: str, *args: str, cwd: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "jobs" / script), *args, "--logging.out_dir", str(cwd / "runs")]
+
+
 def run_job(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args, "--logging.out_dir", str(cwd / "runs")],
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(job_command(script, *args, cwd=cwd), capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, expected: str) -> None:
@@ -49,8 +53,9 @@ def test_config_file_errors_say_what_is_wrong_with_the_file(tmp_path, args, expe
 
 def test_pipeline_inputs_are_checked_before_any_stage(tmp_path, tiny_policy):
     pool = tmp_path / "nowhere.parquet"
-    done = run_job("rlep.py", "--baseline-checkpoint", tiny_policy, "--pool", str(pool), cwd=tmp_path)
-    assert_one_line_error(done, f"rlep.py: {pool}: no such file")
-    done = run_job("exgrpo.py", "--baseline-checkpoint", str(tmp_path), cwd=tmp_path)
-    assert_one_line_error(done, f"baseline checkpoint {tmp_path}: not a checkpoint folder (no config.json in it)")
+    no_pool, no_checkpoint = run_together(
+        [job_command("rlep.py", "--baseline-checkpoint", tiny_policy, "--pool", str(pool), cwd=tmp_path),
+         job_command("exgrpo.py", "--baseline-checkpoint", str(tmp_path), cwd=tmp_path)], cwd=tmp_path)
+    assert_one_line_error(no_pool, f"rlep.py: {pool}: no such file")
+    assert_one_line_error(no_checkpoint, f"baseline checkpoint {tmp_path}: not a checkpoint folder (no config.json in it)")
     assert not (tmp_path / "runs").exists()

@@ -554,34 +554,37 @@ def test_a_checkpoint_is_served_with_its_runs_settings_and_what_cannot_fit_is_re
     plan that fits one 80 GB GPU. The same folder outside a run takes its own dtype and this
     machine's device (a CPU here), where a KV cache too small for one context is refused,
     naming the knob; fields on the command line go on top of either."""
-    import subprocess
     import sys
     from pathlib import Path
+
+    from conftest import run_together
 
     root = Path(__file__).resolve().parents[1]
     run, checkpoint = seven_b_run(tmp_path, tiny_policy)
 
-    def job(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "jobs/serve.py", "--dry-run", *args, "--logging.out_dir", str(tmp_path)],
-                              cwd=root, capture_output=True, text=True, timeout=300)
+    def job(*args: str) -> list[str]:
+        return [sys.executable, "jobs/serve.py", "--dry-run", *args, "--logging.out_dir", str(tmp_path)]
 
-    for served in (job("--checkpoint", str(checkpoint)), job("--follow", str(run))):
+    # Outside a run: the same folder, copied; its own dtype, this machine's device (no GPU
+    # here), the preset's CPU KV cache. The six dry runs are independent: started together.
+    loose = Path(tmp_path) / "loose"
+    import shutil
+
+    shutil.copytree(checkpoint, loose)
+    *followed, small, on_cpu, refused = run_together([
+        job("--checkpoint", str(checkpoint)), job("--follow", str(run)),
+        # A smaller GPU, told on the command line: the plan refuses before anything starts.
+        job("--checkpoint", str(checkpoint), "--placement.gpu_memory_gib", "12"),
+        job("--checkpoint", str(loose)), job("--checkpoint", str(loose), "--generator.cpu_kv_cache_gib", "0.1")],
+        cwd=root)
+    for served in followed:
         assert served.returncode == 0, served.stderr[-2000:]
         assert "(context 4096 tokens, no API key; gpu, bfloat16)" in served.stdout
         assert "'num_gpus': 1" in served.stdout
         assert "memory plan per GPU (80 GiB; sampling only" in served.stdout
         assert "sequences of 4,096" in served.stdout and served.stdout.rstrip().endswith("fits")
-    # A smaller GPU, told on the command line: the plan refuses before anything starts.
-    small = job("--checkpoint", str(checkpoint), "--placement.gpu_memory_gib", "12")
     assert small.returncode == 2 and "the server's memory plan does not fit" in small.stderr
-    # Outside a run: its own dtype, this machine's device (no GPU here), the preset's CPU KV cache.
-    loose = Path(tmp_path) / "loose"
-    import shutil
-
-    shutil.copytree(checkpoint, loose)
-    on_cpu = job("--checkpoint", str(loose))
     assert on_cpu.returncode == 0 and "(context 4096 tokens, no API key; cpu, bfloat16)" in on_cpu.stdout
-    refused = job("--checkpoint", str(loose), "--generator.cpu_kv_cache_gib", "0.1")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "a 4,096-token context of" in refused.stderr and "needs 0.22 GiB of KV cache (bfloat16), more than " \
         "generator.cpu_kv_cache_gib=0.1" in refused.stderr
