@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from rayrep.learner.mismatch import mismatch_sums
+from rayrep.learner.mismatch import (importance_weights, kept_by_band, kept_by_veto, masked_shares, mismatch_sums,
+                                     truncated_share)
 
 # Three rows of log-probs: learner's, engine's; row 2 is padding after two tokens, row 3 has
 # one extreme token (the learner finds it 30 nats less likely than the engine that sampled it).
@@ -65,3 +66,52 @@ def test_padding_counts_for_nothing_whatever_it_holds():
     engine[1, 2:] = float("nan")  # row 2's padding
     learner[1, 2:] = float("inf")
     assert mismatch_sums(learner, engine, mask) == mismatch_sums(*tensors())
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("cap", [2.0, 1.05])
+def test_importance_weights_are_the_truncated_ratios(level, cap):
+    learner, engine, mask = tensors()
+    got = importance_weights(learner - engine, mask, level, cap)
+    for i in range(3):
+        for t in range(4):
+            if not MASK[i][t]:
+                assert got[i, t] == 0
+                continue
+            exponent = d(i, t) if level == "token" else sum(d(i, u) for u in valid(i))
+            assert got[i, t].item() == pytest.approx(min(math.exp(clamp(exponent)), cap), rel=1e-12)
+    assert not got.requires_grad
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize(("upper", "lower"), [(2.0, None), (1.2, 0.5)])
+def test_rejection_keeps_the_tokens_inside_the_band(level, upper, lower):
+    learner, engine, mask = tensors()
+    got = kept_by_band(learner - engine, mask, level, upper, lower)
+    low = 1 / upper if lower is None else lower
+    for i in range(3):
+        tokens = valid(i)
+        for t in range(4):
+            if not MASK[i][t]:
+                assert not got[i, t]
+                continue
+            exponent = {"token": d(i, t), "sequence": sum(d(i, u) for u in tokens),
+                        "geometric": sum(d(i, u) for u in tokens) / len(tokens)}[level]
+            assert bool(got[i, t]) == (low <= math.exp(clamp(exponent)) <= upper)
+
+
+def test_the_veto_drops_a_row_with_one_catastrophic_token():
+    learner, engine, mask = tensors()
+    assert kept_by_veto(learner - engine, mask, 1e-4).tolist() == [True, True, False]
+    assert kept_by_veto(learner - engine, mask, 1e-30).tolist() == [True, True, True]
+    with pytest.raises(ValueError, match="veto"):
+        kept_by_veto(learner - engine, mask, 0.0)
+
+
+def test_shares_count_what_was_taken_out_and_what_was_truncated():
+    learner, engine, mask = tensors()
+    kept = kept_by_band(learner - engine, mask, "token", 1.2, 0.5) & kept_by_veto(learner - engine, mask, 1e-4)[:, None]
+    shares = masked_shares(mask, kept)
+    # Row 1: token 2 out (ratio e^0.5 > 1.2); row 2: token 0 (e^0.3); row 3: all four (the veto).
+    assert shares == {"mismatch_masked_tokens": (6.0, 10.0), "mismatch_masked_sequences": (3.0, 3.0)}
+    assert truncated_share(learner - engine, mask, "token", 1.2) == (2.0, 10.0)  # the same two, above the cap

@@ -12,6 +12,8 @@ ratio at token and answer level, with exponents clamped to +-20 where verl clamp
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 BOUND = 20.0
@@ -73,3 +75,62 @@ def mismatch_sums(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: t
         [*per_token.values(), *per_sequence.values(), tokens, sequences]).tolist()
     counts = [token_count] * len(per_token) + [sequence_count] * len(per_sequence)
     return {name: (total, count) for name, total, count in zip([*per_token, *per_sequence], totals, counts)}
+
+
+WeightLevel = Literal["token", "sequence"]
+RejectLevel = Literal["token", "sequence", "geometric"]
+
+
+def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """[N, L] the log ratio a weight or a rejection of `level` looks at, per position: the
+    token's own, or its row's sum ('sequence') or mean ('geometric') over valid tokens."""
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return _row_sum(log_ratio, mask)[:, None].expand_as(log_ratio)
+    if level == "geometric":
+        return _row_mean(log_ratio, mask)[:, None].expand_as(log_ratio)
+    raise ValueError(f"unknown mismatch level {level!r}: token, sequence or geometric")
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: WeightLevel, cap: float) -> torch.Tensor:
+    """[N, L] truncated importance weights pi_learner / pi_engine at `level`, at most `cap`,
+    zero on padding, detached."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance weights are per token or per sequence, not {level!r}")
+    ratio = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(-BOUND, BOUND))
+    return (ratio * mask).clamp(max=cap).detach()
+
+
+def kept_by_band(log_ratio: torch.Tensor, mask: torch.Tensor, level: RejectLevel, upper: float,
+                 lower: float | None = None) -> torch.Tensor:
+    """[N, L] bool: valid tokens whose ratio at `level` lies in [lower, upper] (`lower`:
+    1 / upper unless given); the rest leave the loss."""
+    lower = 1.0 / upper if lower is None else lower
+    ratio = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(-BOUND, BOUND))
+    return mask.bool() & (ratio >= lower) & (ratio <= upper)
+
+
+def kept_by_veto(log_ratio: torch.Tensor, mask: torch.Tensor, veto: float) -> torch.Tensor:
+    """[N] bool: rows none of whose valid tokens has a ratio below `veto` (> 0)."""
+    if not veto > 0:
+        raise ValueError(f"the veto threshold must be > 0, got {veto!r}")
+    catastrophic = mask.bool() & (log_ratio < torch.log(torch.tensor(veto, dtype=log_ratio.dtype)))
+    return ~catastrophic.any(-1)
+
+
+def masked_shares(mask: torch.Tensor, kept: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """The share of valid tokens, and of rows with a valid token, that rejection and veto
+    took out of the loss (`kept`: [N, L] bool, the valid tokens left), as (sum, count) pairs."""
+    valid = mask.bool()
+    rows = valid.any(-1)
+    taken = valid & ~kept
+    return {"mismatch_masked_tokens": (float(taken.sum()), float(valid.sum())),
+            "mismatch_masked_sequences": (float(taken.any(-1)[rows].sum()), float(rows.sum()))}
+
+
+def truncated_share(log_ratio: torch.Tensor, mask: torch.Tensor, level: WeightLevel, cap: float
+                    ) -> tuple[float, float]:
+    """The share of valid tokens whose importance weight the cap truncated, as a (sum, count) pair."""
+    over = mask.bool() & (level_log_ratio(log_ratio, mask, level) > torch.log(torch.tensor(cap, dtype=log_ratio.dtype)))
+    return float(over.sum()), float(mask.bool().sum())
