@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from rayrep.learner.mismatch import (importance_weights, kept_by_band, kept_by_veto, masked_shares, mismatch_sums,
-                                     truncated_share)
+from rayrep.learner.loss import mini_batch_totals, policy_loss
+from rayrep.learner.mismatch import (correct, correction_sums, importance_weights, kept_by_band, kept_by_veto,
+                                     mismatch_sums)
+from rayrep.types import LossSpec, MismatchCorrection
 
 # Three rows of log-probs: learner's, engine's; row 2 is padding after two tokens, row 3 has
 # one extreme token (the learner finds it 30 nats less likely than the engine that sampled it).
@@ -108,10 +110,47 @@ def test_the_veto_drops_a_row_with_one_catastrophic_token():
         kept_by_veto(learner - engine, mask, 0.0)
 
 
-def test_shares_count_what_was_taken_out_and_what_was_truncated():
+def test_a_correction_keeps_what_band_and_veto_keep_and_weighs_by_the_truncated_ratio():
     learner, engine, mask = tensors()
-    kept = kept_by_band(learner - engine, mask, "token", 1.2, 0.5) & kept_by_veto(learner - engine, mask, 1e-4)[:, None]
-    shares = masked_shares(mask, kept)
+    correction = MismatchCorrection(weights="token", weight_cap=1.2, reject="token", reject_upper=1.2,
+                                    reject_lower=0.5, veto=1e-4)
+    corrected = correct(learner, engine, mask, correction)
     # Row 1: token 2 out (ratio e^0.5 > 1.2); row 2: token 0 (e^0.3); row 3: all four (the veto).
-    assert shares == {"mismatch_masked_tokens": (6.0, 10.0), "mismatch_masked_sequences": (3.0, 3.0)}
-    assert truncated_share(learner - engine, mask, "token", 1.2) == (2.0, 10.0)  # the same two, above the cap
+    assert corrected.kept.tolist() == [[True, True, False, True], [False, True, False, False], [False] * 4]
+    assert torch.equal(corrected.weights, importance_weights(learner - engine, mask, "token", 1.2))
+    shares = correction_sums(mask, corrected, correction)
+    assert shares["mismatch_masked_tokens"] == (6.0, 10.0) and shares["mismatch_masked_sequences"] == (3.0, 3.0)
+    assert shares["mismatch_truncated_tokens"] == (2.0, 10.0)  # the same two tokens, above the cap
+    expected_mean = sum(min(math.exp(clamp(d(i, t))), 1.2) for i in range(3) for t in valid(i))
+    assert shares["mismatch_weight_mean"] == (pytest.approx(expected_mean, rel=1e-12), 10.0)
+    assert correct(learner, engine, mask, MismatchCorrection(reject="sequence")).weights is None
+
+
+def test_rejected_tokens_leave_the_loss_and_its_counts_and_weights_multiply_the_rest():
+    """`policy_loss` with the correction as the learner applies it equals the token-mean of
+    weight x PPO loss over the kept tokens, written out; counts per row give the same totals
+    as the mask they count."""
+    torch.manual_seed(0)
+    old, engine, mask = tensors()
+    logp = (old + 0.05 * torch.randn_like(old)).requires_grad_()
+    advantages = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    correction = MismatchCorrection(weights="sequence", weight_cap=1.5, reject="token", reject_upper=1.2,
+                                    reject_lower=0.5)
+    spec = LossSpec(correction=correction, dual_clip=None)
+    corrected = correct(old, engine, mask, correction)
+    totals = mini_batch_totals(corrected.kept.sum(-1))
+    assert totals == mini_batch_totals(corrected.kept)
+    loss, _ = policy_loss(logp, old, advantages, corrected.kept, spec, totals=totals,
+                          correction_weights=corrected.weights)
+    expected, kept = 0.0, 0
+    for i in range(3):
+        for t in range(4):
+            if not corrected.kept[i, t]:
+                continue
+            ratio = math.exp(logp[i, t].item() - old[i, t].item())
+            term = max(-advantages[i].item() * ratio, -advantages[i].item() * min(max(ratio, 0.8), 1.28))
+            expected += corrected.weights[i, t].item() * term
+            kept += 1
+    assert loss.item() == pytest.approx(expected / kept, rel=1e-10)
+    with pytest.raises(ValueError, match="set one"):
+        LossSpec(behaviour_cap=2.0, correction=correction)

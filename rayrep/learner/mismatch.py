@@ -8,13 +8,23 @@ an answer's response tokens, `mismatch_sums` gives what verl's rollout correctio
 policy from the learner's (``mean(-d)``, and the k3 estimator ``mean(exp(d) - d - 1)``),
 each policy's perplexity per answer and their ratio, and the chi-square divergences of the
 ratio at token and answer level, with exponents clamped to +-20 where verl clamps them.
+
+`correct` applies what verl's rollout correction applies, with its names and formulas
+(``r = exp(d)``, ``d`` clamped to +-20 before ``exp``): truncated importance weights
+``min(r_t, cap)`` per token or ``min(exp(sum_t d_t), cap)`` per answer
+(`importance_weights`); a rejection band ``lower <= r <= upper`` on the token's r, the
+answer's product or its geometric mean ``exp(mean_t d_t)`` (`kept_by_band`); and a veto that
+drops an answer with any token's ``r_t < veto``, on ``d`` unclamped (`kept_by_veto`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from rayrep.types import MismatchCorrection
 
 BOUND = 20.0
 """Exponents are clamped to [-BOUND, BOUND] before `exp` (the chi-square terms): exp(20) is about 4.9e8."""
@@ -119,18 +129,51 @@ def kept_by_veto(log_ratio: torch.Tensor, mask: torch.Tensor, veto: float) -> to
     return ~catastrophic.any(-1)
 
 
-def masked_shares(mask: torch.Tensor, kept: torch.Tensor) -> dict[str, tuple[float, float]]:
-    """The share of valid tokens, and of rows with a valid token, that rejection and veto
-    took out of the loss (`kept`: [N, L] bool, the valid tokens left), as (sum, count) pairs."""
+@dataclass(frozen=True)
+class Corrected:
+    """What a `MismatchCorrection` makes of a batch's fresh rows."""
+
+    kept: torch.Tensor
+    """[N, L] bool: the valid tokens left in the loss (all of them unless it rejects)."""
+    weights: torch.Tensor | None
+    """[N, L] the truncated importance weights of the PPO loss (None: it weighs nothing)."""
+
+
+def correct(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+            correction: MismatchCorrection) -> Corrected:
+    """verl's rollout correction of rows sampled by the engines (decoupled mode: the ratio of
+    the learner's log-probs at the update's start to the engines'): the rejection band and
+    the veto, each on the log ratio as it is, then the truncated weights."""
+    valid = mask.bool()
+    log_ratio = torch.where(valid, learner_logp - engine_logp, 0.0)
+    kept = valid
+    if correction.reject != "none":
+        kept = kept & kept_by_band(log_ratio, mask, correction.reject, correction.reject_upper,
+                                   correction.reject_lower)
+    if correction.veto is not None:
+        kept = kept & kept_by_veto(log_ratio, mask, correction.veto)[:, None]
+    weights = None
+    if correction.weights != "none":
+        weights = importance_weights(log_ratio, mask, correction.weights, correction.weight_cap)
+    return Corrected(kept=kept, weights=weights)
+
+
+def correction_sums(mask: torch.Tensor, corrected: Corrected, correction: MismatchCorrection
+                    ) -> dict[str, tuple[float, float]]:
+    """What the correction did, as (sum, count) pairs: the share of valid tokens and of
+    answers it took out of the loss (`mismatch_masked_tokens`, `mismatch_masked_sequences`),
+    and of its weights, their mean over valid tokens and the share the cap truncated
+    (`mismatch_weight_mean`, `mismatch_truncated_tokens`)."""
     valid = mask.bool()
     rows = valid.any(-1)
-    taken = valid & ~kept
-    return {"mismatch_masked_tokens": (float(taken.sum()), float(valid.sum())),
-            "mismatch_masked_sequences": (float(taken.any(-1)[rows].sum()), float(rows.sum()))}
-
-
-def truncated_share(log_ratio: torch.Tensor, mask: torch.Tensor, level: WeightLevel, cap: float
-                    ) -> tuple[float, float]:
-    """The share of valid tokens whose importance weight the cap truncated, as a (sum, count) pair."""
-    over = mask.bool() & (level_log_ratio(log_ratio, mask, level) > torch.log(torch.tensor(cap, dtype=log_ratio.dtype)))
-    return float(over.sum()), float(mask.bool().sum())
+    taken = valid & ~corrected.kept
+    sums = {"mismatch_masked_tokens": (taken.sum(), valid.sum()),
+            "mismatch_masked_sequences": (taken.any(-1)[rows].sum(), rows.sum())}
+    if corrected.weights is not None:
+        sums["mismatch_weight_mean"] = (torch.where(valid, corrected.weights, 0.0).sum(), valid.sum())
+        # Truncated: the weight equals the cap where the ratio went past it (weights are min(r, cap)).
+        sums["mismatch_truncated_tokens"] = ((valid & (corrected.weights >= correction.weight_cap)).sum(), valid.sum())
+    # One device-to-host copy for all of them.
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device)
+                          for pair in sums.values() for v in pair]).tolist()
+    return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(sums)}
