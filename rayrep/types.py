@@ -280,6 +280,52 @@ TOKEN_SUM_AGGREGATIONS = ("seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
+class MismatchCorrection:
+    """How the loss corrects the fresh answers for the training-inference mismatch: the
+    engines' log-probs (pi_engine) against the learner's at the weights the update began
+    with (pi_old), ``r_t = pi_old(y_t) / pi_engine(y_t)``, as verl's rollout correction
+    (decoupled mode) defines it: truncated importance weights, a rejection band, a veto.
+    The formulas are in `rayrep.learner.mismatch`; replayed answers keep their own
+    correction (RLEP's recomputed or decoupled ratio, ExGRPO's shaping)."""
+
+    weights: Literal["none", "token", "sequence"] = "none"
+    """Each fresh token's PPO loss times min(r, weight_cap): r per token, or the product over
+    the answer (verl `rollout_is`)."""
+    weight_cap: float = 2.0
+    """Upper truncation of the weights (verl `rollout_is_threshold`); > 0."""
+    reject: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Tokens whose r (per token; the answer's product; its geometric mean) lies outside
+    [reject_lower, reject_upper] leave the loss and its counts (verl `rollout_rs`; with
+    'token' and a wide band, IcePop's two-sided mask)."""
+    reject_upper: float = 2.0
+    """> 1."""
+    reject_lower: float = 0.5
+    """In (0, reject_upper)."""
+    veto: float | None = None
+    """An answer with any token of r below this leaves the loss whole (verl
+    `rollout_token_veto_threshold`); in (0, 1). None: no veto."""
+
+    @property
+    def rejects(self) -> bool:
+        """Whether it takes tokens out of the loss (so out of the mini-batch's counts)."""
+        return self.reject != "none" or self.veto is not None
+
+    def __post_init__(self):
+        if self.weights not in ("none", "token", "sequence"):
+            raise ValueError(f"MismatchCorrection.weights must be 'none', 'token' or 'sequence', got {self.weights!r}")
+        if self.reject not in ("none", "token", "sequence", "geometric"):
+            raise ValueError("MismatchCorrection.reject must be 'none', 'token', 'sequence' or 'geometric', "
+                             f"got {self.reject!r}")
+        if not self.weight_cap > 0:
+            raise ValueError(f"MismatchCorrection.weight_cap must be > 0, got {self.weight_cap!r}")
+        if not 0 < self.reject_lower < self.reject_upper or not self.reject_upper > 1:
+            raise ValueError(f"MismatchCorrection: the band [{self.reject_lower!r}, {self.reject_upper!r}] must hold "
+                             "1, with reject_lower > 0")
+        if self.veto is not None and not 0 < self.veto < 1:
+            raise ValueError(f"MismatchCorrection.veto must be in (0, 1), got {self.veto!r}")
+
+
+@dataclass(frozen=True)
 class LossSpec:
     """How the learner turns log-probs into a loss; checked once, when it is built.
 
@@ -313,6 +359,10 @@ class LossSpec:
     proximal policy (the learner's weights when the update began) and each PPO token's loss
     is weighted by min(pi_prox / pi_behaviour, behaviour_cap), pi_behaviour from the recorded
     log-probs; > 0. None: off (the ratio is against the old log-probs as given)."""
+    correction: MismatchCorrection | None = None
+    """The mismatch correction of the fresh answers; None: none (the metrics are recorded
+    all the same). Its weights and `behaviour_cap` would weigh the same tokens twice: one or
+    the other."""
 
     def __post_init__(self):
         def number(name: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
@@ -332,6 +382,9 @@ class LossSpec:
         number("entropy_coef", 0.0)
         if self.behaviour_cap is not None:
             number("behaviour_cap", 0.0, low_open=True)
+        if self.correction is not None and self.correction.weights != "none" and self.behaviour_cap is not None:
+            raise ValueError("LossSpec: behaviour_cap and the mismatch correction's weights both weigh the fresh "
+                             "tokens by pi_old / pi_engine: set one of them")
         if self.replay_loss not in ("ppo", "shaped"):
             raise ValueError(f"LossSpec.replay_loss must be 'ppo' or 'shaped', got {self.replay_loss!r}")
         if self.agg not in AGGREGATIONS:

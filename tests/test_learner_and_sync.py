@@ -12,7 +12,7 @@ from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
 from rayrep.learner.forward import mini_batches, rows_per_rank, token_budget_batches
 from rayrep.sync.weights import WeightSync
-from rayrep.types import LossSpec, TrainBatch
+from rayrep.types import LossSpec, MismatchCorrection, TrainBatch
 
 
 def synthetic_batch(num_prompts=8, answers=4, seed=0):
@@ -69,11 +69,28 @@ TWO_MINI_BATCHES = {"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts
                     "learner.lr": 1e-3, "learner.warmup_steps": 2}
 
 
-def one_update(cfg, tiny_policy, workers, strategy="fsdp2"):
-    """(metrics, full state) of `workers` ranks after one update on `synthetic_batch()`."""
+# A mismatch correction that takes about a third of the fresh tokens out of the loss (the
+# band), and the answers with a very unlikely token (the veto), and truncates a third of the
+# weights, on `synthetic_batch` rows whose engines' log-probs are -12.2 at every token (about
+# the tiny policy's median log-prob of their random tokens): the mini-batch counts then hold
+# only what every rank kept.
+CORRECTED = LossSpec(correction=MismatchCorrection(weights="token", weight_cap=2.0, reject="token",
+                                                   reject_upper=5.0, reject_lower=0.2, veto=0.05))
+
+
+def mismatched_batch() -> TrainBatch:
+    batch = synthetic_batch()
+    batch.old_logprobs[batch.response_mask] = -12.2
+    return batch
+
+
+def one_update(cfg, tiny_policy, workers, strategy="fsdp2", loss=LossSpec()):
+    """(metrics, full state) of `workers` ranks after one update on `synthetic_batch()`
+    (`mismatched_batch()` with a mismatch correction)."""
     _, placement, learners = make_learners(cfg, tiny_policy, workers, strategy)
     try:
-        return learners.update(synthetic_batch(), LossSpec()), full_state(learners)
+        batch = synthetic_batch() if loss.correction is None else mismatched_batch()
+        return learners.update(batch, loss), full_state(learners)
     finally:
         learners.shutdown()
         placement.remove()
@@ -81,27 +98,34 @@ def one_update(cfg, tiny_policy, workers, strategy="fsdp2"):
 
 @pytest.fixture(scope="module")
 def one_rank_update(ray_cluster, tiny_cfg, tiny_policy):
-    """The one-rank FSDP2 reference of `test_two_ranks_take_the_same_update_as_one`, taken once for both strategies."""
-    return one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 1)
+    """The one-rank FSDP2 reference of `test_two_ranks_take_the_same_update_as_one`, taken once for both
+    strategies, with a mismatch correction that rejects tokens (`CORRECTED`)."""
+    return one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 1, loss=CORRECTED)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
 def test_two_ranks_take_the_same_update_as_one(one_rank_update, tiny_cfg, tiny_policy, strategy):
     batch = synthetic_batch()
-    (m1, s1), (m2, s2) = one_rank_update, one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 2, strategy)
+    (m1, s1) = one_rank_update
+    m2, s2 = one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 2, strategy, CORRECTED)
     assert m1["optimizer_steps"] == m2["optimizer_steps"] == 2
-    assert m1["fresh_tokens"] == m2["fresh_tokens"] == int(batch.response_mask.sum())
+    # What the mismatch correction took out, the same on both: the ranks exchanged their counts.
+    for name in ("mismatch_masked_tokens", "mismatch_masked_sequences", "mismatch_truncated_tokens"):
+        assert 0.1 < m1[name] < 0.9 and m2[name] == pytest.approx(m1[name]), name
+    assert m1["fresh_tokens"] == m2["fresh_tokens"] == \
+        pytest.approx(batch.response_mask.sum().item() * (1 - m1["mismatch_masked_tokens"]))
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)  # same gradients
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
     assert m1["lr"] == pytest.approx(0.5e-3)  # warm-up over 2 rollouts: this first one at half the rate
     assert m2["lr"] == pytest.approx(m1["lr"])
     for name in s1:
         assert s1[name].dtype == s2[name].dtype == torch.float32  # the masters
-        diff = (s1[name] - s2[name]).abs()
-        # Adam divides by |g|: an element whose gradient is ~0 can move by up to 2 lr in either
-        # run; everything else must agree to float precision.
-        assert diff.max() <= 2 * 2 * 1e-3, name  # two optimizer steps of lr 1e-3
-        assert (diff > 1e-5).float().mean() < 1e-3, name
+        assert (s1[name] - s2[name]).abs().max() <= 2 * 2 * 1e-3, name  # two optimizer steps of lr 1e-3
+    # Adam divides by |g|: an element whose gradient is ~0 (a key projection's bias: softmax
+    # ignores it) can move by up to 2 lr in either run; everything else must agree to float
+    # precision.
+    diff = torch.cat([(s1[name] - s2[name]).abs().flatten() for name in s1])
+    assert (diff > 1e-5).float().mean() < 1e-3
     from safetensors.torch import load_file
     original = load_file(f"{tiny_policy}/model.safetensors")
     moved = max((s1[n] - original[n]).abs().max().item() for n in original)
@@ -114,7 +138,8 @@ def test_shared_prompts_take_the_same_update_as_whole_rows(one_rank_update, tiny
     gradients and weights to float round-off. Two mini-batches, so the old-log-prob pass
     over the second takes shared prompts too."""
     (shared, s1) = one_rank_update
-    whole, s2 = one_update(tiny_cfg.replace(**{**TWO_MINI_BATCHES, "learner.shared_prompts": False}), tiny_policy, 1)
+    whole, s2 = one_update(tiny_cfg.replace(**{**TWO_MINI_BATCHES, "learner.shared_prompts": False}), tiny_policy, 1,
+                           loss=CORRECTED)
     assert shared["optimizer_steps"] == whole["optimizer_steps"] == 2
     for name in ("loss", "grad_norm", "approx_kl", "fresh_entropy"):
         assert shared[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-6), name

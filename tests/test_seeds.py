@@ -26,10 +26,15 @@ def test_every_seed_derives_from_the_run_seed_unless_set():
 def test_another_run_seed_changes_the_run(ray_cluster, tiny_cfg, short_run, tmp_path):
     """That the same `run.seed` repeats a run step for step is tested with more at stake in
     tests/test_resume.py (a run killed and resumed, against the uninterrupted one); here
-    another seed must change what the run samples."""
-    cfg = tiny_cfg.replace(**SHORT_RUN, **{"run.seed": 1, "logging.out_dir": str(tmp_path), "logging.run_name": "b"})
+    another seed must change what the run samples. This run also takes verl's geometric
+    rejection and veto (`docs/mismatch.md`) beside the short run's decoupled PPO: fp32 engines
+    on CPU leave nothing to reject, and every step records so."""
+    cfg = tiny_cfg.replace(**SHORT_RUN, **{"run.seed": 1, "logging.out_dir": str(tmp_path), "logging.run_name": "b",
+                                           "learner.correction.reject": "geometric",
+                                           "learner.correction.reject_upper": 1.001, "learner.correction.veto": 1e-4})
+    records = [r for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert all(r["mismatch_masked_tokens"] == r["mismatch_masked_sequences"] == 0 for r in records)
     first = [{k: r[k] for k in COMPARED} for r in short_run if r["step"] > 0]
-    other = [{k: r[k] for k in COMPARED} for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl")
-             if r["step"] > 0]
+    other = [{k: r[k] for k in COMPARED} for r in records]
     assert len(first) == len(other) == 2
     assert first[0]["accuracy"] != other[0]["accuracy"] or first[0]["generated_tokens"] != other[0]["generated_tokens"]

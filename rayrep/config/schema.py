@@ -123,6 +123,16 @@ class AlgorithmConfig:
 
 
 @dataclass
+class CorrectionConfig:
+    weights: Literal["none", "token", "sequence"] = option("none", "truncated importance weights of fresh answers, pi_learner / pi_engine at the update's start, per token or per answer (verl rollout_is); with token, what learner.behaviour_cap does for fresh answers: set one")
+    weight_cap: float = option(2.0, "upper truncation of those weights (verl rollout_is_threshold)", min=1e-6)
+    reject: Literal["none", "token", "sequence", "geometric"] = option("none", "take fresh tokens whose ratio (per token; the answer's product; its geometric mean) leaves [reject_lower, reject_upper] out of the loss and its counts (verl rollout_rs; token with a wide band: IcePop)")
+    reject_upper: float = option(2.0, "upper end of the rejection band (verl rollout_rs_threshold)", min=1.0)
+    reject_lower: float = option(0.0, "lower end of the rejection band; 0: 1 / reject_upper (verl rollout_rs_threshold_lower)", min=0.0)
+    veto: float = option(0.0, "take a fresh answer out of the loss whole if any token's ratio is below this (verl rollout_token_veto_threshold, e.g. 1e-4); 0: off", min=0.0, max=0.999999)
+
+
+@dataclass
 class LearnerConfig:
     num_workers: int = option(1, "learner actors forming one data-parallel group", min=1)
     strategy: Literal["fsdp2", "deepspeed"] = option("fsdp2", "sharding: torch FSDP2, or DeepSpeed ZeRO-2")
@@ -146,6 +156,7 @@ class LearnerConfig:
     loss_norm_constant: float = option(0.0, "divisor of token sums in the seq-mean-token-sum(-norm) aggregations (Dr.GRPO: max response length; ExGRPO: 8192)", min=0.0)
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ExGRPO: 0.001)", min=0.0)
     behaviour_cap: float = option(0.0, "decoupled PPO (AReaL): the ratio against the policy at the start of the update, each token weighted by min(pi_prox / pi_behaviour, cap), for fresh and replayed answers alike; corrects asynchronous rollouts (run.max_policy_lag) and replay; 0: off (the papers' loss)", min=0.0)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 
 @dataclass
@@ -310,6 +321,13 @@ def validate(cfg: Config) -> None:
             f"learner.mini_batch_prompts={learner.mini_batch_prompts} must divide "
             f"algorithm.prompts_per_step={algo.prompts_per_step}"
         )
+    correction = learner.correction
+    if correction.weights != "none" and learner.behaviour_cap:
+        raise ConfigError(f"learner.correction.weights={correction.weights!r} and learner.behaviour_cap="
+                          f"{learner.behaviour_cap} both weigh fresh tokens by pi_learner / pi_engine: set one of them")
+    if correction.reject != "none" and not 0 <= correction.reject_lower < correction.reject_upper:
+        raise ConfigError(f"learner.correction.reject_lower={correction.reject_lower} must be below "
+                          f"learner.correction.reject_upper={correction.reject_upper}")
     gen, place = cfg.generator, cfg.placement
     if place.device == "gpu" and place.gpus_per_node % gen.tensor_parallel_size:
         raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size} must divide "

@@ -58,6 +58,12 @@ corrected by importance sampling, with the variance bounded by the cap, while th
 trust region is taken around the current weights. Shaped replayed tokens take their
 ``w`` against ``behaviour_logp`` and no extra weight.
 
+The mismatch correction (``spec.correction``; `rayrep.learner.mismatch`) acts on fresh
+tokens, whose ``behaviour_logp`` are the engines' log-probs at (about) the same weights as
+``old_logp``: the caller takes the tokens it rejects out of ``mask`` and ``totals`` (every
+rank must know the mini-batch's counts first) and passes its truncated weights, which
+multiply those tokens' PPO losses as the decoupled weights do.
+
 Entropy bonus: with ``spec.entropy_coef > 0`` the loss subtracts ``entropy_coef x``
 the sum of ``entropy`` over valid tokens / ``totals.tokens``; ``entropy`` must then
 carry gradients. With a zero coefficient, pass it detached (computed under
@@ -120,12 +126,15 @@ def _units(valid: torch.Tensor, agg: Aggregation, micro_batch_size: int | None) 
 
 
 def mini_batch_totals(mask: torch.Tensor, agg: Aggregation = "token-mean", micro_batch_size: int | None = None) -> Totals:
-    """The `Totals` of the rows in `mask` ([B, T] valid response tokens): call it on the
-    whole mini-batch's mask (every rank knows it) and pass the result to every
+    """The `Totals` of the rows in `mask` ([B, T] valid response tokens), or of rows with
+    these valid token counts (`mask` [B]: what a rejection left of each row, which only the
+    row's rank knows): call it on the whole mini-batch's and pass the result to every
     micro-batch's `policy_loss`. `micro_batch_size` (sequences per micro-batch) is needed by
     'seq-mean-token-sum-norm' only."""
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
+    if mask.dim() == 1:  # counts of valid tokens per row: rows of that many valid tokens count alike
+        mask = torch.arange(int(mask.max()) if mask.numel() else 0)[None, :] < mask[:, None]
     valid = mask.bool()
     return Totals(units=_units(valid, agg, micro_batch_size), tokens=float(valid.sum()))
 
@@ -141,6 +150,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     totals: Totals | None = None,
     behaviour_logp: torch.Tensor | None = None,
+    correction_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with ExGRPO's shaping of replayed tokens and an
     optional entropy bonus, as `spec` says: the formulas, aggregations, decoupled PPO and the
@@ -163,6 +173,10 @@ def policy_loss(
         totals: counts of the whole mini-batch; each at least this call's.
         behaviour_logp: [B, T] the recorded behaviour log-probs; required when
             ``spec.behaviour_cap`` is set (and only then used).
+        correction_weights: [B, T] constant weights of the PPO-objective tokens' losses (the
+            mismatch correction's truncated importance weights, 1 on rows it leaves alone;
+            `rayrep.learner.mismatch.correct`); its rejection is the caller's, in ``mask``
+            and ``totals``.
 
     Returns:
         ``(loss, metrics)``. ``loss`` is a 0-d float tensor (float32, or float64 when
@@ -173,7 +187,7 @@ def policy_loss(
         ValueError: a shape mismatch, a mask that is not 0/1, totals smaller than this
             call's own counts, or an entropy that cannot carry the bonus's gradient.
     """
-    _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp)
+    _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp, correction_weights)
     # bf16 log-probs lose most of a ratio's precision in exp; compute in at least fp32.
     compute_dtype = torch.promote_types(logp.dtype, torch.float32)
     tokens = _TokenSets.of(mask, replay_mask, spec)
@@ -185,6 +199,8 @@ def policy_loss(
     if spec.behaviour_cap is not None:
         weights = _behaviour_weights(old_logp, behaviour_logp, tokens.valid, spec.behaviour_cap, compute_dtype)
         token_loss = torch.where(tokens.ppo, token_loss * weights.capped, token_loss)
+    if correction_weights is not None:
+        token_loss = torch.where(tokens.ppo, token_loss * correction_weights.detach().to(compute_dtype), token_loss)
     if spec.replay_loss == "shaped":
         shaped = _shaped_token_loss(logp, behaviour_logp, ratio, token_advantages, tokens.valid, spec, compute_dtype)
         token_loss = torch.where(tokens.shaped, shaped, token_loss)
@@ -211,7 +227,8 @@ def policy_loss(
     return loss, metrics
 
 
-def _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp) -> None:
+def _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp,
+                     correction_weights) -> None:
     """A wrong argument fails here, naming itself, before any arithmetic."""
     if not isinstance(spec, LossSpec):
         raise TypeError(f"spec must be a LossSpec, got {type(spec).__name__}")
@@ -221,7 +238,7 @@ def _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entrop
     if spec.behaviour_cap is not None and behaviour_logp is None:
         raise ValueError("behaviour_logp is required when spec.behaviour_cap is set")
     for name, tensor in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy),
-                         ("behaviour_logp", behaviour_logp)):
+                         ("behaviour_logp", behaviour_logp), ("correction_weights", correction_weights)):
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"{name} must have logp's shape {tuple(logp.shape)}, got {tuple(tensor.shape)}")
     if advantages.shape not in (logp.shape, (batch_size,)):

@@ -8,11 +8,23 @@ an answer's response tokens, `mismatch_sums` gives what verl's rollout correctio
 policy from the learner's (``mean(-d)``, and the k3 estimator ``mean(exp(d) - d - 1)``),
 each policy's perplexity per answer and their ratio, and the chi-square divergences of the
 ratio at token and answer level, with exponents clamped to +-20 where verl clamps them.
+
+`correct` applies what verl's rollout correction applies, with its names and formulas
+(``r = exp(d)``, ``d`` clamped to +-20 before ``exp``): truncated importance weights
+``min(r_t, cap)`` per token or ``min(exp(sum_t d_t), cap)`` per answer
+(`importance_weights`); a rejection band ``lower <= r <= upper`` on the token's r, the
+answer's product or its geometric mean ``exp(mean_t d_t)`` (`kept_by_band`); and a veto that
+drops an answer with any token's ``r_t < veto``, on ``d`` unclamped (`kept_by_veto`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
+
+from rayrep.types import MismatchCorrection
 
 BOUND = 20.0
 """Exponents are clamped to [-BOUND, BOUND] before `exp` (the chi-square terms): exp(20) is about 4.9e8."""
@@ -73,3 +85,95 @@ def mismatch_sums(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: t
         [*per_token.values(), *per_sequence.values(), tokens, sequences]).tolist()
     counts = [token_count] * len(per_token) + [sequence_count] * len(per_sequence)
     return {name: (total, count) for name, total, count in zip([*per_token, *per_sequence], totals, counts)}
+
+
+WeightLevel = Literal["token", "sequence"]
+RejectLevel = Literal["token", "sequence", "geometric"]
+
+
+def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """[N, L] the log ratio a weight or a rejection of `level` looks at, per position: the
+    token's own, or its row's sum ('sequence') or mean ('geometric') over valid tokens."""
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return _row_sum(log_ratio, mask)[:, None].expand_as(log_ratio)
+    if level == "geometric":
+        return _row_mean(log_ratio, mask)[:, None].expand_as(log_ratio)
+    raise ValueError(f"unknown mismatch level {level!r}: token, sequence or geometric")
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: WeightLevel, cap: float) -> torch.Tensor:
+    """[N, L] truncated importance weights pi_learner / pi_engine at `level`, at most `cap`,
+    zero on padding, detached."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance weights are per token or per sequence, not {level!r}")
+    ratio = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(-BOUND, BOUND))
+    return (ratio * mask).clamp(max=cap).detach()
+
+
+def kept_by_band(log_ratio: torch.Tensor, mask: torch.Tensor, level: RejectLevel, upper: float,
+                 lower: float | None = None) -> torch.Tensor:
+    """[N, L] bool: valid tokens whose ratio at `level` lies in [lower, upper] (`lower`:
+    1 / upper unless given); the rest leave the loss."""
+    lower = 1.0 / upper if lower is None else lower
+    ratio = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(-BOUND, BOUND))
+    return mask.bool() & (ratio >= lower) & (ratio <= upper)
+
+
+def kept_by_veto(log_ratio: torch.Tensor, mask: torch.Tensor, veto: float) -> torch.Tensor:
+    """[N] bool: rows none of whose valid tokens has a ratio below `veto` (> 0)."""
+    if not veto > 0:
+        raise ValueError(f"the veto threshold must be > 0, got {veto!r}")
+    catastrophic = mask.bool() & (log_ratio < torch.log(torch.tensor(veto, dtype=log_ratio.dtype)))
+    return ~catastrophic.any(-1)
+
+
+@dataclass(frozen=True)
+class Corrected:
+    """What a `MismatchCorrection` makes of a batch's fresh rows."""
+
+    kept: torch.Tensor
+    """[N, L] bool: the valid tokens left in the loss (all of them unless it rejects)."""
+    weights: torch.Tensor | None
+    """[N, L] the truncated importance weights of the PPO loss (None: it weighs nothing)."""
+
+
+def correct(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+            correction: MismatchCorrection) -> Corrected:
+    """verl's rollout correction of rows sampled by the engines (decoupled mode: the ratio of
+    the learner's log-probs at the update's start to the engines'): the rejection band and
+    the veto, each on the log ratio as it is, then the truncated weights."""
+    valid = mask.bool()
+    log_ratio = torch.where(valid, learner_logp - engine_logp, 0.0)
+    kept = valid
+    if correction.reject != "none":
+        kept = kept & kept_by_band(log_ratio, mask, correction.reject, correction.reject_upper,
+                                   correction.reject_lower)
+    if correction.veto is not None:
+        kept = kept & kept_by_veto(log_ratio, mask, correction.veto)[:, None]
+    weights = None
+    if correction.weights != "none":
+        weights = importance_weights(log_ratio, mask, correction.weights, correction.weight_cap)
+    return Corrected(kept=kept, weights=weights)
+
+
+def correction_sums(mask: torch.Tensor, corrected: Corrected, correction: MismatchCorrection
+                    ) -> dict[str, tuple[float, float]]:
+    """What the correction did, as (sum, count) pairs: the share of valid tokens and of
+    answers it took out of the loss (`mismatch_masked_tokens`, `mismatch_masked_sequences`),
+    and of its weights, their mean over valid tokens and the share the cap truncated
+    (`mismatch_weight_mean`, `mismatch_truncated_tokens`)."""
+    valid = mask.bool()
+    rows = valid.any(-1)
+    taken = valid & ~corrected.kept
+    sums = {"mismatch_masked_tokens": (taken.sum(), valid.sum()),
+            "mismatch_masked_sequences": (taken.any(-1)[rows].sum(), rows.sum())}
+    if corrected.weights is not None:
+        sums["mismatch_weight_mean"] = (torch.where(valid, corrected.weights, 0.0).sum(), valid.sum())
+        # Truncated: the weight equals the cap where the ratio went past it (weights are min(r, cap)).
+        sums["mismatch_truncated_tokens"] = ((valid & (corrected.weights >= correction.weight_cap)).sum(), valid.sum())
+    # One device-to-host copy for all of them.
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device)
+                          for pair in sums.values() for v in pair]).tolist()
+    return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(sums)}

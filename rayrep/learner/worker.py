@@ -30,7 +30,7 @@ from rayrep.config import Config
 from rayrep.heap import long_lived
 from rayrep.learner.forward import Entropy, PolicyForward, mini_batches, rows_per_rank
 from rayrep.learner.loss import mini_batch_totals, policy_loss
-from rayrep.learner.mismatch import mismatch_sums
+from rayrep.learner.mismatch import correct, correction_sums, mismatch_sums
 from rayrep.learner.sharding import compute_dtype
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
@@ -164,33 +164,39 @@ class LearnerWorker:
         # Decoupled PPO: every row's "old" is the proximal policy (these weights, before the
         # update); the recorded log-probs stay as the behaviour policy's.
         recompute_old = torch.ones_like(batch.recompute_old) if loss.behaviour_cap is not None else batch.recompute_old
+        rejects = loss.correction is not None and loss.correction.rejects
         start = time.perf_counter()
         if recompute_old.any():
             # Later mini-batches see updated weights, so their "old" must be taken before any
             # update. The first mini-batch's weights have not moved when it is trained: its
-            # first forward pass is the old policy, and it takes its own (no separate pass).
-            for prompts in steps[1:]:
+            # first forward pass is the old policy, and it takes its own (no separate pass),
+            # unless a rejection must know every mini-batch's kept tokens before training it.
+            for prompts in steps[0 if rejects else 1:]:
                 rows, recomputed = self.forward.old_logprobs(batch, rows_per_rank(batch.prompt_index, prompts, self.world_size))
                 recompute = recompute_old[rows]
                 old_logprobs[rows[recompute]] = recomputed[recompute]
+        kept_counts = self._kept_token_counts(batch, steps, old_logprobs, loss) if rejects else None
         if self.rank == 0:
             sums.count("time_old_logprobs", time.perf_counter() - start)
             sums.add("lr", self.sharding.scheduler.get_last_lr()[0], 1.0)  # the rate of every step of this rollout
         for epoch in range(learner.epochs):
             for index, prompts in enumerate(steps):
-                own_old = recompute_old if epoch == 0 and index == 0 else None
-                self._step(batch, prompts, old_logprobs, own_old, loss, sums)
+                own_old = recompute_old if epoch == 0 and index == 0 and not rejects else None
+                self._step(batch, prompts, old_logprobs, own_old, loss, sums, kept_counts)
         self.sharding.scheduler.step()  # the schedule counts rollouts, not optimizer steps
         return sums.state()
 
     def _step(self, batch, prompts: range, old_logprobs, recompute_now: torch.Tensor | None, loss: LossSpec,
-              sums: MetricSums) -> None:
+              sums: MetricSums, kept_counts: torch.Tensor | None = None) -> None:
         """One optimizer step on the questions `prompts`. `recompute_now`: the rows whose old
         log-probs are this pass's own (the first mini-batch of a rollout, before any update),
-        or None; their log-probs are kept in `old_logprobs` for the later epochs."""
+        or None; their log-probs are kept in `old_logprobs` for the later epochs.
+        `kept_counts`: each row's tokens left by the mismatch correction's rejection."""
         shares = rows_per_rank(batch.prompt_index, prompts, self.world_size)
         # The counts over every rank and micro-batch of this mini-batch.
-        totals = mini_batch_totals(batch.response_mask[torch.cat(shares)], loss.agg, self.cfg.learner.micro_batch_size)
+        rows_of_all = torch.cat(shares)
+        counted = batch.response_mask[rows_of_all] if kept_counts is None else kept_counts[rows_of_all]
+        totals = mini_batch_totals(counted, loss.agg, self.cfg.learner.micro_batch_size)
         chunks = self.forward.micro_chunks(batch, shares)
         entropy_mode: Entropy = "grad" if loss.entropy_coef else "detached"
         for index, chunk in enumerate(chunks):
@@ -209,10 +215,13 @@ class LearnerWorker:
                 if not dummy:
                     old_logprobs[rows[own], :width] = logp.detach()[own.to(self.device)].cpu()
             behaviour = batch.old_logprobs[rows, :width].to(self.device) if loss.behaviour_cap is not None else None
+            trained, weights = mask, None
+            if loss.correction is not None and not dummy:
+                trained, weights = self._correct(batch, rows, old, mask, loss, sums)
             value, metrics = policy_loss(
-                logp, old, batch.advantages[rows].to(self.device), mask, loss,
+                logp, old, batch.advantages[rows].to(self.device), trained, loss,
                 replay_mask=batch.replay_mask[rows].to(self.device), entropy=entropy, totals=totals,
-                behaviour_logp=behaviour,
+                behaviour_logp=behaviour, correction_weights=weights,
             )
             if not dummy:
                 self._note_mismatch(batch, rows, old, mask, sums)
@@ -228,6 +237,47 @@ class LearnerWorker:
             sums.count("skipped_steps", 0.0 if stepped else 1.0)
             sums.add("grad_norm", grad_norm, 1.0)
             sums.extreme("grad_norm_max", grad_norm)
+
+    def _correct(self, batch: TrainBatch, rows: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, loss: LossSpec,
+                 sums: MetricSums | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mismatch correction of the fresh rows among `rows` (`rayrep.learner.mismatch`):
+        (the mask without the tokens it rejects, the PPO losses' weights or None); what it
+        did goes to `sums`. Replayed rows keep every token and a weight of 1."""
+        fresh = ~batch.replay_mask[rows]
+        if not fresh.any():
+            return mask, None
+        on_device = fresh.to(self.device)
+        engine = batch.old_logprobs[rows[fresh], : old.shape[1]].to(self.device)
+        corrected = correct(old[on_device].double(), engine.double(), mask[on_device], loss.correction)
+        if sums is not None:
+            for name, (total, count) in correction_sums(mask[on_device], corrected, loss.correction).items():
+                sums.add(name, total, count)
+        kept = mask.bool().clone()
+        kept[on_device] = corrected.kept
+        if corrected.weights is None:
+            return kept, None
+        weights = torch.ones_like(old)
+        weights[on_device] = corrected.weights.to(old.dtype)
+        return kept, weights
+
+    def _kept_token_counts(self, batch: TrainBatch, steps: list[range], old_logprobs: torch.Tensor, loss: LossSpec
+                           ) -> torch.Tensor:
+        """[N] each row's valid tokens once the correction's rejection is applied: this rank
+        counts its own rows of every mini-batch in `steps` (their old log-probs are all taken),
+        and the ranks add theirs up, so that each knows every mini-batch's counts before it
+        trains. One small all-reduce per update."""
+        counts = torch.zeros(len(batch.lengths), dtype=torch.float64)
+        own = torch.cat([rows_per_rank(batch.prompt_index, prompts, self.world_size)[self.rank] for prompts in steps])
+        for rows in own.split(self.cfg.learner.micro_batch_size):
+            width = int(batch.lengths[rows].max())
+            mask = batch.response_mask[rows, :width].to(self.device)
+            kept, _ = self._correct(batch, rows, old_logprobs[rows, :width].to(self.device), mask, loss, None)
+            counts[rows] = kept.sum(-1).double().cpu()
+        if self.world_size > 1:
+            counts = counts.to(self.device)
+            dist.all_reduce(counts)
+            counts = counts.cpu()
+        return counts
 
     def _note_mismatch(self, batch: TrainBatch, rows: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                        sums: MetricSums) -> None:
