@@ -7,7 +7,6 @@ uninterrupted run and this one serve every test."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -64,9 +63,7 @@ def runs(tiny_policy, tmp_path_factory):
     checkpoint written but not yet renamed into place; then the rest of the job, its local Ray
     cluster and every actor), then resumed. What the killed run left is noted before the resume."""
     out = tmp_path_factory.mktemp("runs")
-    # The uninterrupted run beside the killed one, each job on a local Ray cluster of its own:
-    # a job's start-up waits on much besides the CPUs, and the seeds decide what either samples.
-    whole = job(out, "whole")
+    finish(job(out, "whole"))
 
     run = out / "killed"
     killed = job(out, "killed", "--auto-resume", env=dict(os.environ, RAYREP_FAILPOINT="save-4"))
@@ -87,33 +84,21 @@ def runs(tiny_policy, tmp_path_factory):
     left = {"checkpoints": [step for step, _ in step_checkpoints(run)],
             "partial": (run / "checkpoints" / ".step-4.partial" / "run_state.json").exists(),
             "logged": [r["step"] for r in read_metrics(run / "metrics.jsonl")]}
-    # The killed run's step-2 checkpoint, copied before its resume writes on, to be resumed by
-    # two learners instead of one (`test_a_run_resumes_on_another_number_of_learners`) beside it.
-    two = out / "two"
-    (two / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run / "checkpoints" / "step-2", two / "checkpoints" / "step-2")
-    (two / "config.json").write_text((run / "config.json").read_text())
-    logged_then = read_metrics(run / "metrics.jsonl")
-    (two / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged_then if r["step"] <= 2))
-    resumed, on_two = (subprocess.Popen([sys.executable, "jobs/train.py", "--resume", str(folder), *extra], cwd=REPO,
-                                        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
-                       for folder, extra in ((run, ()), (two, ("--learner.num_workers", "2"))))
-    resumed_output = finish(resumed)
-    finish(on_two)
-    finish(whole)
-    return out, left, resumed_output, (deaths, output), logged_then
+    resumed_output = finish(subprocess.Popen(
+        [sys.executable, "jobs/train.py", "--resume", str(run)], cwd=REPO, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return out, left, resumed_output, (deaths, output)
 
 
 def test_a_job_killed_while_saving_leaves_the_checkpoint_before_it_current(runs):
-    _, left, _, _, _ = runs
+    _, left, _, _ = runs
     # Steps 3 and 4 were logged (a record goes to the log before its checkpoint); the step-4
     # checkpoint is complete but not current.
     assert left == {"checkpoints": [2], "partial": True, "logged": [0, 1, 2, 3, 4]}
 
 
 def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
-    out, _, output, _, _ = runs
+    out, _, output, _ = runs
     assert "resumed" in output and "at step 2" in output
     whole = read_metrics(out / "whole" / "metrics.jsonl")
     resumed = read_metrics(out / "killed" / "metrics.jsonl")
@@ -141,10 +126,17 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
     assert not list((out / "killed" / "checkpoints").glob(".step-*"))  # nothing half-written left
 
 
-def test_a_run_resumes_on_another_number_of_learners(runs):
-    out, _, _, _, metrics = runs
+def test_a_run_resumes_on_another_number_of_learners(runs, tmp_path):
+    out, _, _, _ = runs
     # A copy of the interrupted run's step-2 checkpoint, resumed by two learners instead of one.
-    run = out / "two"
+    run = tmp_path / "two"
+    (run / "checkpoints").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(out / "killed" / "checkpoints" / "step-2"), str(run / "checkpoints")], check=True)
+    (run / "config.json").write_text((out / "killed" / "config.json").read_text())
+    metrics = read_metrics(out / "killed" / "metrics.jsonl")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics if r["step"] <= 2))
+    finish(subprocess.Popen([sys.executable, "jobs/train.py", "--resume", str(run), "--learner.num_workers", "2"],
+                            cwd=REPO, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     two = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in two] == [0, 1, 2, 3, 4] and two[-1]["policy_version"] == 4
     # Step 3 samples from the checkpoint's weights with the same seeds: the same rollouts,
@@ -183,7 +175,7 @@ def kill_in_turn(job: subprocess.Popen, run: Path, stop: threading.Event, killed
 
 
 def test_a_run_whose_actors_die_in_turn_ends_as_the_uninterrupted_one(runs):
-    out, _, _, (killed, output), _ = runs
+    out, _, _, (killed, output) = runs
     assert killed == ["ray::GeneratorWorker.generate", "ray::ReplayShard", "ray::LearnerWorker.update"]
     # The learner's death stopped the run in step 3, said so, and the job went on from step 2.
     assert "learner rank 0 died" in output and "the run stopped in step 3" in output, output[-3000:]
