@@ -9,8 +9,8 @@ from rayrep.config.schema import (AlgorithmConfig, Config, CorrectionConfig, Dat
 from rayrep.errors import ConfigError, InputError
 
 __all__ = [
-    "DEFAULT_PRESET", "AlgorithmConfig", "Config", "ConfigError", "CorrectionConfig", "DataConfig", "ExGRPOConfig", "GeneratorConfig",
-    "InputError", "LearnerConfig", "LoggingConfig", "ModelConfig", "PlacementConfig", "RLEPConfig", "ReplayConfig",
-    "RunConfig", "ServeConfig", "SyncConfig", "VerifierConfig", "config_fields", "derive_seed", "differing_fields",
-    "from_dict", "help_text", "load_preset", "parse_cli", "preset_names",
+    "DEFAULT_PRESET", "AlgorithmConfig", "Config", "ConfigError", "CorrectionConfig", "DataConfig", "ExGRPOConfig",
+    "GeneratorConfig", "InputError", "LearnerConfig", "LoggingConfig", "ModelConfig", "PlacementConfig", "RLEPConfig",
+    "ReplayConfig", "RunConfig", "ServeConfig", "SyncConfig", "VerifierConfig", "config_fields", "derive_seed",
+    "differing_fields", "from_dict", "help_text", "load_preset", "parse_cli", "preset_names",
 ]

@@ -114,15 +114,17 @@ class Totals:
     """Valid response tokens (the entropy bonus is a token mean whatever the aggregation)."""
 
 
-def _units(valid: torch.Tensor, agg: Aggregation, micro_batch_size: int | None) -> float:
+def _totals(row_tokens: torch.Tensor, agg: Aggregation, micro_batch_size: int | None) -> Totals:
+    """The `Totals` of rows with these valid token counts ([B])."""
+    tokens = float(row_tokens.sum())
     if agg == "token-mean":
-        return float(valid.sum())
-    sequences = float((valid.sum(dim=-1) > 0).sum())
+        return Totals(units=tokens, tokens=tokens)
+    sequences = float((row_tokens > 0).sum())
     if agg == "seq-mean-token-sum-norm":
         if not micro_batch_size:
             raise ValueError("agg='seq-mean-token-sum-norm' needs micro_batch_size (its loss is a mean over micro-batches)")
-        return float(math.ceil(sequences / micro_batch_size))  # the micro-batches it splits into
-    return sequences
+        sequences = float(math.ceil(sequences / micro_batch_size))  # the micro-batches it splits into
+    return Totals(units=sequences, tokens=tokens)
 
 
 def mini_batch_totals(mask: torch.Tensor, agg: Aggregation = "token-mean", micro_batch_size: int | None = None) -> Totals:
@@ -133,10 +135,7 @@ def mini_batch_totals(mask: torch.Tensor, agg: Aggregation = "token-mean", micro
     'seq-mean-token-sum-norm' only."""
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
-    if mask.dim() == 1:  # counts of valid tokens per row: rows of that many valid tokens count alike
-        mask = torch.arange(int(mask.max()) if mask.numel() else 0)[None, :] < mask[:, None]
-    valid = mask.bool()
-    return Totals(units=_units(valid, agg, micro_batch_size), tokens=float(valid.sum()))
+    return _totals(mask.bool().sum(-1) if mask.dim() == 2 else mask, agg, micro_batch_size)
 
 
 def policy_loss(
@@ -367,7 +366,7 @@ def _aggregate(token_loss, valid, spec: LossSpec) -> torch.Tensor:
 def _checked_totals(totals: Totals | None, valid, spec: LossSpec) -> Totals:
     """The mini-batch's counts, checked against this call's own; without them, this call's
     own (one micro-batch)."""
-    local = Totals(units=_units(valid, spec.agg, micro_batch_size=max(1, valid.shape[0])), tokens=float(valid.sum()))
+    local = _totals(valid.sum(-1), spec.agg, micro_batch_size=max(1, valid.shape[0]))
     if totals is None:
         return local
     if not (totals.units >= local.units and totals.tokens >= local.tokens):
