@@ -11,13 +11,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(EXTRAS)
 HARNESS := .venv-harness
 HARNESS_STAMP := $(HARNESS)/.installed
+DEEPSPEED_OPS := $(VENV)/.deepspeed-cpu-ops
 
 .PHONY: run test venv clean-venv
 
 run: $(STAMP)
 	$(PY) jobs/rlep.py
 
-test: $(STAMP) $(HARNESS_STAMP)
+test: $(STAMP) $(HARNESS_STAMP) $(DEEPSPEED_OPS)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest --durations=25 tests
 
@@ -45,6 +46,12 @@ $(HARNESS_STAMP): $(STAMP) requirements/harness.txt
 	test -x $(HARNESS)/bin/python || $(PYTHON) -m venv $(HARNESS)
 	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$($(HARNESS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/rayrep-venv.pth"
 	$(HARNESS)/bin/python -m pip install -q -c requirements/cpu-constraints.txt -r requirements/harness.txt
+	touch $@
+
+# DeepSpeed's CPU collective, built once with the environment rather than by the first DeepSpeed
+# learner test (about 25 s of compiling: rayrep.learner.sharding.DEEPSPEED_CPU_OPS).
+$(DEEPSPEED_OPS): $(STAMP)
+	$(PY) -c "from rayrep.learner.sharding import build_deepspeed_cpu_ops; build_deepspeed_cpu_ops()"
 	touch $@
 
 clean-venv:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -253,6 +254,30 @@ class OneRank(FSDP2Sharding):
         self.skip_above = cfg.learner.skip_grad_norm_above
 
 
+DEEPSPEED_CPU_OPS = Path(sys.prefix) / "torch_extensions"
+"""Where DeepSpeed's CPU op is built and found (torch's `TORCH_EXTENSIONS_DIR`): inside the
+environment. On the CPU accelerator, `deepspeed.initialize` builds its shared-memory collective
+(`deepspeed_shm_comm`) on first use, about 25 s of compiling here; torch keys that build by its
+sources' absolute paths, so with its default folder (`~/.cache/torch_extensions`) two checkouts
+rebuild it for each other in turn. `make test` builds it with the environment
+(`build_deepspeed_cpu_ops`), so no test waits for a compiler."""
+
+
+def build_deepspeed_cpu_ops() -> None:
+    """Build DeepSpeed's CPU shared-memory collective into `DEEPSPEED_CPU_OPS` now, quietly (a
+    compiler error still ends in an exception). A run with `learner.strategy: deepspeed` on
+    CPU would otherwise build it when its learners start."""
+    import contextlib
+    import io
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEEPSPEED_CPU_OPS))
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from deepspeed.accelerator import get_accelerator
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
+
+
 class DeepSpeedSharding:
     """DeepSpeed ZeRO stage 2: gradients and optimizer state sharded, parameters whole on every rank.
 
@@ -273,6 +298,8 @@ class DeepSpeedSharding:
         # accelerator follows the configured device, not whatever DeepSpeed detects.
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ["DS_ACCELERATOR"] = "cuda" if device.type == "cuda" else "cpu"
+        if device.type == "cpu":
+            os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEEPSPEED_CPU_OPS))
         import deepspeed
 
         optimizer, self.scheduler = make_optimizer(model, cfg)
