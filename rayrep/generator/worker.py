@@ -18,7 +18,7 @@ from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
 from rayrep.sync.collective import WeightManifest
 from rayrep.sync.vllm_ext import EXTENSION_CLASS
-from rayrep.types import PartFacts, RolloutPart
+from rayrep.types import PartFacts, RolloutPart, RolloutRef, read_rollouts
 
 
 SLEEP_TAGS = {WEIGHTS: "weights", KV_CACHE: "kv_cache"}
@@ -72,14 +72,16 @@ class GeneratorWorker:
 
     def generate_as_finished(
         self, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float, max_tokens: int,
-        seeds: list[int] | None, parts: int,
+        seeds: list[int] | None, parts: int, carried: list[list[RolloutRef]] = (), quota: int | None = None,
     ) -> Iterator[PartFacts | RolloutPart]:
         """`n` rollouts of each prompt (see `rayrep.generator.engine.sample`), as the engine
         finishes them, in about `parts` parts (a Ray streaming call): each part is two objects,
         what the driver decides on (`PartFacts`: the positions of its prompts in `prompt_ids`,
         each answer's length and finish reason, the policy version), then the rollouts
         themselves (`RolloutPart`), which the reader passes on by reference (to the verifiers,
-        the learners and the buffer shards) as soon as they exist."""
+        the learners and the buffer shards) as soon as they exist. Partial rollouts: `carried`
+        groups (by reference: read here) continue their paused answers, and `quota` stops the
+        call once that many groups are done (`rayrep.generator.engine.sample_as_finished`)."""
         from rayrep.generator.engine import sample_as_finished
 
         # Asleep, vLLM's scheduler waits to be woken and the call would hang: refused instead.
@@ -89,9 +91,10 @@ class GeneratorWorker:
                                  "failed half way (the runtime sends the weights again)")
         for positions, rollouts in sample_as_finished(self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p,
                                                       max_tokens=max_tokens, seeds=seeds, version=self.version,
-                                                      parts=parts, min_tokens=self.cfg.generator.min_response_tokens):
-            yield PartFacts(positions, [[(r.response_length, r.finish_reason) for r in answers] for answers in rollouts],
-                            self.version)
+                                                      parts=parts, min_tokens=self.cfg.generator.min_response_tokens,
+                                                      carried=read_rollouts(carried), quota=quota):
+            yield PartFacts(positions, [[(r.response_length, r.finish_reason, r.version, r.earlier_tokens) for r in answers]
+                                        for answers in rollouts])
             yield RolloutPart(rollouts)
 
     def join_weight_group(self, host: str, port: int, world_size: int, first_rank: int) -> None:
