@@ -122,7 +122,7 @@ class Rollouts:
             [self.prompt_ids[p.uid] for p in plan.prompts], n=[n for _, n in plan.requests],
             temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
             seeds=self.cfg.sampling_seeds(f"rollout-{step}-{number}", len(plan.prompts) + len(carried)),
-            parts=gen.answer_parts, carried=[c.answers for c in carried],
+            parts=gen.answer_parts, carried=[(self.prompt_ids[c.plan.prompts[0].uid], c.answers) for c in carried],
             quota=wanted if self.cfg.run.partial_rollouts else None,
         )
         return Round(plan, shares, plan_seconds, carried)

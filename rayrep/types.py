@@ -149,6 +149,9 @@ class PartFacts(NamedTuple):
     answers: list[list[tuple[int, str, int, int]]]
     """Per prompt, each answer's (response length, finish reason, policy version of its oldest
     token, tokens sampled by an older policy than its last: `Rollout.earlier_tokens`)."""
+    lost_answers: int = 0
+    """Answers of carried groups whose tokens were lost with their node, sampled again from
+    their questions (partial rollouts; counted in a call's first part)."""
 
 
 @dataclass(frozen=True)
@@ -170,15 +173,6 @@ class RolloutRef:
 AnyRollout = typing.Union[Rollout, RolloutRef]
 """A rollout, its arrays here or elsewhere: what a group holds."""
 
-
-def read_rollouts(groups: Sequence[Sequence[RolloutRef]]) -> list[list[Rollout]]:
-    """The generators' rollouts that `groups` refer to, read from the object store (every
-    part once): for a generator that continues paused answers."""
-    import ray
-
-    refs = list({r.source: None for group in groups for r in group})
-    parts = dict(zip(refs, ray.get(refs))) if refs else {}
-    return [[parts[r.source][r.key[0]][r.key[1]] for r in group] for group in groups]
 
 
 def answer_arrays(rollouts: Sequence[AnyRollout]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -224,6 +224,14 @@ def test_sleep_and_wake_are_no_ops_on_cpu(pool, tiny_policy):
     assert len(rollouts) == 2 and all(len(r.response_ids) == len(r.logprobs) > 0 for r in rollouts)
 
 
+@ray.remote(num_cpus=0)
+class Holder:
+    """An actor that owns what it puts in the object store: gone with it."""
+
+    def hold(self, value):
+        return [ray.put(value)]
+
+
 def test_partial_rollouts_stop_at_the_quota_and_continue_under_newer_weights(pool, tiny_policy, tmp_path):
     """Partial rollouts, on the engines: each engine stops once its share of the quota's groups
     is done; the others arrive last with their answers `PAUSED` (tokens and log-probs so far),
@@ -231,13 +239,18 @@ def test_partial_rollouts_stop_at_the_quota_and_continue_under_newer_weights(poo
     from timing: the same call stops at the same tokens. An engine holding newer weights
     (version 1) continues the paused answers: each keeps its first tokens and their version-0
     log-probs, and its continuation is what that engine samples by hand for the question and
-    the answer so far (seed s + a), its tokens at version 1 and scored by the version-1 policy."""
+    the answer so far (seed s + a), its tokens at version 1 and scored by the version-1 policy.
+    A carried group whose tokens are lost (with the node that held them) is sampled again from
+    its question, counted."""
     import shutil
 
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rayrep.types import PAUSED
+    from collections import Counter
+
+    from conftest import kill_and_wait
+    from rayrep.types import PAUSED, RolloutPart, RolloutRef
 
     cfg, generators = pool
     tokenizer = AutoTokenizer.from_pretrained(tiny_policy)
@@ -272,9 +285,25 @@ def test_partial_rollouts_stop_at_the_quota_and_continue_under_newer_weights(poo
     engine = RemoteGeneratorWorker.options(num_cpus=0.5).remote(cfg, str(newer), 0, 1, [0], version=1)
     try:
         continuing = GeneratorGroup([engine])
-        later = cfg.sampling_seeds("partial-continued", len(stopped))
-        continued = continuing.gather(continuing.generate([], n=[], temperature=1.0, top_p=1.0, max_tokens=48,
-                                                          seeds=later, carried=[held[i] for i in stopped]))
+        # One more carried group, whose part is lost (the actor that owned it died): it starts
+        # again from its question, counted.
+        lost_question = stopped[0]
+        holder = Holder.remote()
+        [lost_part] = ray.get(holder.hold.remote(RolloutPart([rollouts[lost_question]])))
+        kill_and_wait(holder)
+        lost = [RolloutRef(lost_part, (0, a), r.response_length, r.finish_reason, r.version, 0)
+                for a, r in enumerate(rollouts[lost_question])]
+        later = cfg.sampling_seeds("partial-continued", len(stopped) + 1)
+        counts = Counter()
+        parts, _ = continuing.complete(continuing.generate(
+            [], n=[], temperature=1.0, top_p=1.0, max_tokens=48, seeds=later,
+            carried=[(prompt_ids[i], held[i]) for i in stopped] + [(prompt_ids[lost_question], lost)]), counts)
+        *continued, again = continuing.read(parts)
+        assert counts == {"lost_carried_answers": 4}
+        for a, answer in enumerate(again):
+            [[by_hand]] = continuing.gather(continuing.generate([prompt_ids[lost_question]], n=1, temperature=1.0,
+                                                                top_p=1.0, max_tokens=48, seeds=[later[-1] + a]))
+            assert answer == by_hand and answer.versions().tolist() == [1] * answer.response_length
         models = {v: AutoModelForCausalLM.from_pretrained(path).eval() for v, path in ((0, tiny_policy), (1, newer))}
         spanning = 0  # answers with tokens of both versions
         for (i, seed), answers in zip(zip(stopped, later), continued):

@@ -39,8 +39,9 @@ class ShareRequest:
     """One per prompt, then one per carried group."""
     parts: int
     """How many parts its answers arrive in (`generator.answer_parts`)."""
-    carried: tuple[tuple[RolloutRef, ...], ...] = ()
-    """Groups with paused answers to continue (partial rollouts), after the prompts."""
+    carried: tuple[tuple[list[int], tuple[RolloutRef, ...]], ...] = ()
+    """Groups with paused answers to continue (partial rollouts), after the prompts: each
+    (its question's token ids, its answers)."""
     quota: int | None = None
     """Stop once this many groups are done (partial rollouts)."""
 
@@ -131,15 +132,18 @@ class GeneratorGroup:
 
     def generate(
         self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int,
-        seeds: list[int] | None = None, parts: int = 1, carried: Sequence[Sequence[RolloutRef]] = (),
+        seeds: list[int] | None = None, parts: int = 1,
+        carried: Sequence[tuple[list[int], Sequence[RolloutRef]]] = (),
         quota: int | None = None,
     ) -> list[Share]:
         """Start sampling `n` rollouts per prompt (`n` may differ per prompt) across the workers;
         `seeds`: one per prompt (see `rayrep.generator.engine.sample`). Each worker's answers
         arrive in about `parts` parts, as its engine finishes them.
 
-        Partial rollouts: `carried` groups (the call's groups after the prompts, each with a
-        seed after theirs) continue their `PAUSED` answers, and the engines stop once `quota`
+        Partial rollouts: `carried` groups ((question's token ids, answers): the call's groups
+        after the prompts, each with a seed after theirs) continue their `PAUSED` answers (a
+        group whose tokens were lost with their node starts again from its question, counted
+        by `complete` as `lost_carried_answers`), and the engines stop once `quota`
         groups are done (split between them as the groups are) and every carried one; the
         groups they stopped arrive last, with `PAUSED` answers
         (`rayrep.generator.engine.sample_as_finished`).
@@ -155,7 +159,7 @@ class GeneratorGroup:
             request = ShareRequest(
                 slot, [prompt_ids[i] for i in indices if i < fresh], [counts[i] for i in indices if i < fresh],
                 temperature, top_p, max_tokens, None if seeds is None else [seeds[i] for i in indices], parts,
-                tuple(tuple(carried[i - fresh]) for i in indices if i >= fresh),
+                tuple((list(carried[i - fresh][0]), tuple(carried[i - fresh][1])) for i in indices if i >= fresh),
                 None if share_quota is None else max(1, len(share_quota)),
             )
             shares.append(self._send(indices, request))
@@ -221,6 +225,8 @@ class GeneratorGroup:
                 counts["retried_prompts"] += len(rest)
                 continue
             answered.extend(facts.positions)
+            if facts.lost_answers:
+                counts["lost_carried_answers"] += facts.lost_answers
             rollouts = [[RolloutRef(ref, (p, a), *answer) for a, answer in enumerate(answers)]
                         for p, answers in enumerate(facts.answers)]
             take(PendingRollouts([share.indices[p] for p in facts.positions], ref), rollouts)
