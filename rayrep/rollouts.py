@@ -90,8 +90,13 @@ class Rollouts:
         groups, stale = drop_stale(groups, self.runtime.version, max_lag(self.cfg))
         record.count(stale)
         if self.carried and self.cfg.saves_checkpoint(step):
-            self.sampler.give_back([c.plan.prompts[0].uid for c in self.carried])
-            self.counts["partial_groups_asked_again"] += len(self.carried)
+            # Questions from the sampler go back to it; a replay method's questions drawn from
+            # its buffer (ExGRPO's `choose`) are drawn again from there, or not, in later steps.
+            drawn = [c for c in self.carried if not c.plan.choose]
+            self.sampler.give_back([c.plan.prompts[0].uid for c in drawn])
+            self.counts["partial_groups_asked_again"] += len(drawn)
+            if len(drawn) < len(self.carried):
+                self.counts["partial_replayed_groups_dropped"] += len(self.carried) - len(drawn)
             self.carried = []
         record.count(self.counts)
         self.counts = Counter()
@@ -133,7 +138,7 @@ class Rollouts:
         carried, self.carried = self.carried, []
         kept = [c for c in carried if self.runtime.version - c.oldest <= max_lag(self.cfg)]
         if len(kept) < len(carried):
-            self.counts["stale_groups_dropped"] += len(carried) - len(kept)
+            self.counts["partial_stale_groups_dropped"] += len(carried) - len(kept)
         return kept
 
     def finish(self, started: Round, record: StepRecord) -> list[Group]:
@@ -145,7 +150,7 @@ class Rollouts:
         record.times["plan"] = record.times.get("plan", 0.0) + started.plan_seconds
         record.count({"sampling_rounds": 1})
         plans = [started.plan] if not self.cfg.run.partial_rollouts else \
-            [started.plan.only(p.uid) for p in started.plan.prompts] + [c.plan for c in started.carried]
+            started.plan.split() + [c.plan for c in started.carried]
         questions = [p for plan in plans for p in plan.prompts]
         checking = self.runtime.verifiers.checking([p.ground_truth for p in questions])
         with record.timed("generate"):
@@ -161,30 +166,40 @@ class Rollouts:
                 for prompt, sampled, marks in zip(questions, rollouts, verdicts.correct)
             ]
             return started.plan.complete(fresh)
-        return self.take_done(plans, rollouts, verdicts.correct, len(started.plan.prompts), record)
+        return self.take_done(plans, rollouts, verdicts.correct, len(started.plan.prompts),
+                              sum(r.response_length for c in started.carried for r in c.answers), record)
 
     def take_done(self, plans: list[StepPlan], rollouts: list[list[AnyRollout]], correct: list[list[bool]],
-                  carried_from: int, record: StepRecord) -> list[Group]:
+                  carried_from: int, tokens_before: int, record: StepRecord) -> list[Group]:
         """Partial rollouts: of a round's groups (one plan each, in call order, those from
-        `carried_from` on carried; the verdicts of those done, in that order), the step's B,
-        the carried ones first (their tokens are the oldest); the others are carried to the
-        next round: those stopped, and any done beyond B."""
+        `carried_from` on carried, holding `tokens_before` tokens as the round began; the
+        verdicts of those done, in that order), the step's B, the carried ones first (their
+        tokens are the oldest); the others are carried to the next round: those stopped, and
+        any done beyond B. Counts the tokens the round generated (`partial_round_tokens`)."""
         done = [i for i, answers in enumerate(rollouts) if not any(r.finish_reason == PAUSED for r in answers)]
         marks = dict(zip(done, correct))
         taken = sorted(done, key=lambda i: (i < carried_from, i))[:self.cfg.algorithm.prompts_per_step]
         groups = [group for i in taken for group in plans[i].complete(
             [Group(plans[i].prompts[0], tuple(rollouts[i]), tuple(marks[i]), (False,) * len(rollouts[i]))])]
-        self.carried = [Carried(plans[i], tuple(rollouts[i])) for i in range(len(plans)) if i not in set(taken)]
-        paused = [r for c in self.carried for r in c.answers if r.finish_reason == PAUSED]
-        record.count({"partial_groups_carried": len(self.carried), "partial_answers_paused": len(paused),
+        carried = [Carried(plans[i], tuple(rollouts[i])) for i in range(len(plans)) if i not in set(taken)]
+        # (Added to any that no round took yet: with asynchronous rollouts two or more steps
+        # ahead, the round after this one was started before this one's groups were carried.)
+        self.carried += carried
+        paused = [r for c in carried for r in c.answers if r.finish_reason == PAUSED]
+        record.count({"partial_round_tokens": sum(r.response_length for answers in rollouts for r in answers)
+                      - tokens_before,
+                      "partial_groups_carried": len(carried), "partial_answers_paused": len(paused),
                       "partial_tokens_paused": sum(r.response_length for r in paused)})
         return groups
 
     def stats(self, step_batch: StepBatch, record: StepRecord, version: int) -> dict[str, float]:
         """What the step's fresh rollouts looked like, and how old the trained answers were
         against `version`, the policy the update started from."""
-        return {**rollout_stats(step_batch.seen, record.times["generate"]),
-                **policy_lag_stats(step_batch.groups, version)}
+        stats = rollout_stats(step_batch.seen, record.times["generate"])
+        if self.cfg.run.partial_rollouts:  # what the step's rounds generated, not what its answers hold
+            stats["generated_tokens"] = record.counts.pop("partial_round_tokens", 0)
+            stats["tokens_per_second"] = stats["generated_tokens"] / max(record.times["generate"], 1e-9)
+        return {**stats, **policy_lag_stats(step_batch.groups, version)}
 
 
 def keep_informative(
@@ -224,9 +239,10 @@ def rounds_ahead(cfg: Config, step: int) -> int:
 
 def max_lag(cfg: Config) -> int:
     """How many versions older than the policy an update starts from a trained answer's oldest
-    token may be: `run.max_policy_lag`; with partial rollouts at least 1 (a continued answer
-    spans a weight sync)."""
-    return max(cfg.run.max_policy_lag, 1 if cfg.run.partial_rollouts else 0)
+    token may be: `run.max_policy_lag` N; with partial rollouts max(1, 2N), since a group
+    stopped in a round sampled N steps ahead continues in the round started N steps later."""
+    lag = cfg.run.max_policy_lag
+    return max(1, 2 * lag) if cfg.run.partial_rollouts else lag
 
 
 def drop_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Group], dict[str, int]]:

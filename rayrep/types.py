@@ -289,11 +289,13 @@ class StepPlan:
     def prompts(self) -> list[Prompt]:
         return [prompt for prompt, _ in self.requests]
 
-    def only(self, uid: str) -> "StepPlan":
-        """The plan of question `uid` alone (partial rollouts carry a group over on its own)."""
-        return dataclasses.replace(self, requests=tuple(r for r in self.requests if r[0].uid == uid),
-                                   replays={uid: self.replays[uid]} if uid in self.replays else {},
-                                   choose=tuple(c for c in self.choose if c == uid))
+    def split(self) -> list["StepPlan"]:
+        """One plan per request, in order (partial rollouts carry a group over on its own; a
+        question the sampler drew twice, across an epoch's end, is two requests)."""
+        return [dataclasses.replace(self, requests=(request,),
+                                    replays={uid: self.replays[uid]} if uid in self.replays else {},
+                                    choose=(uid,) if uid in self.choose else ())
+                for request in self.requests for uid in (request[0].uid,)]
 
     def complete(self, fresh: Sequence[Group]) -> list[Group]:
         """The planned groups: each question's fresh rollouts (`fresh`, in request order)

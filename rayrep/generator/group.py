@@ -151,8 +151,12 @@ class GeneratorGroup:
         Returns at once; `complete` reads the shares' answers as they arrive.
         """
         counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
-        fresh, groups = len(prompt_ids), len(prompt_ids) + len(carried)
-        ranges = [indices for indices in split_evenly(groups, len(self.workers)) if len(indices)]
+        fresh, workers = len(prompt_ids), len(self.workers)
+        # Each engine its share of the prompts and of the carried groups (which it must finish).
+        ranges = [indices for indices in
+                  (a if not b else [*a, *(fresh + c for c in b)]
+                   for a, b in zip(split_evenly(fresh, workers), split_evenly(len(carried), workers)))
+                  if len(indices)]
         quotas = split_evenly(quota, len(ranges)) if quota is not None else [None] * len(ranges)
         shares = []
         for slot, (indices, share_quota) in enumerate(zip(ranges, quotas)):
