@@ -231,9 +231,12 @@ def sample_as_finished(
 
     # Each request is named by its prompt's position (the engine reports a finished request
     # under the name it was given), a continued answer by its group's position and its own.
+    # The engine's own ids of each group's requests, to abort them by: aborted by the names
+    # given, vLLM 0.32 drops an n > 1 request's answers but keeps its parent's record.
+    requests: dict[int, list[str]] = {}
     groups = [_Answers(ids, [None] * count) for ids, count in zip(prompt_ids, counts)]
     for position, (ids, count, seed) in enumerate(zip(prompt_ids, counts, seeds)):
-        engine.add_request(f"{REQUEST_PREFIX}{position}", tokens_input(ids), params(count, seed))
+        requests[position] = [engine.add_request(f"{REQUEST_PREFIX}{position}", tokens_input(ids), params(count, seed))]
     for i, answers in enumerate(carried):
         position, group = len(prompt_ids) + i, _Answers(answers[0].prompt_ids.tolist(), list(answers))
         groups.append(group)
@@ -242,9 +245,9 @@ def sample_as_finished(
                 group.answers[a] = None
                 group.before[a] = answer
                 seed = None if seeds[position] is None else seeds[position] + a
-                engine.add_request(f"{REQUEST_PREFIX}{position}-{a}",
-                                   tokens_input(group.prompt + answer.response_ids.tolist()),
-                                   params(1, seed, answer.response_length))
+                requests.setdefault(position, []).append(engine.add_request(
+                    f"{REQUEST_PREFIX}{position}-{a}", tokens_input(group.prompt + answer.response_ids.tolist()),
+                    params(1, seed, answer.response_length)))
     continued = range(len(prompt_ids), len(groups))  # (each finishes in this call: its answers span one sync)
     tokenizer = llm.get_tokenizer() if carried else None
     part_size = max(1, -(-len(groups) // max(1, parts)))
@@ -272,16 +275,14 @@ def sample_as_finished(
                 positions = []
             if stopping:
                 stopped = [p for p in range(len(groups)) if p not in done]
-                engine.abort_request([f"{REQUEST_PREFIX}{p}" for p in stopped] +
-                                     [f"{REQUEST_PREFIX}{p}-{a}" for p in stopped for a in groups[p].before])
+                engine.abort_request([r for p in stopped for r in requests.get(p, ())], internal=True)
                 done.update(stopped)
                 yield stopped, [groups[p].paused(version) for p in stopped]
                 return
     finally:  # stopped early (an error, a caller that stopped reading): no request outlives the call
         left = [p for p in range(len(groups)) if p not in done]
         if left and engine.has_unfinished_requests():
-            engine.abort_request([f"{REQUEST_PREFIX}{p}" for p in left] +
-                                 [f"{REQUEST_PREFIX}{p}-{a}" for p in left for a in groups[p].before])
+            engine.abort_request([r for p in left for r in requests.get(p, ())], internal=True)
 
 
 class _Answers:
