@@ -141,8 +141,8 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
     ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         shares = make_answers(shape, lists=kind == "lists")
-        facts = PartFacts(list(range(len(shares))), [[(r.response_length, r.finish_reason) for r in per_question]
-                                                     for per_question in shares], 0)
+        facts = PartFacts(list(range(len(shares))), [[(r.response_length, r.finish_reason, r.version, 0)
+                                                      for r in per_question] for per_question in shares])
         result, facts_ref = ray.put(shares), ray.put(facts)
         bytes_in = serialized_bytes(facts if kind == "refs" else shares)
         del shares
@@ -154,8 +154,7 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
                 begin = time.process_time()
                 if kind == "refs":  # the facts; the part stays where it is
                     read = ray.get(facts_ref)
-                    rollouts = [[RolloutRef(result, (p, a), length, reason, read.version)
-                                 for a, (length, reason) in enumerate(per_question)]
+                    rollouts = [[RolloutRef(result, (p, a), *answer) for a, answer in enumerate(per_question)]
                                 for p, per_question in enumerate(read.answers)]
                 else:
                     rollouts = ray.get(result)

@@ -88,6 +88,9 @@ ARMS: dict[str, dict] = {
     "baseline-96": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 96, "learner.mini_batch_prompts": 48},
     "exgrpo-paper-sigma": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False,
                            "algorithm.exgrpo.bucket_sigma": "paper"},
+    # Partial rollouts: half again as many questions in flight, a step trains on the first 64
+    # groups done and the next finishes the others under newer weights.
+    "baseline-partial": {"algorithm.name": "grpo", "run.partial_rollouts": 0.5},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 # Paired by seed, a - b, beside every arm against the baseline: what each ablation isolates.
@@ -99,6 +102,7 @@ CONTRASTS = (
     ("exgrpo-paper-sigma", "exgrpo"),  # the paper's bucket weights against the code's
     ("exgrpo", "baseline-drgrpo"),  # ExGRPO against its own on-policy baseline (the same advantage)
     ("rlep-adaptive", "rlep"), ("rlep-is", "rlep"), ("rlep-grow", "rlep"),  # the variants against the paper's RLEP
+    ("baseline-partial", "baseline"),  # partial rollouts against waiting for every answer
 )
 
 

@@ -152,6 +152,13 @@ def main(argv=None):
               f"replayed questions per step: {statistics.median(r['replayed_questions'] for r in records):.0f}")
         rollouts = statistics.median(r.get("time_generate", 0.0) + r.get("time_verify", 0.0) for r in records)
         print(f"rollouts (generate + verify): {rollouts:.3f} s, {100 * rollouts / step_time:.1f}% of the step")
+        generated = statistics.median(r["generated_tokens"] for r in records)
+        per_second = statistics.median(r["generated_tokens"] / r["time_step"] for r in records)
+        print(f"generated tokens per step {generated:.0f}, per second of step {per_second:.0f}; sampled by an older "
+              f"policy than the one that finished their answer (partial rollouts): "
+              f"{100 * statistics.mean(r.get('fresh_earlier_token_share', 0.0) for r in records):.1f}% of the trained "
+              f"fresh tokens; questions asked again at a checkpoint: "
+              f"{sum(r.get('partial_groups_asked_again', 0) for r in records)}")
         print(f"fresh answers' policy lag: mean {statistics.mean(r.get('fresh_lag_mean', 0.0) for r in records):.2f}, "
               f"max {max(r.get('fresh_lag_max', 0) for r in records)}; padding in the update: "
               f"{100 * statistics.median(r.get('padding_frac', 0.0) for r in records):.1f}% of computed positions")

@@ -7,14 +7,26 @@ each planned as a value of its own, leaving out the step's questions. Asynchrono
 rollouts (`run.max_policy_lag` = N > 0) start the next N steps' rounds before the update,
 so the generators sample while the learners train; their answers are then up to N policy
 versions old, and a group older than that is dropped, counted.
+
+Partial rollouts (`run.partial_rollouts` = x > 0) keep B(1 + x) groups in flight: a round
+asks the generators for new questions and for the groups carried over from the last round,
+and each engine stops once its share of B groups is done and every carried group it holds:
+the step does not wait for its longest answers. It trains on B done groups, the carried
+ones first; the others are carried, their answers done or paused (tokens and log-probs so
+far, in the object store), and finish in the next round under the newer weights, so an
+answer spans at most one weight sync and every question started is trained on. A step that
+saves a checkpoint gives its carried questions back to the sampler instead (asked again
+from their prompts, counted): a checkpoint holds no paused answers, and a resumed run
+repeats the uninterrupted one.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rayrep.algos.interface import Algorithm
 from rayrep.config import Config
@@ -22,17 +34,33 @@ from rayrep.data import PromptSampler
 from rayrep.generator.group import Share
 from rayrep.run.record import StepRecord
 from rayrep.runtime.system import Runtime
-from rayrep.types import Group, StepBatch, StepPlan
+from rayrep.types import PAUSED, AnyRollout, Group, StepBatch, StepPlan
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A group a round stopped before all its answers were done (partial rollouts): its
+    question's plan, and its answers, done or `PAUSED`, where the generators left them."""
+
+    plan: StepPlan
+    answers: tuple[AnyRollout, ...]
+
+    @property
+    def oldest(self) -> int:
+        """The policy version of its oldest token."""
+        return min(a.version for a in self.answers)
 
 
 @dataclass
 class Round:
     """One round of a step's rollouts, started: what was planned, the generate call's shares
-    (still sampling), and how long planning took, for the step that finishes it."""
+    (still sampling), and how long planning took, for the step that finishes it; with partial
+    rollouts, the carried groups it continues (after the planned ones in the call)."""
 
     plan: StepPlan
     shares: list[Share]
     plan_seconds: float
+    carried: list[Carried] = field(default_factory=list)
 
 
 class Rollouts:
@@ -42,6 +70,10 @@ class Rollouts:
         self.sampler, self.prompt_ids = sampler, prompt_ids
         self.ahead: deque[Round] = deque()
         """Later steps' rounds, sampling already (asynchronous rollouts)."""
+        self.carried: list[Carried] = []
+        """Groups stopped by the last round, to continue in the next (partial rollouts)."""
+        self.counts: Counter = Counter()
+        """What starting rounds counted, for the step that finishes them."""
 
     def collect(self, step: int, record: StepRecord) -> tuple[list[Group], list[Group]]:
         """Step `step`'s verified groups: (those to train on, those verified but left out by
@@ -55,8 +87,19 @@ class Rollouts:
 
             groups, dropped, kept = keep_informative(groups, self.cfg.algorithm.prompts_per_step, another_round)
             record.add(kept)
-        groups, stale = drop_stale(groups, self.runtime.version, self.cfg.run.max_policy_lag)
+        groups, stale = drop_stale(groups, self.runtime.version, max_lag(self.cfg))
         record.count(stale)
+        if self.carried and self.cfg.saves_checkpoint(step):
+            # Questions from the sampler go back to it; a replay method's questions drawn from
+            # its buffer (ExGRPO's `choose`) are drawn again from there, or not, in later steps.
+            drawn = [c for c in self.carried if not c.plan.choose]
+            self.sampler.give_back([c.plan.prompts[0].uid for c in drawn])
+            self.counts["partial_groups_asked_again"] += len(drawn)
+            if len(drawn) < len(self.carried):
+                self.counts["partial_replayed_groups_dropped"] += len(self.carried) - len(drawn)
+            self.carried = []
+        record.count(self.counts)
+        self.counts = Counter()
         return groups, dropped
 
     def start_ahead(self, step: int) -> None:
@@ -72,15 +115,31 @@ class Rollouts:
         sampling the planned fresh rollouts, each prompt with its own seed (the step and round
         decide it). Returns at once."""
         start = time.perf_counter()
-        plan = self.algorithm.plan(self.sampler, self.cfg.algorithm.prompts_per_step, exclude, self.runtime.version)
+        wanted = self.cfg.algorithm.prompts_per_step
+        carried, questions = self.carry_on(), wanted
+        if self.cfg.run.partial_rollouts:
+            questions = max(0, math.ceil(wanted * (1 + self.cfg.run.partial_rollouts)) - len(carried))
+            exclude |= {c.plan.prompts[0].uid for c in carried}
+        plan = self.algorithm.plan(self.sampler, questions, exclude, self.runtime.version)
         plan_seconds = time.perf_counter() - start
         gen = self.cfg.generator
         shares = self.runtime.generators.generate(
             [self.prompt_ids[p.uid] for p in plan.prompts], n=[n for _, n in plan.requests],
             temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_response_tokens,
-            seeds=self.cfg.sampling_seeds(f"rollout-{step}-{number}", len(plan.prompts)), parts=gen.answer_parts,
+            seeds=self.cfg.sampling_seeds(f"rollout-{step}-{number}", len(plan.prompts) + len(carried)),
+            parts=gen.answer_parts, carried=[(self.prompt_ids[c.plan.prompts[0].uid], c.answers) for c in carried],
+            quota=wanted if self.cfg.run.partial_rollouts else None,
         )
-        return Round(plan, shares, plan_seconds)
+        return Round(plan, shares, plan_seconds, carried)
+
+    def carry_on(self) -> list[Carried]:
+        """The groups the last round stopped, taken for the next (partial rollouts), less those
+        whose oldest token is already too old to train on (dropped, counted)."""
+        carried, self.carried = self.carried, []
+        kept = [c for c in carried if self.runtime.version - c.oldest <= max_lag(self.cfg)]
+        if len(kept) < len(carried):
+            self.counts["partial_stale_groups_dropped"] += len(carried) - len(kept)
+        return kept
 
     def finish(self, started: Round, record: StepRecord) -> list[Group]:
         """The round's rollouts (a generator that died is replaced and its prompts asked again,
@@ -90,8 +149,10 @@ class Rollouts:
         hide), `verify` the wait for the verdicts after them (what scoring did not overlap)."""
         record.times["plan"] = record.times.get("plan", 0.0) + started.plan_seconds
         record.count({"sampling_rounds": 1})
-        plan = started.plan
-        checking = self.runtime.verifiers.checking([p.ground_truth for p in plan.prompts])
+        plans = [started.plan] if not self.cfg.run.partial_rollouts else \
+            started.plan.split() + [c.plan for c in started.carried]
+        questions = [p for plan in plans for p in plan.prompts]
+        checking = self.runtime.verifiers.checking([p.ground_truth for p in questions])
         with record.timed("generate"):
             recovery: Counter = Counter()
             _, rollouts = self.runtime.generators.complete(started.shares, recovery, on_arrival=checking.send)
@@ -99,17 +160,46 @@ class Rollouts:
         with record.timed("verify"):
             verdicts = checking.result()
         record.count(verdicts.statuses, prefix="verifier_")
-        fresh = [
-            Group(prompt, tuple(sampled), tuple(marks), (False,) * len(sampled))
-            for prompt, sampled, marks in zip(plan.prompts, rollouts, verdicts.correct)
-        ]
-        return plan.complete(fresh)
+        if not self.cfg.run.partial_rollouts:
+            fresh = [
+                Group(prompt, tuple(sampled), tuple(marks), (False,) * len(sampled))
+                for prompt, sampled, marks in zip(questions, rollouts, verdicts.correct)
+            ]
+            return started.plan.complete(fresh)
+        return self.take_done(plans, rollouts, verdicts.correct, len(started.plan.prompts),
+                              sum(r.response_length for c in started.carried for r in c.answers), record)
+
+    def take_done(self, plans: list[StepPlan], rollouts: list[list[AnyRollout]], correct: list[list[bool]],
+                  carried_from: int, tokens_before: int, record: StepRecord) -> list[Group]:
+        """Partial rollouts: of a round's groups (one plan each, in call order, those from
+        `carried_from` on carried, holding `tokens_before` tokens as the round began; the
+        verdicts of those done, in that order), the step's B, the carried ones first (their
+        tokens are the oldest); the others are carried to the next round: those stopped, and
+        any done beyond B. Counts the tokens the round generated (`partial_round_tokens`)."""
+        done = [i for i, answers in enumerate(rollouts) if not any(r.finish_reason == PAUSED for r in answers)]
+        marks = dict(zip(done, correct))
+        taken = sorted(done, key=lambda i: (i < carried_from, i))[:self.cfg.algorithm.prompts_per_step]
+        groups = [group for i in taken for group in plans[i].complete(
+            [Group(plans[i].prompts[0], tuple(rollouts[i]), tuple(marks[i]), (False,) * len(rollouts[i]))])]
+        carried = [Carried(plans[i], tuple(rollouts[i])) for i in range(len(plans)) if i not in set(taken)]
+        # (Added to any that no round took yet: with asynchronous rollouts two or more steps
+        # ahead, the round after this one was started before this one's groups were carried.)
+        self.carried += carried
+        paused = [r for c in carried for r in c.answers if r.finish_reason == PAUSED]
+        record.count({"partial_round_tokens": sum(r.response_length for answers in rollouts for r in answers)
+                      - tokens_before,
+                      "partial_groups_carried": len(carried), "partial_answers_paused": len(paused),
+                      "partial_tokens_paused": sum(r.response_length for r in paused)})
+        return groups
 
     def stats(self, step_batch: StepBatch, record: StepRecord, version: int) -> dict[str, float]:
         """What the step's fresh rollouts looked like, and how old the trained answers were
         against `version`, the policy the update started from."""
-        return {**rollout_stats(step_batch.seen, record.times["generate"]),
-                **policy_lag_stats(step_batch.groups, version)}
+        stats = rollout_stats(step_batch.seen, record.times["generate"])
+        if self.cfg.run.partial_rollouts:  # what the step's rounds generated, not what its answers hold
+            stats["generated_tokens"] = record.counts.pop("partial_round_tokens", 0)
+            stats["tokens_per_second"] = stats["generated_tokens"] / max(record.times["generate"], 1e-9)
+        return {**stats, **policy_lag_stats(step_batch.groups, version)}
 
 
 def keep_informative(
@@ -147,6 +237,14 @@ def rounds_ahead(cfg: Config, step: int) -> int:
     return ahead
 
 
+def max_lag(cfg: Config) -> int:
+    """How many versions older than the policy an update starts from a trained answer's oldest
+    token may be: `run.max_policy_lag` N; with partial rollouts max(1, 2N), since a group
+    stopped in a round sampled N steps ahead continues in the round started N steps later."""
+    lag = cfg.run.max_policy_lag
+    return max(1, 2 * lag) if cfg.run.partial_rollouts else lag
+
+
 def drop_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Group], dict[str, int]]:
     """Groups whose fresh rollouts are more than `max_lag` versions older than `version`
     (the learners' policy, which the update starts from) are not trained on; counted."""
@@ -158,7 +256,9 @@ def drop_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Gr
 
 def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
     """How many versions older than the policy the update started from (`version`) the
-    trained answers are: fresh ones' histogram (`fresh_lag_<k>`: answers), mean and max; replayed ones' mean."""
+    trained answers are (of their oldest tokens): fresh ones' histogram (`fresh_lag_<k>`:
+    answers), mean and max; replayed ones' mean; with partial rollouts, the share of fresh
+    tokens sampled by an older policy than the one that finished their answer."""
     fresh = [version - a.rollout.version for g in groups for a in g.fresh()]
     replay = [version - a.rollout.version for g in groups for a in g.replays()]
     stats: dict[str, float] = {f"fresh_lag_{k}": n for k, n in sorted(Counter(fresh).items())}
@@ -166,6 +266,10 @@ def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
         stats.update(fresh_lag_mean=sum(fresh) / len(fresh), fresh_lag_max=max(fresh))
     if replay:
         stats["replay_lag_mean"] = sum(replay) / len(replay)
+    earlier = sum(a.rollout.earlier_tokens for g in groups for a in g.fresh())
+    if earlier:  # partial rollouts: answers continued under newer weights
+        tokens = sum(a.rollout.response_length for g in groups for a in g.fresh())
+        stats["fresh_earlier_token_share"] = earlier / max(1, tokens)
     return stats
 
 

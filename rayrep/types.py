@@ -68,14 +68,20 @@ class Rollout:
     """Behaviour policy's log-prob of each response token (same length as response_ids)."""
     text: str
     finish_reason: str
-    """'stop' (the policy ended its answer) or 'length' (cut at the response limit)."""
+    """'stop' (the policy ended its answer), 'length' (cut at the response limit) or, for an
+    answer a generator stopped before its end (partial rollouts), `PAUSED`."""
     version: int = 0
-    """Policy version (number of weight syncs) of the weights that sampled it."""
+    """Policy version (number of weight syncs) of the weights that sampled it: of its oldest
+    token, where an answer was continued under newer weights (`token_versions`)."""
+    token_versions: np.ndarray | None = None
+    """Each response token's policy version (int32), for an answer sampled across weight
+    syncs (partial rollouts); None: every token's is `version`."""
 
     def __post_init__(self):
-        for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("logprobs", np.float32)):
+        for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("logprobs", np.float32),
+                            ("token_versions", np.int32)):
             value = getattr(self, name)
-            if not (isinstance(value, np.ndarray) and value.dtype == dtype):
+            if value is not None and not (isinstance(value, np.ndarray) and value.dtype == dtype):
                 object.__setattr__(self, name, np.asarray(value, dtype))
 
     def __eq__(self, other: object) -> bool:
@@ -83,7 +89,22 @@ class Rollout:
             return NotImplemented
         return (np.array_equal(self.prompt_ids, other.prompt_ids) and np.array_equal(self.response_ids, other.response_ids)
                 and np.array_equal(self.logprobs, other.logprobs, equal_nan=True)
+                and np.array_equal(self.versions(), other.versions())
                 and (self.text, self.finish_reason, self.version) == (other.text, other.finish_reason, other.version))
+
+    def versions(self) -> np.ndarray:
+        """Each response token's policy version."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.full(len(self.response_ids), self.version, np.int32)
+
+    @property
+    def earlier_tokens(self) -> int:
+        """How many of its tokens an older policy sampled than the one that finished it (an
+        answer continued across weight syncs; 0 for one sampled whole)."""
+        if self.token_versions is None or not len(self.token_versions):
+            return 0
+        return int((self.token_versions < self.token_versions[-1]).sum())
 
     __hash__ = None  # (arrays: a rollout is not a key)
 
@@ -115,15 +136,22 @@ class RolloutPart(list):
         return self[prompt][answer].answer_arrays()
 
 
+PAUSED = "paused"
+"""The finish reason of an answer that a generator stopped before its end, its tokens and
+log-probs so far kept, to be continued in a later call (partial rollouts)."""
+
+
 class PartFacts(NamedTuple):
     """What the driver reads of a generator's `RolloutPart`, which it sends on by reference."""
 
     positions: list[int]
     """The part's prompts: their positions in the generate call's prompts."""
-    answers: list[list[tuple[int, str]]]
-    """Per prompt, each answer's (response length, finish reason)."""
-    version: int
-    """The policy version that sampled them."""
+    answers: list[list[tuple[int, str, int, int]]]
+    """Per prompt, each answer's (response length, finish reason, policy version of its oldest
+    token, tokens sampled by an older policy than its last: `Rollout.earlier_tokens`)."""
+    lost_answers: int = 0
+    """Answers of carried groups whose tokens were lost with their node, sampled again from
+    their questions (partial rollouts; counted in a call's first part)."""
 
 
 @dataclass(frozen=True)
@@ -139,10 +167,12 @@ class RolloutRef:
     response_length: int
     finish_reason: str = "stop"
     version: int = 0
+    earlier_tokens: int = 0
 
 
 AnyRollout = typing.Union[Rollout, RolloutRef]
 """A rollout, its arrays here or elsewhere: what a group holds."""
+
 
 
 def answer_arrays(rollouts: Sequence[AnyRollout]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -258,6 +288,14 @@ class StepPlan:
     @property
     def prompts(self) -> list[Prompt]:
         return [prompt for prompt, _ in self.requests]
+
+    def split(self) -> list["StepPlan"]:
+        """One plan per request, in order (partial rollouts carry a group over on its own; a
+        question the sampler drew twice, across an epoch's end, is two requests)."""
+        return [dataclasses.replace(self, requests=(request,),
+                                    replays={uid: self.replays[uid]} if uid in self.replays else {},
+                                    choose=(uid,) if uid in self.choose else ())
+                for request in self.requests for uid in (request[0].uid,)]
 
     def complete(self, fresh: Sequence[Group]) -> list[Group]:
         """The planned groups: each question's fresh rollouts (`fresh`, in request order)

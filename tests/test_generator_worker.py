@@ -222,3 +222,115 @@ def test_sleep_and_wake_are_no_ops_on_cpu(pool, tiny_policy):
     assert ray.get([w.wake_up.remote() for w in generators.workers]) == [(), ()]  # nothing was asleep
     (rollouts,) = generators.gather(generators.generate([[5, 6, 7, 8]], n=2, temperature=1.0, top_p=1.0, max_tokens=8))
     assert len(rollouts) == 2 and all(len(r.response_ids) == len(r.logprobs) > 0 for r in rollouts)
+
+
+@ray.remote(num_cpus=0)
+class Holder:
+    """An actor that owns what it puts in the object store: gone with it."""
+
+    def hold(self, value):
+        return [ray.put(value)]
+
+
+def test_partial_rollouts_stop_at_the_quota_and_continue_under_newer_weights(pool, tiny_policy, tmp_path):
+    """Partial rollouts, on the engines: each engine stops once its share of the quota's groups
+    is done; the others arrive last with their answers `PAUSED` (tokens and log-probs so far),
+    and are not sent to the verifiers. Where an engine stops follows from its requests, not
+    from timing: the same call stops at the same tokens. An engine holding newer weights
+    (version 1) continues the paused answers: each keeps its first tokens and their version-0
+    log-probs, and its continuation is what that engine samples by hand for the question and
+    the answer so far (seed s + a), its tokens at version 1 and scored by the version-1 policy.
+    A carried group whose tokens are lost (with the node that held them) is sampled again from
+    its question, counted."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from collections import Counter
+
+    from conftest import kill_and_wait
+    from rayrep.types import PAUSED, RolloutPart, RolloutRef
+
+    cfg, generators = pool
+    tokenizer = AutoTokenizer.from_pretrained(tiny_policy)
+    prompt_ids = encode_prompts(tokenizer, load_split(cfg.data, "train")[:8], cfg.data.max_prompt_tokens)
+    seeds = cfg.sampling_seeds("partial", len(prompt_ids))
+
+    def stopped_call():
+        sent = []
+        shares = generators.generate(prompt_ids, n=4, temperature=1.0, top_p=1.0, max_tokens=48, seeds=seeds,
+                                     quota=2)
+        parts, held = generators.complete(shares, on_arrival=lambda part: sent.extend(part.indices))
+        return parts, held, sent
+
+    parts, held, sent = stopped_call()
+    done = [i for i, answers in enumerate(held) if all(r.finish_reason != PAUSED for r in answers)]
+    stopped = [i for i in range(len(held)) if i not in done]
+    assert len(done) >= 2 and stopped and sorted(sent) == done  # (one done per engine at least)
+    rollouts = generators.read(parts)
+    assert generators.read(stopped_call()[0]) == rollouts  # the same stop, token for token
+    paused = [(i, a) for i in stopped for a, r in enumerate(rollouts[i]) if r.finish_reason == PAUSED]
+    assert any(rollouts[i][a].response_length for i, a in paused)
+
+    # The policy, moved: version 1, on an engine of its own.
+    newer = tmp_path / "newer"
+    shutil.copytree(tiny_policy, newer)
+    weights = load_file(newer / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
+               for k, v in weights.items()}, newer / "model.safetensors", metadata={"format": "pt"})
+    from rayrep.generator.worker import RemoteGeneratorWorker
+
+    engine = RemoteGeneratorWorker.options(num_cpus=0.5).remote(cfg, str(newer), 0, 1, [0], version=1)
+    try:
+        continuing = GeneratorGroup([engine])
+        # One more carried group, whose part is lost (the actor that owned it died): it starts
+        # again from its question, counted.
+        lost_question = stopped[0]
+        holder = Holder.remote()
+        [lost_part] = ray.get(holder.hold.remote(RolloutPart([rollouts[lost_question]])))
+        kill_and_wait(holder)
+        lost = [RolloutRef(lost_part, (0, a), r.response_length, r.finish_reason, r.version, 0)
+                for a, r in enumerate(rollouts[lost_question])]
+        later = cfg.sampling_seeds("partial-continued", len(stopped) + 1)
+        counts = Counter()
+        parts, _ = continuing.complete(continuing.generate(
+            [], n=[], temperature=1.0, top_p=1.0, max_tokens=48, seeds=later,
+            carried=[(prompt_ids[i], held[i]) for i in stopped] + [(prompt_ids[lost_question], lost)]), counts)
+        *continued, again = continuing.read(parts)
+        assert counts == {"lost_carried_answers": 4}
+        for a, answer in enumerate(again):
+            [[by_hand]] = continuing.gather(continuing.generate([prompt_ids[lost_question]], n=1, temperature=1.0,
+                                                                top_p=1.0, max_tokens=48, seeds=[later[-1] + a]))
+            assert answer == by_hand and answer.versions().tolist() == [1] * answer.response_length
+        models = {v: AutoModelForCausalLM.from_pretrained(path).eval() for v, path in ((0, tiny_policy), (1, newer))}
+        spanning = 0  # answers with tokens of both versions
+        for (i, seed), answers in zip(zip(stopped, later), continued):
+            assert all(r.finish_reason != PAUSED for r in answers)
+            for a, (before, after) in enumerate(zip(rollouts[i], answers)):
+                if before.finish_reason != PAUSED:
+                    assert after == before  # done before the stop: as it was
+                    continue
+                k = before.response_length
+                spanning += 0 < k < after.response_length
+                assert np.array_equal(after.response_ids[:k], before.response_ids)
+                assert np.array_equal(after.logprobs[:k], before.logprobs)
+                assert after.versions().tolist() == [0] * k + [1] * (after.response_length - k)
+                assert after.version == 0 and after.text == tokenizer.decode(after.response_ids, skip_special_tokens=True)
+                [[by_hand]] = continuing.gather(continuing.generate(
+                    [prompt_ids[i] + before.response_ids.tolist()], n=1, temperature=1.0, top_p=1.0,
+                    max_tokens=48 - k, seeds=[seed + a]))
+                assert np.array_equal(after.response_ids[k:], by_hand.response_ids)
+                assert np.allclose(after.logprobs[k:], by_hand.logprobs)
+                full = torch.tensor([prompt_ids[i] + after.response_ids.tolist()])
+                for version, segment in ((0, slice(0, k)), (1, slice(k, after.response_length))):
+                    with torch.no_grad():
+                        logits = models[version](full).logits[0, len(prompt_ids[i]) - 1: -1]
+                    expected = torch.log_softmax(logits, -1).gather(
+                        1, torch.from_numpy(after.response_ids.astype(np.int64))[:, None])[:, 0]
+                    assert torch.allclose(torch.from_numpy(after.logprobs[segment].copy()), expected[segment],
+                                          atol=1e-3), version
+        assert spanning >= 3, spanning
+    finally:
+        ray.kill(engine)

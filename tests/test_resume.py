@@ -3,7 +3,8 @@ generator, a replay shard and its learner are killed in turn (`--auto-resume` re
 from step 2 after the learner's death), then the driver is SIGKILLed while it saves step 4.
 The job leaves the checkpoint before current, ends as the uninterrupted run ends once
 resumed, with each death counted; a run also resumes on another number of learners. One
-uninterrupted run and this one serve every test."""
+uninterrupted run and this one serve every test. The run takes partial rollouts: every step
+stops its slowest answers, so each death meets answers paused."""
 
 import json
 import os
@@ -28,6 +29,9 @@ RUN = ["--algorithm.name", "exgrpo", "--algorithm.std_normalize", "false", "--al
        "--algorithm.prompts_per_step", "16", "--learner.mini_batch_prompts", "8", "--data.arithmetic_test_size", "32",
        "--data.arithmetic_train_size", "40",  # step 3 starts a second epoch, without the questions retired in the first
        "--logging.plots", "false",
+       # Partial rollouts: each step stops its slowest groups and the next finishes them, so
+       # the learner dies (step 3) with answers paused; the step-4 checkpoint asks them again.
+       "--run.partial_rollouts", "0.5",
        "--placement.emulate_gpus", "true"]  # turns taken as on colocated GPUs, the device-memory ledger live
 # What differs between two runs that took the same steps: the clock.
 CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
@@ -103,6 +107,11 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
     whole = read_metrics(out / "whole" / "metrics.jsonl")
     resumed = read_metrics(out / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # what the killed run logged after step 2 is gone
+    # Partial rollouts: every step stopped answers (the driver died saving step 4 with its
+    # answers paused; the learner in step 3, with step 3's); step 2 finished step 1's, and the
+    # steps that saved a checkpoint asked their stopped questions again instead of keeping them.
+    assert all(resumed[step]["partial_answers_paused"] > 0 for step in (1, 2, 3, 4))
+    assert all(resumed[step]["partial_groups_asked_again"] > 0 for step in (2, 4))
     # The resumed run repeats the uninterrupted one step for step: one run.seed repeats a run.
     for mine, theirs in zip(resumed, whole):
         assert without_recovery(mine) == without_recovery(theirs), mine["step"]
@@ -183,10 +192,11 @@ def test_a_run_whose_actors_die_in_turn_ends_as_the_uninterrupted_one(runs):
 
     records = read_metrics(out / "killed" / "metrics.jsonl")  # after the resume
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
-    # Step 1: the generator was replaced and the prompts whose answers had not arrived (all 16,
-    # unless a first part came before the kill) sampled again; step 2: the shard was restored
-    # from step 1's snapshot, losing nothing.
-    assert records[1].get("generator_replaced") == 1 and 0 < records[1].get("generator_retried_prompts", 0) <= 16
+    # Step 1: the generator was replaced and the prompts whose answers had not arrived (all 24
+    # in flight, unless a first part came before the kill) sampled again, stopped where the
+    # undisturbed engine stopped; step 2: the shard was restored from step 1's snapshot,
+    # losing nothing.
+    assert records[1].get("generator_replaced") == 1 and 0 < records[1].get("generator_retried_prompts", 0) <= 24
     assert {k: v for k, v in records[2].items() if k.startswith("replay_shard_")} == \
            {"replay_shard_replaced": 1, "replay_shard_lost_answers": 0, "replay_shard_lost_question_updates": 0}
     assert not any(k.startswith(("generator_", "replay_shard_")) for r in records[3:] for k in r)

@@ -124,12 +124,12 @@ class AlgorithmConfig:
 
 @dataclass
 class CorrectionConfig:
-    weights: Literal["none", "token", "sequence"] = option("none", "truncated importance weights of fresh answers, pi_learner / pi_engine at the update's start, per token or per answer (verl rollout_is); with token, what learner.behaviour_cap does for fresh answers: set one")
-    weight_cap: float = option(2.0, "upper truncation of those weights (verl rollout_is_threshold)", min=1e-6)
-    reject: Literal["none", "token", "sequence", "geometric"] = option("none", "take fresh tokens whose ratio (per token; the answer's product; its geometric mean) leaves [reject_lower, reject_upper] out of the loss and its counts (verl rollout_rs; token with a wide band: IcePop)")
-    reject_upper: float = option(2.0, "upper end of the rejection band (verl rollout_rs_threshold)", min=1.0)
-    reject_lower: float = option(0.0, "lower end of the rejection band; 0: 1 / reject_upper (verl rollout_rs_threshold_lower)", min=0.0)
-    veto: float = option(0.0, "take a fresh answer out of the loss whole if any token's ratio is below this (verl rollout_token_veto_threshold, e.g. 1e-4); 0: off", min=0.0, max=0.999999)
+    weights: Literal["none", "token", "sequence"] = option("none", "truncated importance weights of fresh answers, pi_learner / pi_engine at the update's start, per token or per answer (verl rollout_is); with token, what learner.behaviour_cap does for fresh answers: set one", added=True)
+    weight_cap: float = option(2.0, "upper truncation of those weights (verl rollout_is_threshold)", min=1e-6, added=True)
+    reject: Literal["none", "token", "sequence", "geometric"] = option("none", "take fresh tokens whose ratio (per token; the answer's product; its geometric mean) leaves [reject_lower, reject_upper] out of the loss and its counts (verl rollout_rs; token with a wide band: IcePop)", added=True)
+    reject_upper: float = option(2.0, "upper end of the rejection band (verl rollout_rs_threshold)", min=1.0, added=True)
+    reject_lower: float = option(0.0, "lower end of the rejection band; 0: 1 / reject_upper (verl rollout_rs_threshold_lower)", min=0.0, added=True)
+    veto: float = option(0.0, "take a fresh answer out of the loss whole if any token's ratio is below this (verl rollout_token_veto_threshold, e.g. 1e-4); 0: off", min=0.0, max=0.999999, added=True)
 
 
 @dataclass
@@ -238,6 +238,7 @@ class RunConfig:
     seed: int = option(0, "the run's seed: every other seed (data order, sampling, replay draws, learner init) derives from it unless set explicitly", min=0)
     start_eval: str = option("", "a run folder whose step-0 evaluation is this run's, not evaluated again: that run started from the same policy with the same model, data, generator, verifier and seed settings (checked), so it drew the same answers (the seeded study's arms share their baseline's)")
     max_policy_lag: int = option(0, "asynchronous rollouts: the generators sample this many steps ahead while the learners update, so answers are up to this many policy versions old (older fresh ones are dropped and counted); 0: synchronous", min=0)
+    partial_rollouts: float = option(0.0, "partial rollouts: each step samples this share more groups than it trains on (algorithm.prompts_per_step) and trains on the first done; the others stop, keep their tokens so far (each token its policy version and log-prob) and finish in the next step's round, under the newer weights; a step that saves a checkpoint asks its stopped questions again later instead; a group whose oldest token is more than max(1, 2 x run.max_policy_lag) versions old is dropped, counted (stopped N steps ahead, it continues N steps later); dynamic sampling not with it; 0: off", min=0.0, added=True)
 
 
 @dataclass
@@ -269,6 +270,10 @@ class Config:
         if explicit >= 0:
             return explicit + index
         return derive_seed(self.run.seed, role, index)
+
+    def saves_checkpoint(self, step: int) -> bool:
+        """Whether step `step` ends with a run checkpoint (`run.save_every`, and the last step)."""
+        return step == self.run.steps or bool(self.run.save_every and step % self.run.save_every == 0)
 
     def sampling_seeds(self, key: str, count: int) -> list[int]:
         """One vLLM seed per prompt of a generate call named `key` ("rollout-<step>-<round>",
@@ -369,6 +374,9 @@ def validate(cfg: Config) -> None:
     if cfg.run.max_policy_lag and place.takes_turns:
         raise ConfigError(f"run.max_policy_lag={cfg.run.max_policy_lag} needs generators that keep their GPUs while "
                           "the learners update: placement.mode='disaggregated' (colocated GPUs take turns)")
+    if cfg.run.partial_rollouts and cfg.algorithm.dynamic_sampling:
+        raise ConfigError("run.partial_rollouts with algorithm.dynamic_sampling: not built (a refill round would "
+                          "stop answers of its own); use one or the other")
     if cfg.serve.max_replicas < cfg.serve.min_replicas:
         raise ConfigError(f"serve.max_replicas={cfg.serve.max_replicas} is below serve.min_replicas={cfg.serve.min_replicas}")
     if cfg.verifier.overlong_buffer > cfg.generator.max_response_tokens:

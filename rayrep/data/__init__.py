@@ -66,6 +66,8 @@ class PromptSampler:
         self.left_out: frozenset[str] = frozenset()
         """The retired questions this epoch's order leaves out (those retired by its start)."""
         self.epoch, self.order, self.position = 0, [], 0
+        self.returned: list[str] = []
+        """Questions given back (`give_back`), drawn again before the order goes on."""
         self._shuffle()
 
     def _shuffle(self) -> None:
@@ -95,7 +97,7 @@ class PromptSampler:
         """Where the sampler is (the order of an epoch follows from the seed, the epoch and the
         questions it leaves out)."""
         return {"epoch": self.epoch, "position": self.position, "retired": sorted(self.retired),
-                "left_out": sorted(self.left_out)}
+                "left_out": sorted(self.left_out), "returned": list(self.returned)}
 
     def restore(self, state: dict) -> None:
         self.epoch = state["epoch"]
@@ -103,9 +105,17 @@ class PromptSampler:
         self.left_out = frozenset(state.get("left_out", ()))
         self._shuffle()
         self.position = state["position"]
+        self.returned = list(state.get("returned", ()))  # absent from checkpoints written before partial rollouts
+
+    def give_back(self, uids) -> None:
+        """Questions drawn but not trained on (partial rollouts stopped them at a checkpoint):
+        the next draws take them first, in this order."""
+        self.returned.extend(uids)
 
     def next(self, count: int) -> list[Prompt]:
-        batch = []
+        by_uid = {p.uid: p for p in self.prompts} if self.returned else {}
+        batch = [by_uid[uid] for uid in self.returned[:count]]
+        del self.returned[:count]
         while len(batch) < count:
             if self.position == len(self.order):
                 self._next_epoch()

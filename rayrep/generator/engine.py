@@ -6,14 +6,14 @@ Shared by the generator worker actor and by the jobs that sample in-process (eva
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from rayrep.config import Config, InputError
 from rayrep.heap import long_lived
 from rayrep.models import config_overrides
-from rayrep.types import Rollout
+from rayrep.types import PAUSED, Rollout
 
 
 VLLM_SERIES = "0.32"
@@ -190,6 +190,8 @@ def sample_as_finished(
     version: int = 0,
     parts: int = 1,
     min_tokens: int = 0,
+    carried: Sequence[Sequence[Rollout]] = (),
+    quota: int | None = None,
 ) -> Iterator[tuple[list[int], list[list[Rollout]]]]:
     """`sample`'s answers, a prompt's as soon as all of its `n` are done: yields (positions
     of the prompts in `prompt_ids`, their rollouts), in about `parts` parts (the prompts
@@ -197,39 +199,136 @@ def sample_as_finished(
     holds the rest). One batch in the engine, run as `LLM.generate` runs one (the requests
     added, then the engine stepped until none is left), so the answers are the same whatever
     `parts` is; the caller scores a part while the engine samples the rest. `min_tokens`: no
-    answer ends before this many tokens."""
+    answer ends before this many tokens.
+
+    Partial rollouts: `carried` are groups of an earlier call that it stopped (at positions
+    len(prompt_ids) + i, each with one seed in `seeds` after the prompts'): their `PAUSED`
+    answers continue from where they stopped, each as a request of its own whose prompt is the
+    question and the answer so far (answer a of a group seeded s draws with seed s + a), and
+    the group arrives whole, its earlier tokens keeping their versions and log-probs. `quota`:
+    once that many groups are done, and every carried one (a group is stopped once at most,
+    so its answers span one weight sync and every question started is trained on), the engine
+    stops the others and the last part holds them, each answer done or `PAUSED` with its
+    tokens so far (the groups done in the same engine step all arrive: possibly more than
+    `quota`). An engine steps the same requests the same way every time, so where it stops
+    does not depend on timing."""
     from vllm import SamplingParams
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
     counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
-    seeds = [None] * len(prompt_ids) if seeds is None else list(seeds)
+    seeds = [None] * (len(prompt_ids) + len(carried)) if seeds is None else list(seeds)
     engine = llm.llm_engine
+    # Whole answers, once all of a prompt's are done, unless answers may stop half way: then
+    # each engine step's new tokens, kept here (`_Answers`).
+    partial = quota is not None or bool(carried)
+    kind = RequestOutputKind.DELTA if partial else RequestOutputKind.FINAL_ONLY
+
+    def params(count: int, seed: int | None, done: int = 0) -> SamplingParams:
+        return SamplingParams(n=count, temperature=temperature, top_p=top_p, max_tokens=max_tokens - done, seed=seed,
+                              min_tokens=min(max(0, min_tokens - done), max_tokens - done), logprobs=0,
+                              output_kind=kind)
+
     # Each request is named by its prompt's position (the engine reports a finished request
-    # under the name it was given) and reports once, when all of its answers are done.
+    # under the name it was given), a continued answer by its group's position and its own.
+    # The engine's own ids of each group's requests, to abort them by: aborted by the names
+    # given, vLLM 0.32 drops an n > 1 request's answers but keeps its parent's record.
+    requests: dict[int, list[str]] = {}
+    groups = [_Answers(ids, [None] * count) for ids, count in zip(prompt_ids, counts)]
     for position, (ids, count, seed) in enumerate(zip(prompt_ids, counts, seeds)):
-        params = SamplingParams(n=count, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                                min_tokens=min(min_tokens, max_tokens), logprobs=0,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-        engine.add_request(f"{REQUEST_PREFIX}{position}", tokens_input(ids), params)
-    part_size = max(1, -(-len(prompt_ids) // max(1, parts)))
-    positions: list[int] = []
-    rollouts: list[list[Rollout]] = []
-    finished: set[int] = set()
+        requests[position] = [engine.add_request(f"{REQUEST_PREFIX}{position}", tokens_input(ids), params(count, seed))]
+    for i, answers in enumerate(carried):
+        position, group = len(prompt_ids) + i, _Answers(answers[0].prompt_ids.tolist(), list(answers))
+        groups.append(group)
+        for a, answer in enumerate(answers):
+            if answer.finish_reason == PAUSED:
+                group.answers[a] = None
+                group.before[a] = answer
+                seed = None if seeds[position] is None else seeds[position] + a
+                requests.setdefault(position, []).append(engine.add_request(
+                    f"{REQUEST_PREFIX}{position}-{a}", tokens_input(group.prompt + answer.response_ids.tolist()),
+                    params(1, seed, answer.response_length)))
+    continued = range(len(prompt_ids), len(groups))  # (each finishes in this call: its answers span one sync)
+    tokenizer = llm.get_tokenizer() if carried else None
+    part_size = max(1, -(-len(groups) // max(1, parts)))
+    positions = [p for p, group in enumerate(groups) if group.done()]  # (carried whole: nothing to continue)
+    done = set(positions)
     try:
+        if positions and not engine.has_unfinished_requests():
+            yield positions, [groups[p].answers for p in positions]
         while engine.has_unfinished_requests():
             for output in engine.step():
-                if output.finished:
-                    positions.append(int(output.request_id.removeprefix(REQUEST_PREFIX)))
-                    rollouts.append(_rollouts(prompt_ids[positions[-1]], output, version))
-            if len(positions) >= part_size or (positions and not engine.has_unfinished_requests()):
-                finished.update(positions)
-                yield positions, rollouts
-                positions, rollouts = [], []
+                position, _, answer = output.request_id.removeprefix(REQUEST_PREFIX).partition("-")
+                group = groups[int(position)]
+                if not partial:
+                    group.answers = _rollouts(group.prompt, output, version)
+                else:
+                    for completion in output.outputs:
+                        group.add(int(answer) if answer else completion.index, completion, version, tokenizer)
+                if group.done() and int(position) not in done:
+                    done.add(int(position))
+                    positions.append(int(position))
+            stopping = (quota is not None and len(done) >= quota and done.issuperset(continued)
+                        and engine.has_unfinished_requests())
+            if positions and (len(positions) >= part_size or stopping or not engine.has_unfinished_requests()):
+                yield positions, [groups[p].answers for p in positions]
+                positions = []
+            if stopping:
+                stopped = [p for p in range(len(groups)) if p not in done]
+                engine.abort_request([r for p in stopped for r in requests.get(p, ())], internal=True)
+                done.update(stopped)
+                yield stopped, [groups[p].paused(version) for p in stopped]
+                return
     finally:  # stopped early (an error, a caller that stopped reading): no request outlives the call
-        left = [f"{REQUEST_PREFIX}{p}" for p in range(len(prompt_ids)) if p not in finished and p not in positions]
+        left = [p for p in range(len(groups)) if p not in done]
         if left and engine.has_unfinished_requests():
-            engine.abort_request(left)
+            engine.abort_request([r for p in left for r in requests.get(p, ())], internal=True)
+
+
+class _Answers:
+    """One group's answers while the engine samples them, from its steps' new tokens (`add`):
+    done ones as `Rollout`s, the others as tokens so far, each continued one after the answer
+    it continues (`before`)."""
+
+    def __init__(self, prompt: list[int], answers: list[Rollout | None]):
+        self.prompt = prompt
+        self.prompt_array = np.asarray(prompt, np.int32)  # (the answers share it)
+        self.answers = answers
+        self.before: dict[int, Rollout] = {}
+        self.tokens: dict[int, tuple[list[int], list[float], list[str]]] = {}
+
+    def add(self, a: int, completion, version: int, tokenizer) -> None:
+        ids, logprobs, text = self.tokens.setdefault(a, ([], [], []))
+        ids.extend(completion.token_ids)
+        # logprobs=0 returns exactly the sampled token's log-prob at each position.
+        logprobs.extend(step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids))
+        text.append(completion.text)
+        if completion.finish_reason is not None:
+            self.answers[a] = self._answer(a, completion.finish_reason, version, tokenizer)
+
+    def done(self) -> bool:
+        return all(answer is not None for answer in self.answers)
+
+    def paused(self, version: int) -> list[Rollout]:
+        """Every answer: those done, and the others `PAUSED` with their tokens so far."""
+        return [answer if answer is not None else self._answer(a, PAUSED, version, None)
+                for a, answer in enumerate(self.answers)]
+
+    def _answer(self, a: int, reason: str, version: int, tokenizer) -> Rollout:
+        ids, logprobs, text = self.tokens.get(a, ([], [], []))
+        before = self.before.get(a)
+        if before is None:
+            return Rollout(prompt_ids=self.prompt_array, response_ids=ids, logprobs=logprobs, text="".join(text),
+                           finish_reason=reason, version=version)
+        response = np.concatenate([before.response_ids, np.asarray(ids, np.int32)])
+        # The whole answer decoded again: the engine's text starts after a prompt that held the
+        # answer's first tokens, whose last characters may have been cut between two tokens.
+        whole = tokenizer.decode(response.tolist(), skip_special_tokens=True) if tokenizer is not None else ""
+        return Rollout(prompt_ids=before.prompt_ids, response_ids=response,
+                       logprobs=np.concatenate([before.logprobs, np.asarray(logprobs, np.float32)]),
+                       text=whole if reason != PAUSED else before.text + "".join(text), finish_reason=reason,
+                       version=min(before.version, version),
+                       token_versions=np.concatenate([before.versions(), np.full(len(ids), version, np.int32)]))
 
 
 def _rollouts(ids: list[int], output, version: int) -> list[Rollout]:

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
-from rayrep.types import AnyRollout, PartFacts, Rollout, RolloutRef
+from rayrep.types import PAUSED, AnyRollout, PartFacts, Rollout, RolloutRef
 
 
 @dataclass(frozen=True)
@@ -36,14 +36,24 @@ class ShareRequest:
     top_p: float
     max_tokens: int
     seeds: list[int] | None
+    """One per prompt, then one per carried group."""
     parts: int
     """How many parts its answers arrive in (`generator.answer_parts`)."""
+    carried: tuple[tuple[list[int], tuple[RolloutRef, ...]], ...] = ()
+    """Groups with paused answers to continue (partial rollouts), after the prompts: each
+    (its question's token ids, its answers)."""
+    quota: int | None = None
+    """Stop once this many groups are done (partial rollouts)."""
 
-    def subset(self, positions: Sequence[int]) -> "ShareRequest":
-        """The same request for the prompts at `positions` of this one (each with its seed)."""
-        return replace(self, prompt_ids=[self.prompt_ids[p] for p in positions],
-                       counts=[self.counts[p] for p in positions],
-                       seeds=None if self.seeds is None else [self.seeds[p] for p in positions])
+    def subset(self, positions: Sequence[int], done: int = 0) -> "ShareRequest":
+        """The same request for the groups at `positions` (ascending) of this one (each with its
+        seed), `done` of its quota's groups already answered."""
+        fresh = len(self.prompt_ids)
+        return replace(self, prompt_ids=[self.prompt_ids[p] for p in positions if p < fresh],
+                       counts=[self.counts[p] for p in positions if p < fresh],
+                       carried=tuple(self.carried[p - fresh] for p in positions if p >= fresh),
+                       seeds=None if self.seeds is None else [self.seeds[p] for p in positions],
+                       quota=None if self.quota is None else max(1, self.quota - done))
 
 
 @dataclass(frozen=True)
@@ -123,29 +133,47 @@ class GeneratorGroup:
     def generate(
         self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int,
         seeds: list[int] | None = None, parts: int = 1,
+        carried: Sequence[tuple[list[int], Sequence[RolloutRef]]] = (),
+        quota: int | None = None,
     ) -> list[Share]:
         """Start sampling `n` rollouts per prompt (`n` may differ per prompt) across the workers;
         `seeds`: one per prompt (see `rayrep.generator.engine.sample`). Each worker's answers
         arrive in about `parts` parts, as its engine finishes them.
 
+        Partial rollouts: `carried` groups ((question's token ids, answers): the call's groups
+        after the prompts, each with a seed after theirs) continue their `PAUSED` answers (a
+        group whose tokens were lost with their node starts again from its question, counted
+        by `complete` as `lost_carried_answers`), and the engines stop once `quota`
+        groups are done (split between them as the groups are) and every carried one; the
+        groups they stopped arrive last, with `PAUSED` answers
+        (`rayrep.generator.engine.sample_as_finished`).
+
         Returns at once; `complete` reads the shares' answers as they arrive.
         """
         counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
+        fresh, workers = len(prompt_ids), len(self.workers)
+        # Each engine its share of the prompts and of the carried groups (which it must finish).
+        ranges = [indices for indices in
+                  (a if not b else [*a, *(fresh + c for c in b)]
+                   for a, b in zip(split_evenly(fresh, workers), split_evenly(len(carried), workers)))
+                  if len(indices)]
+        quotas = split_evenly(quota, len(ranges)) if quota is not None else [None] * len(ranges)
         shares = []
-        for slot, indices in enumerate(split_evenly(len(prompt_ids), len(self.workers))):
-            if len(indices):
-                request = ShareRequest(
-                    slot, [prompt_ids[i] for i in indices], [counts[i] for i in indices], temperature, top_p,
-                    max_tokens, None if seeds is None else [seeds[i] for i in indices], parts,
-                )
-                shares.append(self._send(indices, request))
+        for slot, (indices, share_quota) in enumerate(zip(ranges, quotas)):
+            request = ShareRequest(
+                slot, [prompt_ids[i] for i in indices if i < fresh], [counts[i] for i in indices if i < fresh],
+                temperature, top_p, max_tokens, None if seeds is None else [seeds[i] for i in indices], parts,
+                tuple((list(carried[i - fresh][0]), tuple(carried[i - fresh][1])) for i in indices if i >= fresh),
+                None if share_quota is None else max(1, len(share_quota)),
+            )
+            shares.append(self._send(indices, request))
         return shares
 
     def _send(self, indices: Sequence[int], request: ShareRequest, retries: int = 0) -> Share:
         worker = self.workers[request.generator]
         stream = worker.generate_as_finished.options(num_returns="streaming").remote(
             request.prompt_ids, request.counts, request.temperature, request.top_p, request.max_tokens, request.seeds,
-            request.parts)
+            request.parts, list(request.carried), request.quota)
         return Share(indices, request, worker, stream, retries)
 
     def complete(self, shares: Sequence[Share | PendingRollouts], counts: Counter | None = None,
@@ -168,7 +196,8 @@ class GeneratorGroup:
         replaced_before = self.supervisor.replaced
 
         def take(part: PendingRollouts, rollouts: list[list[AnyRollout]]) -> None:
-            if on_arrival is not None:
+            paused = any(r.finish_reason == PAUSED for answers in rollouts for r in answers)
+            if on_arrival is not None and not paused:  # (an answer not finished has nothing to check)
                 on_arrival(part)
             arrived.append(part)
             by_index.update(zip(part.indices, rollouts))
@@ -195,12 +224,14 @@ class GeneratorGroup:
                                         f"share of {len(share.indices)} prompt(s)")
                 done = set(answered)
                 rest = [p for p in range(len(share.indices)) if p not in done]
-                retry = self._send([share.indices[p] for p in rest], share.request.subset(rest), retries)
+                retry = self._send([share.indices[p] for p in rest], share.request.subset(rest, len(done)), retries)
                 live[retry.stream] = (retry, [])
                 counts["retried_prompts"] += len(rest)
                 continue
             answered.extend(facts.positions)
-            rollouts = [[RolloutRef(ref, (p, a), length, reason, facts.version) for a, (length, reason) in enumerate(answers)]
+            if facts.lost_answers:
+                counts["lost_carried_answers"] += facts.lost_answers
+            rollouts = [[RolloutRef(ref, (p, a), *answer) for a, answer in enumerate(answers)]
                         for p, answers in enumerate(facts.answers)]
             take(PendingRollouts([share.indices[p] for p in facts.positions], ref), rollouts)
         if self.supervisor.replaced > replaced_before:

@@ -18,7 +18,7 @@ from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
 from rayrep.sync.collective import WeightManifest
 from rayrep.sync.vllm_ext import EXTENSION_CLASS
-from rayrep.types import PartFacts, RolloutPart
+from rayrep.types import PAUSED, PartFacts, Rollout, RolloutPart, RolloutRef
 
 
 SLEEP_TAGS = {WEIGHTS: "weights", KV_CACHE: "kv_cache"}
@@ -72,14 +72,18 @@ class GeneratorWorker:
 
     def generate_as_finished(
         self, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float, max_tokens: int,
-        seeds: list[int] | None, parts: int,
+        seeds: list[int] | None, parts: int, carried: list[tuple[list[int], list[RolloutRef]]] = (),
+        quota: int | None = None,
     ) -> Iterator[PartFacts | RolloutPart]:
         """`n` rollouts of each prompt (see `rayrep.generator.engine.sample`), as the engine
         finishes them, in about `parts` parts (a Ray streaming call): each part is two objects,
         what the driver decides on (`PartFacts`: the positions of its prompts in `prompt_ids`,
         each answer's length and finish reason, the policy version), then the rollouts
         themselves (`RolloutPart`), which the reader passes on by reference (to the verifiers,
-        the learners and the buffer shards) as soon as they exist."""
+        the learners and the buffer shards) as soon as they exist. Partial rollouts: `carried`
+        groups ((question, answers by reference): read here) continue their paused answers,
+        and `quota` stops the call once that many groups are done
+        (`rayrep.generator.engine.sample_as_finished`)."""
         from rayrep.generator.engine import sample_as_finished
 
         # Asleep, vLLM's scheduler waits to be woken and the call would hang: refused instead.
@@ -87,12 +91,15 @@ class GeneratorWorker:
         if self.half_loaded:
             raise ResidencyError(f"{self.residency.owner}: sampling needs a whole policy, and its last weight sync "
                                  "failed half way (the runtime sends the weights again)")
+        groups, lost = read_carried(carried, self.version)
         for positions, rollouts in sample_as_finished(self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p,
                                                       max_tokens=max_tokens, seeds=seeds, version=self.version,
-                                                      parts=parts, min_tokens=self.cfg.generator.min_response_tokens):
-            yield PartFacts(positions, [[(r.response_length, r.finish_reason) for r in answers] for answers in rollouts],
-                            self.version)
+                                                      parts=parts, min_tokens=self.cfg.generator.min_response_tokens,
+                                                      carried=groups, quota=quota):
+            yield PartFacts(positions, [[(r.response_length, r.finish_reason, r.version, r.earlier_tokens) for r in answers]
+                                        for answers in rollouts], lost)
             yield RolloutPart(rollouts)
+            lost = 0
 
     def join_weight_group(self, host: str, port: int, world_size: int, first_rank: int) -> None:
         """Every worker of the engine joins: tensor-parallel rank t as group rank first_rank + t."""
@@ -166,6 +173,28 @@ class GeneratorWorker:
     def pid(self) -> int:
         """The actor's process id; answering at all shows that the actor is alive."""
         return os.getpid()
+
+
+def read_carried(carried: list[tuple[list[int], list[RolloutRef]]], version: int) -> tuple[list[list[Rollout]], int]:
+    """The carried groups' answers, read from the object store (each part once), and how many
+    were lost: a group whose part is gone (its node lost) starts again from its question, every
+    answer paused with no tokens (`PAUSED`: sampled whole by this call)."""
+    from ray.exceptions import ObjectLostError
+
+    parts: dict = {}
+    for ref in {r.source: None for _, answers in carried for r in answers}:
+        try:
+            parts[ref] = ray.get(ref)
+        except ObjectLostError:  # (its owner died, its copies are gone, it cannot be rebuilt)
+            pass
+    groups, lost = [], 0
+    for prompt_ids, answers in carried:
+        if all(r.source in parts for r in answers):
+            groups.append([parts[r.source][r.key[0]][r.key[1]] for r in answers])
+        else:
+            lost += len(answers)
+            groups.append([Rollout(prompt_ids, [], [], "", PAUSED, version) for _ in answers])
+    return groups, lost
 
 
 def engine_residency(cfg: Config, worker_index: int, built: bool = False) -> Residency:

@@ -162,8 +162,7 @@ class Training:
         if self.evaluations.due(step):
             record.add(self.evaluations.run(self.runtime, step))
         self.metrics.log(record.as_dict())
-        save_every = self.cfg.run.save_every
-        if step == self.cfg.run.steps or save_every and step % save_every == 0:
+        if self.cfg.saves_checkpoint(step):
             self.save(step)
         self.progress.update(step, **record.progress_fields())
         self.last_step = step
