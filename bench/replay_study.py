@@ -42,7 +42,8 @@ log-probs, cap 2), `rlep-grow` (the pool grows with each step's fresh successes)
 the ExGRPO ablations `exgrpo-fullfresh` (the baseline's 64 fresh questions plus 32 replayed),
 `baseline-half` (the baseline on 32 questions a step), `baseline-96` (the baseline on
 `exgrpo-fullfresh`'s 96 questions a step, all fresh) and `exgrpo-paper-sigma` (the paper's
-bucket weighting instead of the code's).
+bucket weighting instead of the code's); and `baseline-partial` (the baseline with partial
+rollouts, `run.partial_rollouts 0.5`).
 """
 
 from __future__ import annotations
