@@ -19,6 +19,9 @@ run's own shards in the same run of the script:
   corrected replay), timed alternately with the one before, call by call;
 - ExGRPO: latency of `sample_questions(64)` with K = 8 (one call per shard), questions
   spread over buckets 1..7;
+- answers 1024: answer-level replay's draw (`race_answers`) of 1,024 answers by priority
+  |A| x exp(-age / 4) over every stored answer (one call per shard), the answers left in
+  the shards' results as a training step leaves them, timed alternately with RLEP's;
 - call floor: latency of a call to every shard actor that does nothing (`pid`), measured
   beside the draws: what any draw across actors costs here before any work;
 - memory: `stats()["bytes"]`, and the growth of the memory of the process(es) holding the
@@ -83,12 +86,14 @@ def held_memory(buffer: ReplayBuffer) -> np.ndarray:
 def make_batch(first_question: int, questions: int, answers: int, tokens: int, rng) -> list:
     ids = rng.integers(0, 32_000, (questions * answers, tokens), dtype=np.int32)
     logprobs = -rng.random((questions * answers, tokens), dtype=np.float32)
+    advantages = rng.normal(size=questions * answers).tolist()  # answer-level replay's priorities
     items = []
     for q in range(questions):
         uid = f"question-{first_question + q}"
         rows = range(q * answers, (q + 1) * answers)
         items.append((uid, np.arange(128, dtype=np.int32),
-                      [Answer(ids[r], logprobs[r], 1.0, 0, "pool", first_question + q) for r in rows]))
+                      [Answer(ids[r], logprobs[r], 1.0, r % 8, "pool", first_question + q, advantage=advantages[r])
+                       for r in rows]))
     return items
 
 
@@ -151,7 +156,12 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
         requests = iter(questions_per_call)
         return lambda: buffer.sample_answers(next(requests), logprobs=logprobs)
 
-    rlep, rlep_logprobs = timed_alternately([rlep_draw(False), rlep_draw(True)], repeats)
+    # Answer-level replay's draw of as many answers, by priority over every stored answer
+    # (versions 0-7, drawn at version 8, tau 4), left in the shards' results as training does.
+    def prioritized_draw():
+        return buffer.race_answers(1024, 8, 4.0, -1)
+
+    rlep, rlep_logprobs, prioritized = timed_alternately([rlep_draw(False), rlep_draw(True), prioritized_draw], repeats)
     exgrpo = timed(lambda: buffer.sample_questions(64, K, "code"), repeats)
     floor = timed(lambda: ray.get([shard.pid.remote() for shard in buffer.shards]), repeats) if shards else (0.0, 0.0)
     files = None
@@ -194,7 +204,8 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
     raw = questions * answers * tokens * 8
     return {
         "shards": shards, "pool": pool, "stored": questions * answers, "add_per_s": questions * answers / add_seconds,
-        "add_mb_per_s": raw / add_seconds / 1e6, "rlep": rlep, "rlep_logprobs": rlep_logprobs, "exgrpo": exgrpo, "floor": floor,
+        "add_mb_per_s": raw / add_seconds / 1e6, "rlep": rlep, "rlep_logprobs": rlep_logprobs, "exgrpo": exgrpo,
+        "prioritized": prioritized, "floor": floor,
         "held": stats["bytes"], "raw": raw, "rss": rss_grown, "uss": uss_grown, "files": files,
     }
 
@@ -232,7 +243,7 @@ def main(argv=None):
     print(f"\nreplay buffer: {args.tokens}-token trajectories, {args.answers_per_question} per question; "
           f"latencies p50 / p90 over {args.repeats} calls; "
           f"raw = token ids + log-probs ({8 * args.tokens} B per trajectory)")
-    header = (f"{'shards':>8}{'stored':>11}{'add ans/s':>11}{'add MB/s':>10}{'RLEP 512x2 ms':>16}{'+log-probs ms':>16}{'ExGRPO 64 ms':>15}{'floor ms':>10}"
+    header = (f"{'shards':>8}{'stored':>11}{'add ans/s':>11}{'add MB/s':>10}{'RLEP 512x2 ms':>16}{'+log-probs ms':>16}{'ExGRPO 64 ms':>15}{'answers 1024 ms':>17}{'floor ms':>10}"
               f"{'held MB':>10}{'held/raw':>10}{'RSS+ MB':>10}{'RSS/raw':>9}{'USS+ MB':>10}{'USS/raw':>9}")
     print(header)
     print("-" * len(header))
@@ -240,7 +251,7 @@ def main(argv=None):
         shards = label(r)
         print(f"{shards:>8}{r['stored']:>11,}{r['add_per_s']:>11,.0f}{r['add_mb_per_s']:>10.0f}"
               f"{r['rlep'][0]:>9.2f} /{r['rlep'][1]:>5.1f}{r['rlep_logprobs'][0]:>9.2f} /{r['rlep_logprobs'][1]:>5.1f}"
-              f"{r['exgrpo'][0]:>8.2f} /{r['exgrpo'][1]:>5.1f}"
+              f"{r['exgrpo'][0]:>8.2f} /{r['exgrpo'][1]:>5.1f}{r['prioritized'][0]:>10.2f} /{r['prioritized'][1]:>5.1f}"
               f"{r['floor'][0]:>10.2f}{r['held'] / 1e6:>10.1f}{r['held'] / r['raw']:>10.3f}"
               f"{r['rss'] / 1e6:>10.1f}{r['rss'] / r['raw']:>9.3f}{r['uss'] / 1e6:>10.1f}{r['uss'] / r['raw']:>9.3f}")
     if args.snapshot or args.pool:

@@ -42,8 +42,14 @@ log-probs, cap 2), `rlep-grow` (the pool grows with each step's fresh successes)
 the ExGRPO ablations `exgrpo-fullfresh` (the baseline's 64 fresh questions plus 32 replayed),
 `baseline-half` (the baseline on 32 questions a step), `baseline-96` (the baseline on
 `exgrpo-fullfresh`'s 96 questions a step, all fresh) and `exgrpo-paper-sigma` (the paper's
-bucket weighting instead of the code's); and `baseline-partial` (the baseline with partial
-rollouts, `run.partial_rollouts 0.5`).
+bucket weighting instead of the code's); `baseline-partial` (the baseline with partial
+rollouts, `run.partial_rollouts 0.5`); and answer-level replay and the generation pruner:
+`prioritized`, `baseline-prune`, `prioritized-prune`, and the ablations
+`prioritized-nodecay` (priority |A| alone) and `prioritized-noevict` (no age bound).
+
+Every arm is also measured in compute: its mean curve against the tokens it generated and
+the seconds its steps took, and the generated tokens and steps each seed needs to reach the
+baseline's mean peak (`compute` in study.json, the second table).
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rayrep.config import Config, ConfigError, parse_cli  # noqa: E402
-from rayrep.stats.study import study_table, summarize_study  # noqa: E402
-from rayrep.plots import load_run_metrics, plot_study  # noqa: E402
+from rayrep.stats.study import compute_table, spent, study_table, summarize_compute, summarize_study  # noqa: E402
+from rayrep.plots import load_run_metrics, plot_study, plot_study_tokens  # noqa: E402
 from rayrep.pipelines.compare import check_finished_run, run_stage  # noqa: E402
 from rayrep.run.layout import RunFolder  # noqa: E402
 
@@ -92,6 +98,15 @@ ARMS: dict[str, dict] = {
     # Partial rollouts: half again as many questions in flight, a step trains on the first 64
     # groups done and the next finishes the others under newer weights.
     "baseline-partial": {"algorithm.name": "grpo", "run.partial_rollouts": 0.5},
+    # Answer-level prioritised replay (a quarter of each batch's answers replayed, priority
+    # |A| x exp(-age / 4), none older than 8 versions), the generation pruner (a question whose
+    # group taught nothing sits out its next visit, twice as long after each re-check that
+    # confirms it), both, and the ablations: priority without decay, decay without eviction.
+    "prioritized": {"algorithm.name": "prioritized"},
+    "baseline-prune": {"algorithm.name": "grpo", "algorithm.prune.after": 1},
+    "prioritized-prune": {"algorithm.name": "prioritized", "algorithm.prune.after": 1},
+    "prioritized-nodecay": {"algorithm.name": "prioritized", "algorithm.prioritized.decay_versions": 0.0},
+    "prioritized-noevict": {"algorithm.name": "prioritized", "algorithm.prioritized.max_age": -1},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 # Paired by seed, a - b, beside every arm against the baseline: what each ablation isolates.
@@ -104,6 +119,8 @@ CONTRASTS = (
     ("exgrpo", "baseline-drgrpo"),  # ExGRPO against its own on-policy baseline (the same advantage)
     ("rlep-adaptive", "rlep"), ("rlep-is", "rlep"), ("rlep-grow", "rlep"),  # the variants against the paper's RLEP
     ("baseline-partial", "baseline"),  # partial rollouts against waiting for every answer
+    ("prioritized-prune", "prioritized"), ("prioritized-prune", "baseline-prune"),  # what each part adds to the other
+    ("prioritized-nodecay", "prioritized"), ("prioritized-noevict", "prioritized"),  # the decay and the eviction
 )
 
 
@@ -234,11 +251,19 @@ def report(out: Path, arms: list[str], seeds: list[int], preset: str, log, recor
         # never reach its start pass rate) measured something else than replay.
         shares = [mean_replay_share(run_dir) for run_dir in run_dirs]
         summary["arms"][arm]["replay_share"] = sum(shares) / len(shares)
+    # What each arm spent: generated tokens and its steps' seconds up to each evaluation.
+    used = {arm: [spent([r for r in load_run_metrics(run_dir) if r.get("step", 0) > 0 and "accuracy" in r], evals)
+                  for run_dir, evals in zip(where[arm], curves[arm])] for arm in curves}
+    summary["compute"] = summarize_compute(used, summary["baseline_mean_peak"], found)
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_study(curves, out / "study.png", title=f"test pass@1 on {preset}: mean +/- SE over seeds")
+    tokens_plot = plot_study_tokens(summary["compute"], out / "study-tokens.png",
+                                    title=f"test pass@1 on {preset} against generated tokens: mean +/- SE over seeds")
     (out / "study.json").write_text(json.dumps(summary, indent=2))
     log(study_table(summary))
-    log(f"plot: {plot}")
+    log("")
+    log(compute_table(summary["compute"], summary["baseline_mean_peak"]))
+    log(f"plots: {plot}, {tokens_plot}")
     return summary
 
 

@@ -38,6 +38,26 @@ def plot_study(curves: dict[str, list[list[dict]]], path: str | Path, metric: st
     return save_figure(fig, path)
 
 
+def plot_study_tokens(compute: dict, path: str | Path, title: str = "") -> Path:
+    """A PNG of each arm's mean curve against the tokens its seeds generated (their mean at
+    each evaluation), with a band of +/- one standard error: `summarize_compute`'s curves."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    for arm, row in compute.items():
+        tokens = [t / 1e6 for _, t, _, _, _ in row["curve"]]
+        means = [100 * m for *_, m, _ in row["curve"]]
+        errors = [0.0 if math.isnan(se) else 100 * se for *_, se in row["curve"]]
+        line = ax.plot(tokens, means, marker="o", markersize=3, label=f"{arm} ({row['seeds']} seeds)")[0]
+        ax.fill_between(tokens, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
+                        color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("generated tokens (millions)")
+    ax.set_ylabel("pass@1 on the test set (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
 def plot_curves(curves: dict[str, list[dict]], path: str | Path, metric: str = "test_pass@1", title: str = "") -> Path:
     """A PNG of `metric` against step, one line per run."""
     plt = pyplot()

@@ -43,6 +43,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                     record.add(runtime.sync_weights())
                     record.add(runtime.hand_over_to_generators())  # (and the step's GPU memory, where it is modelled)
                 record.add(algorithm.after_update(step, step_batch))  # what enters and leaves the buffer
+                record.add(run.sampler.observe(step_batch.seen))  # the pruner: questions that taught nothing sit out
                 record.add(step_batch.metrics)
                 record.add(rollouts.stats(step_batch, record, version))
             training.end_step(record)  # evaluate, log, save when due

@@ -224,6 +224,9 @@ class Group:
     pending_replays: int = 0
     """Stored successes planned for the group and not chosen yet (`StepPlan.choose`): they
     join it before it trains, and count as correct answers meanwhile."""
+    advantages: tuple[float, ...] = ()
+    """Per rollout, where each keeps the advantage it was stored with (answer-level replay:
+    a group of replayed answers alone); empty: taken over the group's rewards."""
 
     @property
     def size(self) -> int:

@@ -474,11 +474,13 @@ def test_the_registry_is_the_one_place_that_knows_the_algorithms_by_name():
 
     assert set(typing.get_args(typing.get_type_hints(AlgorithmConfig)["name"])) == set(ALGORITHMS)
     assert {name: (cls.replays, cls.pool_from_baseline) for name, cls in ALGORITHMS.items()} == {
-        "grpo": (False, False), "rlep": (True, True), "exgrpo": (True, False)}
+        "grpo": (False, False), "rlep": (True, True), "exgrpo": (True, False), "prioritized": (True, False)}
     assert algorithm_class(base_cfg(**{"algorithm.name": "rlep"})) is RLEP
     with pytest.raises(ConfigError, match="algorithm.rlep.pool: RLEP needs an experience pool"):
         check_inputs(base_cfg(**{"algorithm.name": "rlep"}), [], {})
     assert check_inputs(base_cfg(**{"algorithm.name": "rlep", "replay.pool": "shared"}), [], {}).pool is None
+    with pytest.raises(ConfigError, match="algorithm.prioritized.correction='decoupled' weighs every token"):
+        check_inputs(base_cfg(**{"algorithm.name": "prioritized", "learner.correction.weights": "token"}), [], {})
 
     package = Path(__file__).resolve().parents[1] / "rayrep"
     names = set(ALGORITHMS)

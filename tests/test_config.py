@@ -115,6 +115,8 @@ def test_later_sources_override_earlier(tmp_path):
         (["--run.partial_rollouts", "0.5", "--algorithm.dynamic_sampling", "true"],
          "run.partial_rollouts with algorithm.dynamic_sampling: not built"),
         (["--run.partial_rollouts", "-1"], "run.partial_rollouts: -1.0 is below the minimum 0.0"),
+        (["--algorithm.prune.growth", "0.5"], "algorithm.prune.growth: 0.5 is below the minimum 1.0"),
+        (["--algorithm.prioritized.replay_share", "1"], "algorithm.prioritized.replay_share: 1.0 is above the maximum 0.95"),
         (["--verifier.overlong_buffer", "100"], "verifier.overlong_buffer=100 exceeds generator.max_response_tokens=48"),
         (["--data.arithmetic_test_size", "2500"],
          "data.arithmetic_test_size=2500 exceeds data.arithmetic_test_reserve=2000: raise the reserve"),

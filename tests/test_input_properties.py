@@ -360,6 +360,7 @@ def answer_tables(draw, schema: pa.Schema) -> pa.Table:
         "source": rows(st.sampled_from(SOURCES)),
         "step": rows(st.integers(0, 2**31 - 1)),
         "temperature": rows(st.floats(width=32)),
+        "advantage": rows(st.floats(width=32)),
         "verdict": rows(st.sampled_from(tuple(VERDICTS))),
         "bucket": rows(st.integers(-1, 16)),
         "retired": rows(st.booleans()),

@@ -572,11 +572,12 @@ def test_answers_by_serial_returns_the_chosen_stored_answers_even_after_other_wr
 
 def raw_nbytes(prompt_ids, answers) -> int:
     """What one question's storage holds: prompt, tokens, log-probs, and per answer an int64
-    start, int64 length, int64 serial, its facts (float32 reward, int32 version, int8 source,
-    int32 step, float32 temperature, int8 verdict, int64 origin) and its int64 row number."""
+    start, int64 length, int64 serial, int32 owner, its facts (float32 reward, int32 version, int8
+    source, int32 step, float32 temperature, int8 verdict, int64 origin, float32 advantage) and its
+    int64 row number."""
     tokens = sum(len(a.response_ids) for a in answers)
     n = len(answers)
-    return 4 * len(prompt_ids) + 4 * tokens + 4 * tokens + (8 + 8 + 8 + (4 + 4 + 1 + 4 + 4 + 1 + 8) + 8) * n
+    return 4 * len(prompt_ids) + 4 * tokens + 4 * tokens + (8 + 8 + 8 + 4 + (4 + 4 + 1 + 4 + 4 + 1 + 8 + 4) + 8) * n
 
 
 def test_stats_count_questions_answers_bytes_buckets_and_age(buffers):
@@ -725,7 +726,7 @@ def rewrite_metadata(path, **changes):
     "change, message",
     [
         ({"rayrep_kind": "experience-pool"}, "not a rayrep buffer-snapshot file"),
-        ({"rayrep_schema_version": "3"}, "schema version 3, this rayrep reads versions 1 to 2"),
+        ({"rayrep_schema_version": "4"}, "schema version 4, this rayrep reads versions 1 to 3"),
         ({"rayrep_schema_version": "one"}, "is not a number"),
         ({"rayrep_schema_version": None}, "no rayrep.schema_version"),
     ],
@@ -917,7 +918,7 @@ def test_stats_bytes_stay_close_to_the_raw_arrays():
         buffer.add([(f"m{q}", np.arange(prompt_length, dtype=np.int32), long_answers(q, answers, length, rng))])
     raw = questions * answers * length * (4 + 4)
     held = buffer.stats()["bytes"]
-    per_question = 4 * prompt_length + (8 + 8 + 8 + (4 + 4 + 1 + 4 + 4 + 1 + 8) + 8) * answers
+    per_question = 4 * prompt_length + (8 + 8 + 8 + 4 + (4 + 4 + 1 + 4 + 4 + 1 + 8 + 4) + 8) * answers
     assert held == raw + questions * per_question
     assert held <= 1.2 * raw + questions * 2048
 
@@ -939,3 +940,85 @@ def test_process_memory_growth_of_an_in_process_shard():
         tracemalloc.stop()
     assert shard.stats()["answers"] == 2048
     assert raw <= grown <= 1.2 * raw + 2048 * len(batches), (grown, raw)
+
+
+# ---------------------------------------------------------------------- answer-level replay
+
+
+def scored_answers(question: int, advantages: list[float], versions: list[int]) -> list[Answer]:
+    """Answers of `question` (answer i starts with token 1000 * question + i) with these
+    advantages and sampling policy versions."""
+    answers = answers_of(question, len(advantages))
+    for answer, advantage, version in zip(answers, advantages, versions):
+        answer.advantage, answer.version = advantage, version
+    return answers
+
+
+def drawn_ids(drawn) -> list[tuple[str, int]]:
+    """(question, first token) of each drawn answer, in the order drawn, read where it is."""
+    return [(uid, int(answer_arrays([answer.at])[0][1][0])) for uid, answer in drawn]
+
+
+def test_priorities_are_the_advantage_size_decayed_by_age():
+    from rayrep.buffer.shard import priorities
+
+    got = priorities(np.array([0.5, -1.0, 2.0, 1.0]), np.array([0, 4, 8, -3]), 4.0)
+    assert np.allclose(got, [0.5, math.exp(-1), 2 * math.exp(-2), 1.0])  # a newer policy's answer: age 0
+    assert np.allclose(priorities(np.array([-3.0, 1.0]), np.array([100, 0]), 0.0), [3.0, 1.0])  # no decay
+
+
+def test_answer_level_draws_follow_priority_without_replacement_and_evict_by_age():
+    """A hand-computed case at policy version 4, tau = 4, max age 3: q1's answers have
+    |A| x exp(-age / 4) = 1 (version 4), e^-0.75 (version 1, A = -1) and 0 (A = 0: never drawn);
+    q2's 0.5; q3's answer is 4 versions old, past the bound. One answer drawn at a time, each
+    is drawn with probability priority / sum; more at once, each once."""
+    buffer = ReplayBuffer(0, 0, seed=3)
+    buffer.add([("q1", prompt(1), scored_answers(1, [1.0, -1.0, 0.0], [4, 1, 4])),
+                ("q2", prompt(2), scored_answers(2, [0.5], [4])), ("q3", prompt(3), scored_answers(3, [2.0], [0]))])
+    weights = {("q1", 1000): 1.0, ("q1", 1001): math.exp(-0.75), ("q2", 2000): 0.5}
+    n = 3000
+    firsts = Counter(drawn_ids(buffer.race_answers(1, 4, 4.0, 3))[0] for _ in range(n))
+    assert set(firsts) == set(weights)
+    for key, weight in weights.items():
+        p = weight / sum(weights.values())
+        assert abs(firsts[key] / n - p) <= binomial_tolerance(n, p), (key, firsts[key] / n, p)
+    every = drawn_ids(buffer.race_answers(10, 4, 4.0, 3))
+    assert sorted(every) == sorted(weights)  # all there are, each once
+    assert drawn_ids(buffer.race_answers(10, 4, 4.0, 3, exclude=frozenset({"q1"}))) == [("q2", 2000)]
+    assert sorted(drawn_ids(buffer.race_answers(10, 4, 4.0, -1))) == sorted([*weights, ("q3", 3000)])
+
+    # Eviction: this run's answers (origin: none here) sampled before version 2 leave; q3, left
+    # with none, goes too.
+    stats = buffer.apply(evict=(0, 2))
+    assert (stats["answers"], stats["evicted"], stats["questions"]) == (3, 2, 2)
+    assert sorted(drawn_ids(buffer.race_answers(10, 4, 4.0, -1))) == [("q1", 1000), ("q2", 2000)]
+    assert buffer.apply(evict=(12345, 9))["answers"] == 3  # another origin's answers stay
+
+
+def test_answer_level_draws_across_shards_repeat_after_a_restore(buffers, tmp_path):
+    """A resumed run draws what the uninterrupted one did: the shards restored from the
+    snapshot, the client's random state as saved, the same draws, and after the same writes
+    (and evictions) the same again."""
+    buffer = buffers(2, seed=5)
+    rng = np.random.default_rng(0)
+
+    def items(questions, version):
+        return [(f"q{q}", prompt(q), scored_answers(q, rng.normal(size=4).tolist(), [version] * 4)) for q in questions]
+
+    first, later = items(range(20, 0, -1), 0), items(range(10, 30), 1)
+    buffer.add(first)
+    buffer.add(items(range(40, 30, -1), 1))
+    buffer.snapshot(tmp_path)
+    saved = buffer.rng.getstate()
+
+    def draws():
+        one = drawn_ids(buffer.race_answers(12, 2, 2.0, -1, exclude=frozenset({"q3", "q12"})))
+        buffer.apply(later, evict=(0, 1))
+        return one, drawn_ids(buffer.race_answers(12, 2, 2.0, -1))
+
+    uninterrupted = draws()
+    assert len(set(uninterrupted[0])) == 12 and not {"q3", "q12"} & {uid for uid, _ in uninterrupted[0]}
+    assert all(uid in {f"q{q}" for q in range(10, 41)} for uid, _ in uninterrupted[1])  # version 0 evicted
+    buffer.restore(tmp_path)
+    buffer.rng.setstate(saved)
+    assert draws() == uninterrupted

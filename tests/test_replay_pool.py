@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import ray
 
-from rayrep.buffer.answers import Answer, DrawLimit
+from rayrep.buffer.answers import Answer, DrawLimit, origin_id
 from rayrep.buffer.files import BufferFileError, read_pool, write_pool
 from rayrep.buffer.pool import read_source, start_pool, stop_pool
 from rayrep.buffer.replay import AttachedPool, ReplayBuffer, ReplayStore, pool_exists, pool_shards, shard_of
+
+from rayrep.types import answer_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,7 +147,19 @@ def test_a_pool_started_again_from_its_folder_is_the_pool_it_was(pool):
     assert content(again) == before
     # Lost with its cluster, without a last snapshot: the journal brings back every write.
     again.apply(items(range(25), 1, first=50), buckets={"q0": 5})
+    # Answer-level replay's writes: answers with advantages, drawn by priority from the pool;
+    # an eviction of this run's answers sampled before version 1 (the first write's) is
+    # journaled like any write.
+    scored = items(range(5, 10), 2, first=70, version=3, run="run")
+    for _, _, answers in scored:
+        for a in answers:
+            a.advantage = -0.5
+    again.apply(scored, evict=(origin_id("run", "base"), 1))
+    drawn = again.race_answers(100, 3, 4.0, 2)
+    assert sorted((uid, int(answer_arrays([a.at])[0][1][1])) for uid, a in drawn) == \
+        sorted((f"q{q}", 70 + i) for q in range(5, 10) for i in range(2))
     after_writes = content(again)
+    assert sum(map(len, after_writes["answers"].values())) == 23 + 10  # the first write's 3 each evicted
     for shard in pool_shards(name)[0]:
         ray.kill(shard, no_restart=True)
     start_pool(name, home, 2)

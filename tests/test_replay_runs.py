@@ -27,7 +27,9 @@ from rayrep.types import Group, Rollout, RolloutPart, answer_arrays
 
 RECORDED = Path(__file__).parent / "recorded_metrics"
 """Each short run's metrics as the code before the rollouts' redesign (issue 44) wrote them,
-on a 2-core CPU machine: `RAYREP_RECORD_METRICS=1` writes them again."""
+on a 2-core CPU machine (`buffer_bytes` since grown by the 8 bytes each stored answer's row
+now holds: its question's number and its advantage); answer-level replay's as the code that
+brought it wrote them. `RAYREP_RECORD_METRICS=1` writes them again."""
 NOT_RECORDED = re.compile(r"time|seconds|gbps|per_second")
 """Wall-clock figures, which no two runs share."""
 NEW_SINCE_RECORDED = re.compile(r"^(exgrpo_replays_from_others|mismatch_)")
@@ -163,15 +165,19 @@ def test_exgrpo_run_collects_then_replays(ray_cluster, tiny_cfg, tiny_policy, tm
     assert all(r["group_size_min"] == r["group_size_max"] == K for r in records)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rlep"])
+@pytest.mark.parametrize("name", ["prioritized", "rlep"])
 def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, tiny_policy, tmp_path, pool_stats, name):
     """Refill rounds are planned as values of their own: no round's replays are lost, and the
-    filter sees every group whole (fresh and replayed rollouts). ExGRPO's: in the test above."""
+    filter sees every group whole (fresh and replayed rollouts). ExGRPO's: in the test above.
+    Answer-level replay runs with the generation pruner, on a training set small enough that
+    questions come back (an epoch is two steps of 16)."""
     changes = {"algorithm.name": name, "algorithm.dynamic_sampling": True, "run.steps": 3, "logging.run_name": name}
     if name == "rlep":
         # G = 4: fresh groups that all fail (kept only through their replays) are common
         # enough that three steps surely hold some (about 1 in 5 groups).
         changes.update({"algorithm.rlep.pool": pool_stats["pool"], "algorithm.group_size": 4})
+    else:
+        changes.update({"algorithm.prune.after": 1, "data.arithmetic_train_size": 32})
     cfg = small(tiny_cfg, tmp_path, **changes)
     records = [r for r in read_metrics(trained_without_reading_rollouts(cfg).run_dir / "metrics.jsonl") if r["step"] > 0]
     same_as_recorded(f"{name}-dynamic", records)
@@ -179,9 +185,18 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
     assert sum(r["dynamic_sampling_rounds"] for r in records) > 0  # refills did happen
     for r in records:
         assert r["groups_all_equal"] == 0  # every trained group carries a signal
-        assert r["optimizer_steps"] == 2
-    if name == "grpo":
-        assert all(r["group_size_min"] == r["group_size_max"] == K and r["replayed_questions"] == 0 for r in records)
+        assert r["optimizer_steps"] == 2  # the replayed answers ride in the fresh groups' mini-batches
+    if name == "prioritized":
+        # Every fresh group whole; from step 2 on, stored answers of other questions join, up
+        # to a quarter of the batch's answers (as many as the buffer holds outside the step's
+        # questions), right and wrong ones, none older than the bound; the pruner passes by
+        # questions whose groups taught nothing.
+        assert all(r["group_size_min"] == r["group_size_max"] == K for r in records)
+        assert records[0]["prioritized_replayed"] == 0 and records[0]["buffer_answers"] > 0
+        for r in records[1:]:
+            assert 0.1 < r["replay_share"] <= 0.25 and r["replay_tokens"] > 0
+            assert 0 < r["prioritized_wrong_share"] < 1 and r["prioritized_age_mean"] <= cfg.algorithm.prioritized.max_age
+        assert sum(r["pruner_skipped"] for r in records) > 0
     if name == "rlep":
         # Groups whose fresh rollouts all failed are kept when a pooled success gives them a signal.
         assert any(r["groups_signal_from_replay"] > 0 for r in records)

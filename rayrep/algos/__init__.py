@@ -1,4 +1,4 @@
-"""The algorithms (`interface.Algorithm`; GRPO, RLEP, ExGRPO) and their registry, the one
+"""The algorithms (`interface.Algorithm`; GRPO, RLEP, ExGRPO, answer-level Prioritized replay) and their registry, the one
 place that maps `algorithm.name` to code. Each is built in two moves: what can be wrong with
 its inputs is read and checked before any actor starts (`check_inputs`), then it is built
 whole, with the run's replay buffer and learners (`make_algorithm`).
@@ -13,6 +13,7 @@ from __future__ import annotations
 from rayrep.algos.exgrpo import ExGRPO
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import Algorithm, AlgorithmInputs
+from rayrep.algos.prioritized import Prioritized
 from rayrep.algos.rlep import RLEP
 from rayrep.buffer.answers import Origin
 from rayrep.buffer.replay import ReplayStore
@@ -23,7 +24,7 @@ from rayrep.types import Prompt
 
 __all__ = ["ALGORITHMS", "Algorithm", "AlgorithmInputs", "algorithm_class", "check_inputs", "make_algorithm"]
 
-ALGORITHMS: dict[str, type[GRPO]] = {algorithm.name: algorithm for algorithm in (GRPO, RLEP, ExGRPO)}
+ALGORITHMS: dict[str, type[GRPO]] = {algorithm.name: algorithm for algorithm in (GRPO, RLEP, ExGRPO, Prioritized)}
 """Every algorithm a run can train with, by `algorithm.name`."""
 
 

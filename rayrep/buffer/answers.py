@@ -25,11 +25,12 @@ VERDICTS = {"wrong": 0, "correct": 1, "unchecked": -1}
 """The verifier's verdict on a stored answer; `unchecked`: imported as its writer verified it."""
 
 FACTS = np.dtype([("reward", np.float32), ("version", np.int32), ("source", np.int8), ("step", np.int32),
-                  ("temperature", np.float32), ("verdict", np.int8), ("origin", np.int64)])
+                  ("temperature", np.float32), ("verdict", np.int8), ("origin", np.int64), ("advantage", np.float32)])
 """What is known of each stored answer besides its tokens, one record per answer: one array
 to gather, pack and send instead of one per field (each array crossing a Ray call costs tens
 of microseconds). `origin`: the id (`origin_id`) of the run and checkpoint that sampled it,
-named in the origin table that travels beside the records."""
+named in the origin table that travels beside the records; `advantage`: the one it was
+trained with when it was stored (answer-level replay; NaN where not known)."""
 
 Origins = dict[int, tuple[str, str]]
 """origin id -> (run, checkpoint): the names behind the `origin` field of answers' facts."""
@@ -74,6 +75,8 @@ class Answer:
     verdict: str = "correct"
     run: str = ""
     checkpoint: str = ""
+    advantage: float = math.nan
+    """The advantage it was trained with when it was stored (answer-level replay); NaN: not known."""
     at: RolloutRef | None = None
     """Where its arrays are, when they are not here."""
 
@@ -85,12 +88,23 @@ class Answer:
     def fresh_successes(cls, group: Group, step: int, origin: Origin = Origin()) -> list[Answer]:
         """The verified-correct answers sampled for a scored group this step (not its
         replayed ones), as answers that enter the buffer at `step`."""
+        return [a for a in cls.fresh_answers(group, step, origin) if a.verdict == "correct"]
+
+    @classmethod
+    def fresh_answers(cls, group: Group, step: int, origin: Origin = Origin(),
+                      advantages: list[float] | None = None) -> list[Answer]:
+        """Every answer sampled for a scored group this step, right or wrong, as answers that
+        enter the buffer at `step`, each with the advantage it was trained with where
+        `advantages` gives them (one per fresh answer, in order)."""
         if not group.rewards:
             raise ValueError(f"question {group.prompt.uid!r}: its group is not scored yet (no rewards to store)")
+        fresh = group.fresh()
+        values = advantages if advantages is not None else [math.nan] * len(fresh)
         return [
-            cls(*local_arrays(a.rollout), a.reward, a.rollout.version, "online", step, origin.temperature, "correct",
-                origin.run, origin.checkpoint, at=a.rollout if isinstance(a.rollout, RolloutRef) else None)
-            for a in group.fresh() if a.correct
+            cls(*local_arrays(a.rollout), a.reward, a.rollout.version, "online", step, origin.temperature,
+                "correct" if a.correct else "wrong", origin.run, origin.checkpoint, advantage,
+                at=a.rollout if isinstance(a.rollout, RolloutRef) else None)
+            for a, advantage in zip(fresh, values)
         ]
 
     def rollout(self, prompt_ids: list[int]) -> AnyRollout:
@@ -195,7 +209,8 @@ class PackedAnswers:
             origin = origin_id(a.run, a.checkpoint)
             if origin:
                 origins[origin] = (a.run, a.checkpoint)
-            facts[i] = (a.reward, a.version, SOURCES.index(a.source), a.step, a.temperature, VERDICTS[a.verdict], origin)
+            facts[i] = (a.reward, a.version, SOURCES.index(a.source), a.step, a.temperature, VERDICTS[a.verdict], origin,
+                        a.advantage)
         packed = cls(
             uids=[uid for uid, _, _ in items],
             counts=np.array([len(group) for _, _, group in items], np.int64),
@@ -285,8 +300,8 @@ def answers_of(facts: np.ndarray, origins: Origins, arrays: list[tuple]) -> list
     """Answers from their `FACTS` records and (response ids, log-probs, where they are) each."""
     return [
         Answer(response_ids, logprobs, reward, version, SOURCES[source], step, temperature, _VERDICT_NAMES[verdict],
-               *origins.get(origin, _NO_ORIGIN), at=at)
-        for (response_ids, logprobs, at), (reward, version, source, step, temperature, verdict, origin)
+               *origins.get(origin, _NO_ORIGIN), advantage, at=at)
+        for (response_ids, logprobs, at), (reward, version, source, step, temperature, verdict, origin, advantage)
         in zip(arrays, facts.tolist())  # facts: tuples in FACTS' field order
     ]
 

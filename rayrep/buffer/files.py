@@ -22,10 +22,12 @@ import pyarrow.parquet as pq
 from rayrep.buffer.answers import FACTS, SOURCES, VERDICTS, Answer, Origins, PackedAnswers, QuestionAnswers, origin_id
 from rayrep.config import InputError
 
-SNAPSHOT_VERSION = 2
+SNAPSHOT_VERSION = 3
 """2: each answer's provenance (run, checkpoint, temperature, verdict) and the shard versions;
-version 1 snapshots are read (their answers' provenance unknown, verdict correct)."""
-POOL_VERSION = 1
+3: each answer's advantage (answer-level replay). Earlier versions are read: their answers'
+provenance unknown, verdict correct (1), advantage unknown (1, 2)."""
+POOL_VERSION = 2
+"""2: each answer's advantage; version 1 pools are read, their advantages unknown."""
 
 
 class BufferFileError(InputError):
@@ -184,6 +186,7 @@ def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, Question
         facts["temperature"] = _scalars(table, "temperature", path, np.float32, first) if "temperature" in names else np.nan
         facts["verdict"] = np.array(list(VERDICTS.values()), np.int8)[_indices(table, "verdict", tuple(VERDICTS), path, first)] \
             if "verdict" in names else VERDICTS["correct"]
+        facts["advantage"] = _scalars(table, "advantage", path, np.float32, first) if "advantage" in names else np.nan
         if "run" in names or "source_checkpoint" in names:
             facts["origin"] = _origins(table, path, origins, first)
         batch = PackedAnswers(uids=[], counts=np.empty(0, np.int64), offsets=offsets, tokens=tokens,
@@ -222,6 +225,7 @@ ANSWER_SCHEMA = pa.schema([
     ("verdict", pa.string()),
     ("run", pa.string()),
     ("checkpoint", pa.string()),
+    ("advantage", pa.float32()),
 ])
 QUESTION_SCHEMA = pa.schema([("uid", pa.string()), ("bucket", pa.int32()), ("retired", pa.bool_())])
 _COLUMN_TYPES = {f.name: f.type for schema in (ANSWER_SCHEMA, QUESTION_SCHEMA) for f in schema} | {"source_checkpoint": pa.string()}
@@ -340,6 +344,7 @@ def _fact_columns(facts: np.ndarray, origins: Origins) -> dict[str, pa.Array]:
         "verdict": strings(list(VERDICTS), verdict_index[facts["verdict"].astype(np.int32) + 1]),
         "run": strings([run for run, _ in names], where),
         "checkpoint": strings([checkpoint for _, checkpoint in names], where),
+        "advantage": pa.array(np.ascontiguousarray(facts["advantage"]), pa.float32()),
     }
 
 

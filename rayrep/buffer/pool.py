@@ -163,7 +163,7 @@ class PoolShard(ReplayShard):
 
     def _replay(self, write: dict, items: PackedAnswers | None) -> None:
         if write["op"] == "write":
-            self._write(items, write["dedup"], write["buckets"], write["retire"])
+            self._write(items, write["dedup"], write["buckets"], write["retire"], write.get("evict"))
             self.applied[write["writer"]] = write["seq"]
         elif write["op"] == "restarted":
             self.restarts += 1
@@ -193,25 +193,26 @@ class PoolShard(ReplayShard):
     # ---------------------------------------------------------------- writes
 
     def write(self, writer: str, seq: int, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int],
-              retire: list[str]) -> dict:
+              retire: list[str], evict: tuple[int, int] | None = None) -> dict:
         """A writer's write number `seq` (add, set buckets, retire), applied once: a repeat
         (a call sent again after this shard died) is answered without applying it. Journaled
         before it is answered. Returns stats, with `stored`."""
-        return {"stored": self._journaled(writer, seq, items, dedup, buckets, retire), **self.stats()}
+        return {"stored": self._journaled(writer, seq, items, dedup, buckets, retire, evict), **self.stats()}
 
-    def _take(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
+    def _take(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str],
+              evict: tuple[int, int] | None = None) -> int:
         # A call made as to a run's shard is journaled too, as the next write of a writer "local".
-        return self._journaled("local", self.applied.get("local", -1) + 1, items, dedup, buckets, retire)
+        return self._journaled("local", self.applied.get("local", -1) + 1, items, dedup, buckets, retire, evict)
 
     def _journaled(self, writer: str, seq: int, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int],
-                   retire: list[str]) -> int:
+                   retire: list[str], evict: tuple[int, int] | None = None) -> int:
         """`write`'s work: answers stored (0 for a repeat)."""
         if self.applied.get(writer, -1) >= seq:
             return 0
-        stored = self._write(items, dedup, buckets, list(retire))
+        stored = self._write(items, dedup, buckets, list(retire), evict)
         self.applied[writer] = seq
         self._log({"op": "write", "writer": writer, "seq": seq, "dedup": dedup, "buckets": buckets,
-                   "retire": list(retire)}, items)
+                   "retire": list(retire), "evict": list(evict) if evict is not None else None}, items)
         if self.journal_bytes > max(1 << 20, self.store.nbytes):
             self.snapshot()  # replaying a journal longer than the content would take longer than reading it
         return stored

@@ -223,7 +223,8 @@ class ReplayStore:
 
     def add(self, items: list[tuple[str, np.ndarray, list[Answer]]], dedup: bool = False) -> int:
         """Store (question id, prompt ids, answers) items; returns how many answers were stored."""
-        results = self._write({s: (PackedAnswers.pack(group), dedup, {}, []) for s, group in self._by_shard(items).items()})
+        results = self._write({s: (PackedAnswers.pack(group), dedup, {}, [], None)
+                               for s, group in self._by_shard(items).items()})
         return sum(result["stored"] for result in results.values())
 
     def _write(self, work: dict[int, tuple]) -> dict[int, dict]:
@@ -231,15 +232,17 @@ class ReplayStore:
         in parallel; their stats, by shard. A pool's shards take it as this client's next
         write (`PoolShard.write`), and say whether they restarted or lost writes since."""
         results = self._write_shards(work)
-        for s, (_, _, buckets, retire) in work.items():
+        for s, (_, _, buckets, retire, _) in work.items():
             self._note_write(s, results[s]["stored"], len(buckets) + len(retire))
         return results
 
     def _note_write(self, s: int, answers: int, question_updates: int) -> None:
         pass
 
-    def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=()) -> dict:
-        """A step's writes in one call per shard: add answers, set buckets, retire questions.
+    def apply(self, items=(), dedup: bool = False, buckets: dict | None = None, retire=(),
+              evict: tuple[int, int] | None = None) -> dict:
+        """A step's writes in one call per shard: add answers, set buckets, retire questions,
+        evict answers of origin `evict[0]` sampled before policy version `evict[1]`.
 
         Returns the merged stats of every shard.
         """
@@ -250,7 +253,7 @@ class ReplayStore:
             work[self._route(uid)]["buckets"][uid] = k
         for uid in retire:
             work[self._route(uid)]["retire"].append(uid)
-        results = self._write({s: (PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"])
+        results = self._write({s: (PackedAnswers.pack(w["items"]), dedup, w["buckets"], w["retire"], evict)
                                for s, w in work.items()})
         return merge_stats(list(results.values()))
 
@@ -311,6 +314,32 @@ class ReplayStore:
             s: ([uid for uid, _ in group], [i for _, i in group]) for s, group in self._by_shard(list(picks.items())).items()
         }, num_returns=2)
         return {uid: answers[0] for facts, ref in results.values() for uid, answers in facts.unpack(at=ref).items()}
+
+    def race_answers(self, count: int, version: int, decay: float, max_age: int, exclude: frozenset[str] = frozenset(),
+                     limit: DrawLimit | None = None) -> list[tuple[str, Answer]]:
+        """`count` stored answers (or all there are) drawn by priority |A| x exp(-age / decay)
+        without replacement across every shard (`ReplayShard.race_times`: an exponential
+        race); none of the questions `exclude`, none older than `max_age` versions at policy
+        version `version`, none `limit` leaves out (counted). Two calls per shard: each
+        offers the times of its first `count` arrivals, and gives the first of them that are
+        among the first `count` of all, so that only the drawn answers move. (question id,
+        answer) by shard and question, each answer left where its shard put it (`Answer.at`),
+        for the learners to read."""
+        seed = self.rng.getrandbits(63)
+        excluded = self._excluded(exclude)
+        args = {s: (count, version, decay, max_age, seed + s, excluded[s], limit) for s in self._all}
+        offers = self._call(lambda shard: shard.race_times, args)
+        held_back = sum(held for _, held in offers.values())
+        if held_back:
+            self.counts["held_back"] += held_back
+        times = np.concatenate([offers[s][0] for s in sorted(offers)])
+        shards = np.concatenate([np.full(len(offers[s][0]), s) for s in sorted(offers)])
+        first = shards[np.argsort(times, kind="stable")[:count]]
+        taken = {s: int((first == s).sum()) for s in offers}
+        results = self._call(lambda shard: shard.take_raced, {s: (n, *args[s]) for s, n in taken.items() if n},
+                             num_returns=2)
+        return [(uid, answer) for s in sorted(results) for uid, own in results[s][0].unpack(at=results[s][1]).items()
+                for answer in own]
 
     def _excluded(self, exclude: frozenset[str]) -> dict[int, list[str]]:
         return {s: self._by_shard(sorted(exclude), key=lambda u: u).get(s, []) for s in self._all}

@@ -25,6 +25,16 @@ from rayrep.buffer.store import AnswerStore, StoredQuestion
 from rayrep.library_output import route_library_output
 
 
+def priorities(advantages: np.ndarray, ages: np.ndarray, decay: float) -> np.ndarray:
+    """Answer-level replay's priority of answers: |A| x exp(-age / decay), ages in policy
+    versions (an answer from a policy newer than the drawing one counts as age 0); decay 0:
+    |A| alone."""
+    value = np.abs(advantages).astype(np.float64)
+    if decay > 0:
+        value *= np.exp(-np.maximum(ages, 0) / decay)
+    return value  # float64: exp(-age / decay) of old answers is far below float32's range
+
+
 class BucketIndex:
     """The ids of a shard's questions in each bucket, each bucket's kept sorted as questions
     move: a bucket's size, and a uniform draw from it in id order (a shard restored from a
@@ -67,6 +77,10 @@ class ReplayShard:
         """Stored answers kept per question, the oldest evicted beyond it; 0: no cap."""
         self.store = AnswerStore()
         self.questions: dict[str, StoredQuestion] = {}
+        self.names: list[str] = []
+        """Question ids by their number (`StoredQuestion.number`)."""
+        self.races: dict[int, np.ndarray] = {}
+        """Rows of draws under way (`race_times`), by seed; forgotten at every write."""
         self.buckets = BucketIndex()
         self.retired: set[str] = set()
         self.rng = random.Random(seed)
@@ -84,28 +98,34 @@ class ReplayShard:
         lengths = self.store.columns["lengths"][entry.rows]
         return any(np.array_equal(self.store.tokens_of(row), ids) for row in entry.rows[lengths == len(ids)].tolist())
 
-    def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str]) -> dict:
+    def apply(self, items: PackedAnswers, dedup: bool, buckets: dict[str, int], retire: list[str],
+              evict: tuple[int, int] | None = None) -> dict:
         """One round trip for a step's writes, and the shard's only write: add the answers
         (packed with their prompts; a retired question takes nothing, and with `dedup` an
         answer whose token ids are already stored under its question is skipped), then set
         each question's latest number of correct answers (its ExGRPO bucket), then retire
-        questions forever (their answers go, later adds are refused); returns stats."""
-        stored = self._take(items, dedup, buckets, retire)
+        questions forever (their answers go, later adds are refused), then evict answers by
+        age (`_evict_older`); returns stats."""
+        stored = self._take(items, dedup, buckets, retire, evict)
         return {"stored": stored, **self.stats()}
 
-    def _take(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
+    def _take(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str],
+              evict: tuple[int, int] | None = None) -> int:
         """A caller's write (`apply`): `_write` here; a pool's shard journals it."""
-        return self._write(items, dedup, buckets, retire)
+        return self._write(items, dedup, buckets, retire, evict)
 
-    def _write(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str]) -> int:
-        """Add, set buckets, retire; one more version if anything changed. Returns answers stored.
-        Answers sent by reference are read first, from where the generators left them."""
+    def _write(self, items: PackedAnswers | None, dedup: bool, buckets: dict[str, int], retire: list[str],
+               evict: tuple[int, int] | None = None) -> int:
+        """Add, set buckets, retire, evict; one more version if anything changed. Returns answers
+        stored. Answers sent by reference are read first, from where the generators left them."""
         if items is not None:
             items.resolve()
+        self.races.clear()  # their rows may move
         stored = self._add(items, dedup) if items is not None else 0
         moved = self._set_buckets(buckets)
         retired = self._retire(list(retire))
-        if stored or moved or retired:
+        evicted = self._evict_older(tuple(evict) if evict is not None else None)
+        if stored or moved or retired or evicted:
             self.version += 1
         return stored
 
@@ -129,11 +149,10 @@ class ReplayShard:
         if not taken:
             return 0
         sizes = np.array([len(rows) for _, _, rows in taken], np.int64)
-        stored_rows = self.store.append(batch, np.concatenate([rows for _, _, rows in taken]))
-        for (uid, q, _), first, count in zip(taken, cumulative_offsets(sizes)[:-1].tolist(), sizes.tolist()):
-            entry = self.questions.get(uid)
-            if entry is None:
-                entry = self.questions[uid] = StoredQuestion(batch.prompt(q))
+        entries = [self.questions.get(uid) or self._new_question(uid, batch.prompt(q)) for uid, q, _ in taken]
+        stored_rows = self.store.append(batch, np.concatenate([rows for _, _, rows in taken]),
+                                        np.repeat([entry.number for entry in entries], sizes).astype(np.int32))
+        for entry, first, count in zip(entries, cumulative_offsets(sizes)[:-1].tolist(), sizes.tolist()):
             entry.rows = np.concatenate([entry.rows, stored_rows[first : first + count]])
             evict = len(entry) - self.cap if self.cap else 0
             if evict > 0:
@@ -144,7 +163,37 @@ class ReplayShard:
         self._compact_if_holey()
         return int(sizes.sum())
 
+    def _new_question(self, uid: str, prompt_ids: np.ndarray, bucket: int = -1) -> StoredQuestion:
+        entry = self.questions[uid] = StoredQuestion(prompt_ids, len(self.names), bucket)
+        self.names.append(uid)
+        return entry
+
+    def _evict_older(self, evict: tuple[int, int] | None) -> int:
+        """Evict the answers of origin `evict[0]` sampled before policy version `evict[1]`
+        (answer-level replay's age bound: a run evicts only what it sampled, by its own
+        versions); a question left with no answer and no bucket goes. Returns answers evicted."""
+        if evict is None:
+            return 0
+        origin, before = evict
+        rows = self.store.live()
+        facts = self.store.columns["facts"][rows]
+        old = rows[(facts["origin"] == origin) & (facts["version"] < before)]
+        if not len(old):
+            return 0
+        owners = self.store.columns["owners"][old]
+        self.store.drop(old)
+        for number in np.unique(owners).tolist():
+            uid = self.names[number]
+            entry = self.questions[uid]
+            entry.rows = entry.rows[self.store.columns["owners"][entry.rows] >= 0]
+            if not len(entry.rows) and entry.bucket < 0:
+                del self.questions[uid]
+        self.evicted += len(old)
+        self._compact_if_holey()
+        return len(old)
+
     def _compact(self) -> None:
+        self.races.clear()  # their rows move
         self.store.compact([self.questions[uid] for uid in sorted(self.questions)])
         self.in_id_order = True
 
@@ -220,6 +269,79 @@ class ReplayShard:
         packed = self.store.gather(uids, counts, rows[order[keep]], prompts=self._prompts(uids), logprobs=logprobs)
         packed.held_back = held_back
         return packed.facts_only(), packed
+
+    RACES_KEPT = 16
+    """Draws whose first arrivals a shard keeps between `race_times` and `take_raced` (one per
+    drawing client at a time; more only if a client died between the two calls)."""
+
+    def race_times(self, count: int, version: int, decay: float, max_age: int, seed: int,
+                   exclude: list[str] = (), limit: DrawLimit | None = None) -> tuple[np.ndarray, int]:
+        """This shard's part of a draw of `count` answers across shards by priority
+        |A| x exp(-age / decay) (age: `version` minus the policy version that sampled it;
+        decay 0: none), without replacement; none of the questions `exclude`, none sampled
+        more than `max_age` versions ago (-1: any), none `limit` leaves out (counted), none
+        without a known, non-zero advantage.
+
+        An exponential race: each answer's time is E / priority, E ~ Exp(1) drawn afresh from
+        `seed`, and the `count` first to arrive are a weighted draw without replacement
+        (Efraimidis and Spirakis). The first `count` over all shards are among each shard's own
+        first `count`: this returns those times (in order) and how many answers the limit held
+        back, and keeps the rows until `take_raced` asks for the first of them that the client
+        found among the draw's. Times are drawn in row order, which a restored shard repeats
+        (snapshots are taken and restored in question id order): a resumed run draws what the
+        uninterrupted one did."""
+        rows, times, held_back = self._race(count, version, decay, max_age, seed, exclude, limit)
+        while len(self.races) >= self.RACES_KEPT:
+            del self.races[next(iter(self.races))]
+        self.races[seed] = rows
+        return times, held_back
+
+    def take_raced(self, taken: int, count: int, version: int, decay: float, max_age: int, seed: int,
+                   exclude: list[str] = (), limit: DrawLimit | None = None) -> tuple[DrawnFacts, PackedAnswers]:
+        """The first `taken` answers of the draw `race_times` was asked for with the same
+        arguments, packed with their prompts, question by question (their facts, then the
+        answers, for `.options(num_returns=2)`), in question id order. A shard written to in between (another run's
+        write to a pool), or started again, runs the race again on what it holds now."""
+        rows = self.races.pop(seed, None)
+        if rows is None:
+            rows = self._race(count, version, decay, max_age, seed, exclude, limit)[0]
+        rows = rows[:taken]
+        # By question id (question numbers differ in a restored shard), each question's
+        # answers in order of arrival.
+        numbers, where = np.unique(self.store.columns["owners"][rows], return_inverse=True)
+        uids = [self.names[n] for n in numbers.tolist()]
+        rank = np.argsort(np.argsort(np.array(uids, dtype=object), kind="stable"))
+        order = np.argsort(rank[where], kind="stable")
+        uids = sorted(uids)
+        packed = self.store.gather(uids, np.bincount(rank[where], minlength=len(uids)), rows[order],
+                                   prompts=self._prompts(uids))
+        return packed.facts_only(), packed
+
+    def _race(self, count: int, version: int, decay: float, max_age: int, seed: int, exclude: list[str],
+              limit: DrawLimit | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """`race_times`' draw: (the rows of the first `count` to arrive and their times, in
+        order of arrival; answers the limit held back)."""
+        rng = np.random.default_rng(seed)
+        rows = self.store.live()
+        facts = self.store.columns["facts"]  # read field by field: a gather of whole records costs 10x
+        advantage, versions = np.abs(facts["advantage"][rows]), facts["version"][rows]
+        keep = advantage > 0  # NaN (not known) and 0 (no signal) are never drawn
+        if max_age >= 0:
+            keep &= versions >= version - max_age
+        numbers = [self.questions[uid].number for uid in exclude if uid in self.questions]
+        if numbers:
+            keep &= ~np.isin(self.store.columns["owners"][rows], np.array(numbers, np.int32))
+        held_back = 0
+        if limit is not None and limit.limits:
+            allowed = limit.allows(facts[rows], self.store.origins)
+            held_back = int((keep & ~allowed).sum())
+            keep &= allowed
+        # One time per live row, kept or not: the same draw whatever is left out.
+        times = rng.standard_exponential(len(rows), dtype=np.float32)
+        rows, times = rows[keep], times[keep] / priorities(advantage[keep], version - versions[keep], decay)
+        first = np.argpartition(times, count - 1)[:count] if 0 < count < len(times) else np.arange(len(times))[:count]
+        first = first[np.argsort(times[first], kind="stable")]
+        return rows[first], times[first], held_back
 
     def _prompts(self, uids: list[str]) -> list[np.ndarray]:
         """Each question's prompt ids (none for one not held here)."""
@@ -363,14 +485,15 @@ class ReplayShard:
         # Question by question into reserved room: one append of everything would first
         # concatenate it all, twice the content in memory at once.
         questions = part["questions"]
+        self.races.clear()
         self.store = AnswerStore()
         self.store.reserve(sum(len(entry.tokens) for _, entry in questions), sum(len(entry) for _, entry in questions))
         self.store.origins = dict(part.get("origins", {}))
-        self.questions = {}
+        self.questions, self.names = {}, []
         self.buckets = BucketIndex()
         for uid, entry in questions:
-            stored = self.questions[uid] = StoredQuestion(entry.prompt_ids, entry.bucket)
-            stored.rows = self.store.append_question(entry)
+            stored = self._new_question(uid, entry.prompt_ids, entry.bucket)
+            stored.rows = self.store.append_question(entry, stored.number)
             self.buckets.move(uid, -1, entry.bucket)
         self.retired = set(part["retired"])
         self.evicted = part["evicted"]

@@ -22,11 +22,12 @@ class AnswerStore:
     is live. Every array is the store's own, never a view of a call's arguments (which,
     in a Ray actor, are views of the call's whole serialized buffer)."""
 
-    ROW_COLUMNS = {"starts": np.int64, "lengths": np.int64, "serials": np.int64, "facts": FACTS}
+    ROW_COLUMNS = {"starts": np.int64, "lengths": np.int64, "serials": np.int64, "owners": np.int32, "facts": FACTS}
     """Per row: where its tokens start, how many, its serial number (never reused while the
     store lives: how a chosen answer is asked for again even if other writers' answers moved
-    it in between, in a shared pool), and its facts."""
-    ROW_BYTES = 24 + FACTS.itemsize
+    it in between, in a shared pool), the number of the question that holds it (-1: a hole;
+    what a draw over all answers reads instead of visiting each question), and its facts."""
+    ROW_BYTES = 28 + FACTS.itemsize
     GROWTH = 1.5
     """Capacity grows by this factor when full: each byte is copied about three times while
     a shard fills, and unused capacity is address space, not resident memory, until written."""
@@ -71,8 +72,9 @@ class AnswerStore:
         self.logprobs = grown(self.logprobs, self.used_tokens, tokens)
         self.columns = {name: grown(array, self.used_rows, rows) for name, array in self.columns.items()}
 
-    def append(self, batch: PackedAnswers, rows: np.ndarray) -> np.ndarray:
-        """Copy the answers `rows` of a packed batch in; returns their row numbers here."""
+    def append(self, batch: PackedAnswers, rows: np.ndarray, owners: np.ndarray) -> np.ndarray:
+        """Copy the answers `rows` of a packed batch in, each held by question `owners[i]`;
+        returns their row numbers here."""
         lengths = batch.offsets[rows + 1] - batch.offsets[rows]
         offsets = cumulative_offsets(lengths)
         self.reserve(int(offsets[-1]), len(rows))
@@ -86,7 +88,8 @@ class AnswerStore:
         new = np.arange(self.used_rows, self.used_rows + len(rows))
         self.origins.update(batch.origins)
         values = {"starts": self.used_tokens + offsets[:-1], "lengths": lengths,
-                  "serials": np.arange(self.next_serial, self.next_serial + len(rows)), "facts": batch.facts[rows]}
+                  "serials": np.arange(self.next_serial, self.next_serial + len(rows)), "owners": owners,
+                  "facts": batch.facts[rows]}
         self.next_serial += len(rows)
         for name, array in self.columns.items():
             array[new] = values[name]
@@ -94,12 +97,17 @@ class AnswerStore:
         self.used_rows += len(rows)
         return new
 
-    def append_question(self, entry: QuestionAnswers) -> np.ndarray:
+    def append_question(self, entry: QuestionAnswers, owner: int) -> np.ndarray:
         """Copy one question's answers in (a restored snapshot); returns their row numbers."""
-        return self.append(entry.packed("", self.origins), np.arange(len(entry)))
+        return self.append(entry.packed("", self.origins), np.arange(len(entry)), np.full(len(entry), owner, np.int32))
+
+    def live(self) -> np.ndarray:
+        """The row numbers of every answer a question holds, in row order."""
+        return np.flatnonzero(self.columns["owners"][: self.used_rows] >= 0)
 
     def drop(self, rows: np.ndarray) -> None:
         """Rows no question holds any more (evicted, retired): holes until the next compaction."""
+        self.columns["owners"][rows] = -1
         self.dead_rows += len(rows)
         self.dead_tokens += int(self.columns["lengths"][rows].sum())
 
@@ -163,9 +171,9 @@ class AnswerStore:
 class StoredQuestion:
     """One question in a shard: its prompt, its bucket, and its answers' rows in the store."""
 
-    __slots__ = ("prompt_ids", "rows", "bucket")
+    __slots__ = ("prompt_ids", "rows", "bucket", "number")
 
-    def __init__(self, prompt_ids: np.ndarray, bucket: int = -1):
+    def __init__(self, prompt_ids: np.ndarray, number: int, bucket: int = -1):
         # Always a copy: inside a Ray actor the argument is a read-only view of the whole
         # call's serialized buffer, and keeping the view would pin all of it (every answer
         # of the add call) in the object store for as long as the question lives.
@@ -174,6 +182,8 @@ class StoredQuestion:
         """Row numbers of its answers in the shard's `AnswerStore`, oldest first."""
         self.bucket = bucket
         """Latest count of correct answers out of K (ExGRPO); -1 until set."""
+        self.number = number
+        """Its number in the shard (`AnswerStore`'s `owners` column names it by this)."""
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -110,9 +110,25 @@ class ExGRPOConfig:
 
 
 @dataclass
+class PruneConfig:
+    after: int = option(0, "the generation pruner: a question whose groups had no signal (all answers right, or all wrong) at this many visits in a row sits out its next visits, the sampler drawing others in its place (0: off; any algorithm)", min=0, added=True)
+    skip: int = option(1, "visits a question sits out the first time; then it is generated for again (a re-check)", min=1, added=True)
+    growth: float = option(2.0, "each re-check without signal makes the next pause this many times longer", min=1.0, added=True)
+
+
+@dataclass
+class PrioritizedConfig:
+    replay_share: float = option(0.25, "share of each batch's answers that are replayed: its fresh answers stay, and stored answers join up to this share", min=0.0, max=0.95, added=True)
+    decay_versions: float = option(4.0, "tau: an answer's priority is |A| x exp(-age / tau), its age in policy versions since it was sampled (0: no decay)", min=0.0, added=True)
+    max_age: int = option(8, "answers sampled more than this many policy versions ago are evicted and never drawn (-1: kept until the per-question cap evicts them)", min=-1, added=True)
+    correction: Literal["decoupled", "shaped"] = option("decoupled", "replayed tokens: decoupled PPO, weighted by min(pi_prox / pi_behaviour, learner.behaviour_cap or 2); or ExGRPO's shaping f(w) = w / (w + beta) against their recorded log-probs", added=True)
+    beta: float = option(0.1, "the shaping's beta, with correction = shaped", min=1e-6, added=True)
+
+
+@dataclass
 class AlgorithmConfig:
     # The choices are the registry's (`rayrep.algos.ALGORITHMS`; a test holds them equal).
-    name: Literal["grpo", "rlep", "exgrpo"] = option("grpo", "grpo: the DAPO baseline; rlep / exgrpo: the replay methods")
+    name: Literal["grpo", "rlep", "exgrpo", "prioritized"] = option("grpo", "grpo: the DAPO baseline; rlep / exgrpo: the papers' replay methods; prioritized: answer-level replay by |advantage| and freshness")
     prompts_per_step: int = option(512, "questions per rollout step (B)", min=1)
     group_size: int = option(16, "fresh rollouts per question (G; K in ExGRPO)", min=2)
     std_normalize: bool = option(True, "divide group advantages by the group's std (off: Dr.GRPO / ExGRPO)")
@@ -120,6 +136,8 @@ class AlgorithmConfig:
     dynamic_sampling: bool = option(False, "drop groups whose rewards are all equal and sample more questions (DAPO)")
     rlep: RLEPConfig = field(default_factory=RLEPConfig)
     exgrpo: ExGRPOConfig = field(default_factory=ExGRPOConfig)
+    prioritized: PrioritizedConfig = field(default_factory=PrioritizedConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
 
 
 @dataclass

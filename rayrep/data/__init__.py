@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
-from rayrep.config import DataConfig, InputError
-from rayrep.types import Prompt
+from rayrep.config import Config, DataConfig, InputError
+from rayrep.data.pruner import GenerationPruner
+from rayrep.types import Group, Prompt
 
 
 class PromptTooLong(InputError):
@@ -56,12 +58,17 @@ class PromptSampler:
     Questions can be retired (ExGRPO: every answer right): they stay in the epoch under way
     and are left out of the following ones, unless that would leave fewer than
     `keep_at_least` questions (one step's batch), in which case the set stops shrinking (the
-    public ExGRPO code stops filtering near one batch too)."""
+    public ExGRPO code stops filtering near one batch too).
 
-    def __init__(self, prompts: list[Prompt], seed: int = 0, keep_at_least: int = 1):
+    With a `pruner` (`rayrep.data.pruner`), the questions it says sit out are passed by and
+    the next ones drawn in their place; the steps' verdicts reach it through `observe`."""
+
+    def __init__(self, prompts: list[Prompt], seed: int = 0, keep_at_least: int = 1,
+                 pruner: GenerationPruner | None = None):
         if not prompts:
             raise ValueError("the training prompt set is empty")
         self.prompts, self.seed, self.keep_at_least = prompts, seed, keep_at_least
+        self.pruner = pruner
         self.retired: set[str] = set()
         self.left_out: frozenset[str] = frozenset()
         """The retired questions this epoch's order leaves out (those retired by its start)."""
@@ -69,6 +76,14 @@ class PromptSampler:
         self.returned: list[str] = []
         """Questions given back (`give_back`), drawn again before the order goes on."""
         self._shuffle()
+
+    @classmethod
+    def of_run(cls, cfg: Config, prompts: list[Prompt]) -> PromptSampler:
+        """A training run's sampler: seeded by the run, never shrinking below a batch, with the
+        pruner `algorithm.prune` asks for."""
+        prune = cfg.algorithm.prune
+        pruner = GenerationPruner(prune.after, prune.skip, prune.growth) if prune.after else None
+        return cls(prompts, seed=cfg.seed("data"), keep_at_least=cfg.algorithm.prompts_per_step, pruner=pruner)
 
     def _shuffle(self) -> None:
         import random
@@ -96,8 +111,11 @@ class PromptSampler:
     def state(self) -> dict:
         """Where the sampler is (the order of an epoch follows from the seed, the epoch and the
         questions it leaves out)."""
-        return {"epoch": self.epoch, "position": self.position, "retired": sorted(self.retired),
-                "left_out": sorted(self.left_out), "returned": list(self.returned)}
+        state = {"epoch": self.epoch, "position": self.position, "retired": sorted(self.retired),
+                 "left_out": sorted(self.left_out), "returned": list(self.returned)}
+        if self.pruner is not None:
+            state["pruner"] = self.pruner.state()
+        return state
 
     def restore(self, state: dict) -> None:
         self.epoch = state["epoch"]
@@ -106,6 +124,8 @@ class PromptSampler:
         self._shuffle()
         self.position = state["position"]
         self.returned = list(state.get("returned", ()))  # absent from checkpoints written before partial rollouts
+        if self.pruner is not None and "pruner" in state:
+            self.pruner.restore(state["pruner"])
 
     def give_back(self, uids) -> None:
         """Questions drawn but not trained on (partial rollouts stopped them at a checkpoint):
@@ -116,9 +136,24 @@ class PromptSampler:
         by_uid = {p.uid: p for p in self.prompts} if self.returned else {}
         batch = [by_uid[uid] for uid in self.returned[:count]]
         del self.returned[:count]
+        passed = 0
         while len(batch) < count:
             if self.position == len(self.order):
                 self._next_epoch()
-            batch.append(self.prompts[self.order[self.position]])
+            prompt = self.prompts[self.order[self.position]]
             self.position += 1
+            # Never more than a whole epoch passed by in one draw: with every question sitting
+            # out, the draw takes them as they come (a pause cannot stop training).
+            if self.pruner is not None and passed < len(self.order) and self.pruner.passes_by(prompt.uid):
+                passed += 1
+                continue
+            batch.append(prompt)
         return batch
+
+    def observe(self, groups: Sequence[Group]) -> dict[str, float]:
+        """A step's verified groups, for the pruner (their fresh answers' verdicts); its counts
+        as step metrics (none without a pruner)."""
+        if self.pruner is None:
+            return {}
+        self.pruner.observe((g.prompt.uid, [a.correct for a in g.fresh()]) for g in groups if not all(g.replayed))
+        return self.pruner.take_counts()

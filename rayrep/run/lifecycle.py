@@ -77,7 +77,7 @@ class Run:
 
         folder.path.mkdir(parents=True, exist_ok=True)
         folder.config.write_text(cfg.to_json())
-        sampler = PromptSampler(train_prompts, seed=cfg.seed("data"), keep_at_least=cfg.algorithm.prompts_per_step)
+        sampler = PromptSampler.of_run(cfg, train_prompts)
         if state is not None:
             sampler.restore(state.sampler)
             keep_metrics_until(folder.metrics, state.step)

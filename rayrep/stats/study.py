@@ -132,6 +132,87 @@ def _curve_mean(run: list[tuple[int, float]], other: list[tuple[int, float]], pa
     return sum(values) / len(values) if values else math.nan
 
 
+def spent(steps: Sequence[dict], evals: Sequence[dict], metric: str = "test_pass@1"
+          ) -> list[tuple[int, float, float, float]]:
+    """(step, tokens generated up to it, seconds its steps took up to it, `metric`) at each
+    evaluation of a run, from its step records (`generated_tokens`, `time_step`)."""
+    tokens, seconds, totals = 0.0, 0.0, {0: (0.0, 0.0)}
+    for record in sorted(steps, key=lambda r: r["step"]):
+        tokens += record.get("generated_tokens", 0.0)
+        seconds += record.get("time_step", 0.0)
+        totals[record["step"]] = (tokens, seconds)
+    return [(step, *totals[step], value) for step, value in series(evals, metric) if step in totals]
+
+
+def summarize_compute(runs: dict[str, list[list[tuple[int, float, float, float]]]], level: float,
+                      seeds: dict[str, list[int]], baseline: str = "baseline") -> dict:
+    """Per arm, over its seeds' `spent` curves (`runs[arm][i]`: seed `seeds[arm][i]`'s):
+
+    - `curve`: at the steps every seed evaluated, (step, mean tokens, mean seconds, mean value,
+      its standard error);
+    - `tokens_per_step`: mean and standard error over seeds of the tokens a step generated;
+    - `reach_tokens`, `reach_seconds`: the tokens and seconds each seed spent until it first
+      reached `level` (the baseline's mean peak), mean and standard error over the seeds that
+      did (`reached`: how many);
+    - other arms than the baseline, paired by seed: `own_peak_tokens`, the tokens each seed
+      spent until it reached its own baseline's peak over the tokens that baseline spent until
+      its peak, mean and standard error over the seeds that reach it (below 1: fewer tokens)."""
+    summary = {}
+    by_seed = {arm: dict(zip(seeds[arm], curves)) for arm, curves in runs.items()}
+    for arm, curves in runs.items():
+        shared = set.intersection(*({step for step, *_ in curve} for curve in curves))
+        at = [{step: rest for step, *rest in curve} for curve in curves]
+        curve = []
+        for step in sorted(shared):
+            values = [a[step] for a in at]
+            curve.append((step, sum(v[0] for v in values) / len(values), sum(v[1] for v in values) / len(values),
+                          *mean_and_se([v[2] for v in values])))
+        first = [next(((tokens, seconds) for _, tokens, seconds, value in c if value >= level), None) for c in curves]
+        reached = [f for f in first if f is not None]
+        steps = [max(step for step, *_ in c) for c in curves]
+        row = summary[arm] = {
+            "curve": curve,
+            "tokens_per_step": mean_and_se([c[-1][1] / max(1, n) for c, n in zip(curves, steps)]),
+            "reached": len(reached), "seeds": len(curves),
+            "reach_tokens": mean_and_se([t for t, _ in reached]) if reached else (None, None),
+            "reach_seconds": mean_and_se([s for _, s in reached]) if reached else (None, None),
+        }
+        if arm != baseline and baseline in by_seed:
+            ratios = []
+            for seed, mine in by_seed[arm].items():
+                theirs = by_seed[baseline].get(seed)
+                if theirs is None:
+                    continue
+                _, peak_tokens, _, peak_value = max(theirs, key=lambda p: (p[3], -p[0]))
+                reach = next((tokens for _, tokens, _, value in mine if value >= peak_value), None)
+                if reach is not None and peak_tokens > 0:
+                    ratios.append(reach / peak_tokens)
+            row["own_peak_tokens"] = mean_and_se(ratios) if ratios else (None, None)
+            row["own_peak_tokens_seeds"] = len(ratios)
+    return summary
+
+
+def compute_table(compute: dict, level: float) -> str:
+    """`summarize_compute`'s summary as a text table."""
+
+    def pm(pair, scale=1.0, digits=0) -> str:
+        mean, se = pair
+        if mean is None:
+            return "-"
+        return f"{scale * mean:.{digits}f}" + ("" if math.isnan(se) else f" +/- {scale * se:.{digits}f}")
+
+    lines = [f"what each arm spent: generated tokens (thousands) and seconds of its steps until it first reached the "
+             f"baseline's mean peak ({100 * level:.1f}%), mean +/- SE over the seeds that did; and, paired by seed, "
+             "the tokens until its own baseline's peak over the tokens that baseline took",
+             f"{'arm':<20}{'k tokens / step':>18}{'reached':>9}{'k tokens to peak':>20}{'seconds to peak':>18}"
+             f"{'tokens / baseline':>22}"]
+    for arm, row in compute.items():
+        own = pm(row["own_peak_tokens"], 1.0, 2) + f" ({row['own_peak_tokens_seeds']})" if "own_peak_tokens" in row else "-"
+        lines.append(f"{arm:<20}{pm(row['tokens_per_step'], 1e-3, 1):>18}{row['reached']:>5}/{row['seeds']:<3}"
+                     f"{pm(row['reach_tokens'], 1e-3):>20}{pm(row['reach_seconds']):>18}{own:>22}")
+    return "\n".join(lines)
+
+
 def study_table(summary: dict) -> str:
     """The study summary as a text table (percentages; mean +/- standard error over seeds)."""
 
