@@ -258,7 +258,7 @@ def report(out: Path, arms: list[str], seeds: list[int], preset: str, log, recor
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_study(curves, out / "study.png", title=f"test pass@1 on {preset}: mean +/- SE over seeds")
     tokens_plot = plot_study_tokens(summary["compute"], out / "study-tokens.png",
-                                    title=f"test pass@1 on {preset} against generated tokens: mean +/- SE over seeds")
+                                    title=f"test pass@1 on {preset} against what the runs spent: mean +/- SE over seeds")
     (out / "study.json").write_text(json.dumps(summary, indent=2))
     log(study_table(summary))
     log("")

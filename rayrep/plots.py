@@ -39,22 +39,25 @@ def plot_study(curves: dict[str, list[list[dict]]], path: str | Path, metric: st
 
 
 def plot_study_tokens(compute: dict, path: str | Path, title: str = "") -> Path:
-    """A PNG of each arm's mean curve against the tokens its seeds generated (their mean at
-    each evaluation), with a band of +/- one standard error: `summarize_compute`'s curves."""
+    """A PNG of each arm's mean curve against the tokens its seeds generated and against the
+    seconds their steps took (the seeds' means at each evaluation), with a band of +/- one
+    standard error: `summarize_compute`'s curves, side by side."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
-    for arm, row in compute.items():
-        tokens = [t / 1e6 for _, t, _, _, _ in row["curve"]]
-        means = [100 * m for *_, m, _ in row["curve"]]
-        errors = [0.0 if math.isnan(se) else 100 * se for *_, se in row["curve"]]
-        line = ax.plot(tokens, means, marker="o", markersize=3, label=f"{arm} ({row['seeds']} seeds)")[0]
-        ax.fill_between(tokens, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
-                        color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("generated tokens (millions)")
-    ax.set_ylabel("pass@1 on the test set (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.4), dpi=120, sharey=True)
+    for axis, (index, scale, label) in zip(axes, ((1, 1e6, "generated tokens (millions)"),
+                                                  (2, 60.0, "minutes of training steps"))):
+        for arm, row in compute.items():
+            spent = [point[index] / scale for point in row["curve"]]
+            means = [100 * m for *_, m, _ in row["curve"]]
+            errors = [0.0 if math.isnan(se) else 100 * se for *_, se in row["curve"]]
+            line = axis.plot(spent, means, marker="o", markersize=3, label=f"{arm} ({row['seeds']} seeds)")[0]
+            axis.fill_between(spent, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
+                              color=line.get_color(), alpha=0.2)
+        axis.set_xlabel(label)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("pass@1 on the test set (%)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
     return save_figure(fig, path)
 
 
