@@ -322,6 +322,32 @@ def test_study_summary_of_made_up_curves():
     assert "ablation - rlep" in study_table(summary) and "+2.0, -2.0" in study_table(summary)
 
 
+def test_what_each_arm_spent_to_reach_the_baselines_peak():
+    """`spent` adds up each run's generated tokens and step seconds to its evaluations;
+    `summarize_compute` says what each arm spent to first reach a level, and, paired by
+    seed, its tokens to its own baseline's peak over the baseline's."""
+    from rayrep.stats.study import compute_table, spent, summarize_compute
+
+    def run(tokens_per_step, seconds_per_step, values):
+        steps = [{"step": s, "generated_tokens": tokens_per_step, "time_step": seconds_per_step} for s in range(1, 21)]
+        return spent(steps, curve(values))  # evaluations at steps 0, 10, 20
+
+    assert run(100, 2.0, [0.1, 0.2, 0.3]) == [(0, 0.0, 0.0, 0.1), (10, 1000.0, 20.0, 0.2), (20, 2000.0, 40.0, 0.3)]
+    runs = {"baseline": [run(100, 2.0, [0.1, 0.2, 0.3]), run(100, 2.0, [0.1, 0.3, 0.25])],
+            "pruned": [run(80, 1.0, [0.1, 0.3, 0.3]), run(120, 1.0, [0.1, 0.2, 0.2])]}
+    compute = summarize_compute(runs, 0.3, {"baseline": [0, 1], "pruned": [0, 1]})
+    base, pruned = compute["baseline"], compute["pruned"]
+    assert base["reached"] == 2 and base["reach_tokens"] == (1500.0, pytest.approx(500.0))  # 2000 and 1000
+    assert pruned["reached"] == 1 and pruned["reach_tokens"][0] == 800 and pruned["reach_seconds"][0] == 10
+    assert pruned["tokens_per_step"][0] == pytest.approx(100.0)
+    # Paired: seed 0's baseline peaks (0.3) at 2000 tokens, the pruned run reaches 0.3 at 800;
+    # seed 1's peaks (0.3) at 1000, the pruned run never reaches it.
+    assert pruned["own_peak_tokens"] == (pytest.approx(0.4), pruned["own_peak_tokens"][1]) and pruned["own_peak_tokens_seeds"] == 1
+    assert pruned["curve"][1] == (10, 1000.0, 10.0, pytest.approx(0.25), pytest.approx(0.05))
+    table = compute_table(compute, 0.3)
+    assert "0.40 (1)" in table and "1/2" in table
+
+
 def test_study_plot_is_a_png(tmp_path):
     from rayrep.plots import plot_study
 
