@@ -12,7 +12,8 @@ without replacement with priority
 (Freshness-Aware PER, arXiv 2604.16918: |A| alone made results worse there; the decay
 keeps the draw near the policy). Answers older than `max_age` versions are evicted (the
 answer-level buffer of arXiv 2606.04560 bounds their age the same way). The draw is an
-exponential race on the shards (`ReplayShard.race_answers`), one call per shard.
+exponential race on the shards (`ReplayStore.race_answers`): two calls per shard, the
+second moving only the answers drawn.
 
 A replayed answer trains with its stored advantage (not one taken again in a group: its
 question is not sampled this step), in a group of its own question's replayed answers that

@@ -176,8 +176,8 @@ class ReplayShard:
             return 0
         origin, before = evict
         rows = self.store.live()
-        facts = self.store.columns["facts"][rows]
-        old = rows[(facts["origin"] == origin) & (facts["version"] < before)]
+        facts = self.store.columns["facts"]  # field by field, as `_race` reads them
+        old = rows[(facts["origin"][rows] == origin) & (facts["version"][rows] < before)]
         if not len(old):
             return 0
         owners = self.store.columns["owners"][old]
