@@ -20,7 +20,8 @@ run's own shards in the same run of the script:
 - ExGRPO: latency of `sample_questions(64)` with K = 8 (one call per shard), questions
   spread over buckets 1..7;
 - answers 1024: answer-level replay's draw (`race_answers`) of 1,024 answers by priority
-  |A| x exp(-age / 4) over every stored answer (one call per shard), the answers left in
+  |A| x exp(-age / 4) over every stored answer (two calls per shard: the race's first
+  arrival times, then the drawn answers packed), the answers left in
   the shards' results as a training step leaves them, timed alternately with RLEP's;
 - call floor: latency of a call to every shard actor that does nothing (`pid`), measured
   beside the draws: what any draw across actors costs here before any work;

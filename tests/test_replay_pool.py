@@ -238,9 +238,12 @@ def test_jobs_pool_commands_work_end_to_end_in_other_processes(ray_cluster, tmp_
             stop_pool(name)
 
 
-def test_exgrpo_and_rlep_runs_attached_to_one_pool_trade_their_answers(pool, tiny_cfg, tiny_policy, tmp_path):
+def test_exgrpo_rlep_and_prioritized_runs_attached_to_one_pool_trade_their_answers(pool, tiny_cfg, tiny_policy,
+                                                                                     tmp_path):
     """An ExGRPO run fills the pool with its successes and replays them; an RLEP run attached
-    afterwards replays the ExGRPO run's answers (only others', as it asks) and adds its own."""
+    afterwards replays the ExGRPO run's answers (only others', as it asks) and adds its own;
+    an answer-level run then stores its answers with their advantages and replays them (the
+    others' successes carry none)."""
     from rayrep.run.log import read_metrics
     from rayrep.train import train
 
@@ -265,6 +268,14 @@ def test_exgrpo_and_rlep_runs_attached_to_one_pool_trade_their_answers(pool, tin
     assert all("replay_shard_replaced" not in r for r in records)
     held = AttachedPool(name, writer="check").census()["by_run"]
     assert set(held) == {str(exgrpo.run_dir.resolve()), str(rlep.run_dir.resolve())}
+
+    prioritized = train(tiny_cfg.replace(**small, **{
+        "algorithm.name": "prioritized", "run.steps": 2, "logging.run_name": "prioritized"}), log=lambda _: None)
+    records = [r for r in read_metrics(prioritized.run_dir / "metrics.jsonl") if r["step"] > 0]
+    # Step 1 finds only the others' successes, none with an advantage; step 2 its own answers.
+    assert records[0].get("prioritized_replayed", 0) == 0 and records[1]["prioritized_replayed"] > 0
+    held = AttachedPool(name, writer="check").census()["by_run"]
+    assert str(prioritized.run_dir.resolve()) in held and len(held) == 3
 
 
 def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_policy(pool, tiny_cfg, tiny_policy,

@@ -170,7 +170,9 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
     """Refill rounds are planned as values of their own: no round's replays are lost, and the
     filter sees every group whole (fresh and replayed rollouts). ExGRPO's: in the test above.
     Answer-level replay runs with the generation pruner, on a training set small enough that
-    questions come back (an epoch is two steps of 16)."""
+    questions come back (an epoch is two steps of 16), and is stopped after step 2 and resumed
+    for step 3: its records are an uninterrupted run's (the buffer's advantages and ages, and
+    the pruner's records, came back with the checkpoint)."""
     changes = {"algorithm.name": name, "algorithm.dynamic_sampling": True, "run.steps": 3, "logging.run_name": name}
     if name == "rlep":
         # G = 4: fresh groups that all fail (kept only through their replays) are common
@@ -179,7 +181,19 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
     else:
         changes.update({"algorithm.prune.after": 1, "data.arithmetic_train_size": 32})
     cfg = small(tiny_cfg, tmp_path, **changes)
-    records = [r for r in read_metrics(trained_without_reading_rollouts(cfg).run_dir / "metrics.jsonl") if r["step"] > 0]
+    if name == "prioritized":
+        trained_without_reading_rollouts(cfg.replace(**{"run.steps": 2}))
+        run_dir = train(cfg, log=lambda _: None, resume=True).run_dir
+    else:
+        run_dir = trained_without_reading_rollouts(cfg).run_dir
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
+    if name == "prioritized":
+        # What the uninterrupted run did not do then: the stopped run evaluated at its end
+        # (step 2), and the resumed one's ledger saw it start up and load the checkpoint (step 3).
+        assert "test_pass@1" in records[1] and "memory_resume_gib" in records[2]
+        records[1] = {k: v for k, v in records[1].items() if not k.startswith("test_")}
+        records[2] = {k: v for k, v in records[2].items()
+                      if not k.startswith(("memory_resume", "memory_engine_start_up", "memory_learner_set_up"))}
     same_as_recorded(f"{name}-dynamic", records)
     K = cfg.algorithm.group_size
     assert sum(r["dynamic_sampling_rounds"] for r in records) > 0  # refills did happen
