@@ -229,14 +229,16 @@ def study_table(summary: dict) -> str:
     def gain(row, name) -> str:
         return signed(row[name]) if name in row else "-"
 
-    lines = [f"{'arm':<18}{'seeds':>6}{'peak %':>16}{'final %':>16}{'reaches baseline peak at step':>32}"
+    width = max([18] + [len(arm) + 2 for arm in summary["arms"]])  # the arm column: 18, or wider for a long name
+
+    lines = [f"{'arm':<{width}}{'seeds':>6}{'peak %':>16}{'final %':>16}{'reaches baseline peak at step':>32}"
              f"{'one eval SE':>13}{'replayed %':>12}{'final - base':>16}{'curve - base':>16}"]
     for arm, row in summary["arms"].items():
         reached = sum(step is not None for step in row["reaches"])
         steps = f"{pm(row['reach_step'], 1.0, 0)} ({reached}/{row['seeds']})"
         error = "-" if row["eval_se"] is None else f"{100 * row['eval_se']:.2f}"
         replayed = f"{100 * row['replay_share']:.1f}" if "replay_share" in row else "-"
-        lines.append(f"{arm:<18}{row['seeds']:>6}{pm(row['peak']):>16}{pm(row['final']):>16}{steps:>32}{error:>13}"
+        lines.append(f"{arm:<{width}}{row['seeds']:>6}{pm(row['peak']):>16}{pm(row['final']):>16}{steps:>32}{error:>13}"
                      f"{replayed:>12}{gain(row, 'final_gain'):>16}{gain(row, 'curve_gain'):>16}")
     lines.append(f"baseline mean peak: {100 * summary['baseline_mean_peak']:.1f}% ({summary['metric']}); "
                  "replayed: the share of trained answers that were replayed, mean over steps and seeds; "
@@ -246,11 +248,11 @@ def study_table(summary: dict) -> str:
     if leads:
         lines += ["", "the lead over the same seed's baseline in each half of the run, points, mean +/- SE over seeds; "
                   "and the step each seed first reaches its own baseline's peak, / the step of that peak",
-                  f"{'arm':<18}{'seeds':>6}{'halves split at':>17}{'first half':>16}{'second half':>16}"
+                  f"{'arm':<{width}}{'seeds':>6}{'halves split at':>17}{'first half':>16}{'second half':>16}"
                   f"   {'reaches own baseline peak':<28}{'ratio':>14}"]
         for arm, row in leads.items():
             reached = ", ".join(f"{'-' if step is None else step}/{peak}" for step, peak in row["own_peak_steps"])
-            lines.append(f"{arm:<18}{row['paired_seeds']:>6}{'step ' + format(row['half_middle'], 'g'):>17}"
+            lines.append(f"{arm:<{width}}{row['paired_seeds']:>6}{'step ' + format(row['half_middle'], 'g'):>17}"
                          f"{signed(row['half_gains'][0]):>16}{signed(row['half_gains'][1]):>16}   {reached:<28}"
                          f"{pm(row['own_peak_ratio'], 1.0, 2):>14}")
     if summary.get("contrasts"):
@@ -261,10 +263,10 @@ def study_table(summary: dict) -> str:
             lines.append(f"{name:<40}{c['paired_seeds']:>6}{gain(c, 'final_gain'):>16}{gain(c, 'curve_gain'):>16}   {each}")
     steps = sorted({step for row in summary["arms"].values() for step, _, _ in row["curve"]})
     lines += ["", f"mean {summary['metric']} (%) by step, +/- SE over seeds",
-              f"{'arm':<18}" + "".join(f"{step:>14}" for step in steps)]
+              f"{'arm':<{width}}" + "".join(f"{step:>14}" for step in steps)]
     for arm, row in summary["arms"].items():
         at = {step: (mean, se) for step, mean, se in row["curve"]}
-        lines.append(f"{arm:<18}" + "".join(f"{pm(at[step]) if step in at else '-':>14}" for step in steps))
+        lines.append(f"{arm:<{width}}" + "".join(f"{pm(at[step]) if step in at else '-':>14}" for step in steps))
     return "\n".join(lines)
 
 
