@@ -408,23 +408,40 @@ def test_three_bf16_steps_agree_with_fp32_within_bf16_tolerance(fp32_updates, ti
     assert (moved32 - moved16).abs().mean() < 0.1 * moved32.abs().mean()
 
 
-@pytest.mark.parametrize(("dtype", "tolerance", "moved", "mode"), [
-    ("float32", 1e-3, 1e-2, "colocated"), ("bfloat16", 0.3, 0.5, "colocated"), ("float32", 1e-3, 1e-2, "disaggregated")])
-def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_cluster, tiny_cfg, tiny_policy,
-                                                                         dtype, tolerance, moved, mode):
+def adapted(tiny_policy: str, learners: LearnerGroup, folder):
+    """The base policy with the learners' LoRA adapter, as PEFT itself applies it: the adapter
+    gathered at rank 0 and written in PEFT's format, then loaded by `peft` (not merged)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rayrep.models.adapter import file_key, write_adapter
+
+    state = ray.get([w.full_state_dict.remote(torch.float32, True) for w in learners.workers])[0]
+    config = ray.get(learners.workers[0].adapter_config.remote())
+    write_adapter(folder, {file_key(name): t for name, t in state.items()}, config)
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_policy), str(folder)).eval()
+
+
+@pytest.mark.parametrize(("dtype", "tolerance", "moved", "mode", "lora_rank"), [
+    ("float32", 1e-3, 1e-2, "colocated", 0), ("bfloat16", 0.3, 0.5, "colocated", 0),
+    ("float32", 1e-3, 1e-2, "disaggregated", 0), ("float32", 1e-3, 1e-2, "disaggregated", 8)])
+def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_cluster, tiny_cfg, tiny_policy, tmp_path,
+                                                                         dtype, tolerance, moved, mode, lora_rank):
     """After each sync the behaviour log-probs of fresh samples equal the learner's weights'
     log-probs of those tokens (a transformers forward pass of the gathered state). In bf16
     the generators get the fp32 masters rounded to bf16, and compute in bf16. Colocated, the
     learner rank beside the engine hands it each bucket (shared-memory handles); disaggregated,
-    rank 0 broadcasts (gloo)."""
-    from transformers import AutoTokenizer
+    rank 0 broadcasts (gloo). With LoRA (two FSDP2 ranks training an adapter on the frozen
+    base), only the adapter's tensors travel, and the engines sample the base with the adapter
+    as PEFT applies it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayrep.data import encode_prompts, load_split
 
     # lr 3e-3: three steps move the weights well clear of bf16's computing noise (at 1e-3 the
     # current tiny policy's samples were 0.38 from the original weights, 0.155 from the trained).
-    cfg = tiny_cfg.replace(**{"learner.lr": 3e-3, "learner.warmup_steps": 0, "sync.bucket_mb": 0.5,
-                              "model.dtype": dtype, "placement.mode": mode})
+    cfg = tiny_cfg.replace(**{"learner.lr": 3e-3, "learner.warmup_steps": 0, "sync.bucket_mb": 0.5 if not lora_rank else 0.1,
+                              "model.dtype": dtype, "placement.mode": mode, "learner.lora_rank": lora_rank})
     cfg, placement, learners = make_learners(cfg, tiny_policy, 2)
     assert placement.plan.transport == {"colocated": "handles", "disaggregated": "broadcast"}[mode]
     generators = GeneratorGroup.create(cfg, tiny_policy, placement)
@@ -441,14 +458,23 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
     def as_sent(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.to(getattr(torch, dtype)).float() for name, t in state.items()}
 
+    def learners_policy(version: int):
+        if lora_rank:
+            return adapted(tiny_policy, learners, tmp_path / f"adapter-{version}")
+        return model_with(tiny_policy, as_sent(full_state(learners)))
+
+    if lora_rank:  # the adapter's tensors alone: 4 layers x 7 projections x (A, B)
+        assert len(sync.manifest.tensors) == 56 and all(".lora_" in t.name for t in sync.manifest.tensors)
+        assert sync.manifest.total_bytes < 0.1 * sum(t.numel() for t in AutoModelForCausalLM.from_pretrained(
+            tiny_policy).parameters()) * 4
     try:
-        original = model_with(tiny_policy, as_sent(full_state(learners)))
+        original = learners_policy(0)
         for version in (1, 2, 3):
             learners.update(batch, LossSpec())
             stats = sync.push()
             assert stats["policy_version"] == version and stats["sync_bytes"] == sync.manifest.total_bytes
             assert ray.get([w.policy_version.remote() for w in generators.workers]) == [version]
-            trained = model_with(tiny_policy, as_sent(full_state(learners)))
+            trained = learners_policy(version)
             assert worst_gap(trained) < tolerance, version
         # the weights really moved: the original weights no longer explain the samples
         # (measured here: fp32 gaps under 1e-5 after a sync, 1.4 against the original weights;

@@ -175,6 +175,11 @@ class LearnerConfig:
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ExGRPO: 0.001)", min=0.0)
     behaviour_cap: float = option(0.0, "decoupled PPO (AReaL): the ratio against the policy at the start of the update, each token weighted by min(pi_prox / pi_behaviour, cap), for fresh and replayed answers alike; corrects asynchronous rollouts (run.max_policy_lag) and replay; 0: off (the papers' loss)", min=0.0)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    lora_rank: int = option(0, "> 0: train a LoRA adapter of this rank (PEFT) on the frozen base instead of every weight: only the adapter carries gradients, optimizer state and fp32 masters, and a weight sync sends only the adapter (docs/lora.md); 0: full fine-tuning", min=0, max=512, added=True)
+    lora_alpha: float = option(32.0, "LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_rank (a fixed alpha keeps the best learning rate about the same across ranks)", min=0.0, added=True)
+    lora_dropout: float = option(0.0, "dropout on the adapter's input in training (the engines sample without it)", min=0.0, max=0.999, added=True)
+    lora_target_modules: tuple[str, ...] = option(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), "the linear layers that get an adapter (PEFT target_modules; attention and MLP alike: RL with an MLP-less adapter learns less)", added=True)
+    lora_merge: bool = option(False, "at the end of a LoRA run, also write the final policy merged into the base as a Hugging Face checkpoint (final-merged/ beside final/)", added=True)
 
 
 @dataclass
@@ -382,6 +387,10 @@ def validate(cfg: Config) -> None:
             f"learner.skip_grad_norm_above={learner.skip_grad_norm_above} is not supported with "
             "learner.strategy='deepspeed' (DeepSpeed skips only non-finite steps); use fsdp2 or set it to 0"
         )
+    if not learner.lora_rank and learner.lora_merge:
+        raise ConfigError("learner.lora_merge merges a LoRA adapter into its base: set learner.lora_rank (> 0) too")
+    if learner.lora_rank and not learner.lora_target_modules:
+        raise ConfigError(f"learner.lora_rank={learner.lora_rank} needs learner.lora_target_modules (the layers that get an adapter)")
     if learner.dual_clip and learner.dual_clip <= 1:
         raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
     if gen.batch_invariant and place.device != "gpu":

@@ -13,6 +13,7 @@ import numpy as np
 from rayrep.config import Config, InputError
 from rayrep.heap import long_lived
 from rayrep.models import config_overrides
+from rayrep.models.adapter import adapter_rank, base_policy, is_adapter, vllm_max_lora_rank
 from rayrep.types import PAUSED, Rollout
 
 
@@ -87,7 +88,7 @@ def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: 
     the indices of this engine's bundles in the placement group the caller runs in."""
     gen = cfg.generator
     kwargs = dict(
-        model=model_path,
+        model=base_policy(model_path),  # an adapter's base: the adapter comes with each request (`adapter_request`)
         dtype=cfg.model.dtype,
         enforce_eager=gen.enforce_eager,
         seed=cfg.seed("generator") if seed is None else seed,
@@ -96,6 +97,10 @@ def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: 
         # behaviour policy that importance ratios are taken against.
         logprobs_mode="processed_logprobs",
     )
+    if cfg.learner.lora_rank or is_adapter(model_path):
+        # Adapters through vLLM's public LoRA API: one at a time (each sync's replaces the last).
+        rank = adapter_rank(model_path) if is_adapter(model_path) else cfg.learner.lora_rank
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(rank))
     overrides = config_overrides(cfg, model_path)
     if overrides:  # the same model-config changes as the learners' (rope base, positions)
         kwargs["hf_overrides"] = overrides
@@ -140,6 +145,15 @@ def engine_description(cfg: Config) -> str:
             f"(generator.vllm_gpu_defaults: vLLM's own GPU choice); {invariant}")
 
 
+def adapter_request(path: str, name: str, serial: int):
+    """vLLM's request for the adapter folder at `path`: `name` and `serial` (> 0) must be new
+    for every new adapter (the engine keeps an adapter by its serial, and its prefix cache
+    keys cached prompts by the name)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, serial, path)
+
+
 def make_engine(cfg: Config, model_path: str, seed: int | None = None, worker_extension_cls: str | None = None,
                 bundles: list[int] | None = None):
     """A vLLM `LLM` for the policy at `model_path` (see `engine_args`), its engine in this process."""
@@ -165,14 +179,17 @@ def sample(
     max_tokens: int,
     seeds: list[int] | None = None,
     version: int = 0,
+    adapter=None,
 ) -> list[list[Rollout]]:
     """`n` rollouts for each prompt (given as token ids; `n` may differ per prompt), with
     their behaviour log-probs. `seeds`: one per prompt, so that a prompt's answers depend on
     its seed alone, not on which engine samples it or what else is in the batch (a resumed
-    run repeats the uninterrupted one); None: the engine's own random stream."""
+    run repeats the uninterrupted one); None: the engine's own random stream. `adapter`: a
+    LoRA adapter's request (`adapter_request`) to sample with, or None."""
     per_prompt: list[list[Rollout]] = [[] for _ in prompt_ids]
     for positions, rollouts in sample_as_finished(llm, prompt_ids, n=n, temperature=temperature, top_p=top_p,
-                                                  max_tokens=max_tokens, seeds=seeds, version=version):
+                                                  max_tokens=max_tokens, seeds=seeds, version=version,
+                                                  adapter=adapter):
         for position, answers in zip(positions, rollouts):
             per_prompt[position] = answers
     return per_prompt
@@ -192,6 +209,7 @@ def sample_as_finished(
     min_tokens: int = 0,
     carried: Sequence[Sequence[Rollout]] = (),
     quota: int | None = None,
+    adapter=None,
 ) -> Iterator[tuple[list[int], list[list[Rollout]]]]:
     """`sample`'s answers, a prompt's as soon as all of its `n` are done: yields (positions
     of the prompts in `prompt_ids`, their rollouts), in about `parts` parts (the prompts
@@ -211,7 +229,7 @@ def sample_as_finished(
     stops the others and the last part holds them, each answer done or `PAUSED` with its
     tokens so far (the groups done in the same engine step all arrive: possibly more than
     `quota`). An engine steps the same requests the same way every time, so where it stops
-    does not depend on timing."""
+    does not depend on timing. `adapter`: the LoRA adapter every request samples with (`sample`)."""
     from vllm import SamplingParams
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
@@ -236,7 +254,8 @@ def sample_as_finished(
     requests: dict[int, list[str]] = {}
     groups = [_Answers(ids, [None] * count) for ids, count in zip(prompt_ids, counts)]
     for position, (ids, count, seed) in enumerate(zip(prompt_ids, counts, seeds)):
-        requests[position] = [engine.add_request(f"{REQUEST_PREFIX}{position}", tokens_input(ids), params(count, seed))]
+        requests[position] = [engine.add_request(f"{REQUEST_PREFIX}{position}", tokens_input(ids), params(count, seed),
+                                                 lora_request=adapter)]
     for i, answers in enumerate(carried):
         position, group = len(prompt_ids) + i, _Answers(answers[0].prompt_ids.tolist(), list(answers))
         groups.append(group)
@@ -247,7 +266,7 @@ def sample_as_finished(
                 seed = None if seeds[position] is None else seeds[position] + a
                 requests.setdefault(position, []).append(engine.add_request(
                     f"{REQUEST_PREFIX}{position}-{a}", tokens_input(group.prompt + answer.response_ids.tolist()),
-                    params(1, seed, answer.response_length)))
+                    params(1, seed, answer.response_length), lora_request=adapter))
     continued = range(len(prompt_ids), len(groups))  # (each finishes in this call: its answers span one sync)
     tokenizer = llm.get_tokenizer() if carried else None
     part_size = max(1, -(-len(groups) // max(1, parts)))

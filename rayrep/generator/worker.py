@@ -16,6 +16,7 @@ from rayrep.cluster.residency import ABSENT, DEVICE, DROPPED, HOST, Holding, Res
 from rayrep.config import Config
 from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
+from rayrep.models.adapter import is_adapter
 from rayrep.sync.collective import WeightManifest
 from rayrep.sync.vllm_ext import EXTENSION_CLASS
 from rayrep.types import PAUSED, PartFacts, Rollout, RolloutPart, RolloutRef
@@ -52,6 +53,12 @@ class GeneratorWorker:
         """A weight sync into this engine failed half way: its weights are no policy."""
         self.engine_args = dict(model_path=model_path, seed=cfg.seed("generator", worker_index),
                                 worker_extension_cls=EXTENSION_CLASS, bundles=bundles)
+        self.adapter = None
+        """vLLM's request for the LoRA adapter every answer is sampled with (a LoRA run's
+        latest, taken at each sync), or None: the engine's weights alone."""
+        self.adapters_taken = 0
+        self.adapter_dir = None
+        """Where the adapters this engine receives are written (a temporary folder of its own)."""
         self.llm = None
         if start_engine:
             self.start_engine()
@@ -59,6 +66,8 @@ class GeneratorWorker:
             configure_vllm_env(cfg)
             with long_lived():  # (the import, while the learners set up: most of an engine's start on a CPU)
                 import vllm  # noqa: F401
+        if is_adapter(model_path):  # a LoRA run's checkpoint: its base, and this adapter on it
+            self._take_adapter(model_path)
 
     def start_engine(self) -> int:
         """Build the engine, unless it is built; returns the policy version it samples."""
@@ -95,7 +104,7 @@ class GeneratorWorker:
         for positions, rollouts in sample_as_finished(self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p,
                                                       max_tokens=max_tokens, seeds=seeds, version=self.version,
                                                       parts=parts, min_tokens=self.cfg.generator.min_response_tokens,
-                                                      carried=groups, quota=quota):
+                                                      carried=groups, quota=quota, adapter=self.adapter):
             yield PartFacts(positions, [[(r.response_length, r.finish_reason, r.version, r.earlier_tokens) for r in answers]
                                         for answers in rollouts], lost)
             yield RolloutPart(rollouts)
@@ -152,16 +161,55 @@ class GeneratorWorker:
         return tuple(SLEEP_TAGS[part] for part in asleep)
 
     def receive_weights(self, manifest: WeightManifest, version: int) -> int:
+        """Take the learners' weights as policy `version` (a LoRA run's: its adapter, the base
+        weights staying as they are); returns tensors received."""
         self._wake([WEIGHTS])  # a sleeping engine's weight memory back on the GPU, then every tensor loaded into it
         self.half_loaded = True  # until every tensor arrived: a sync that failed is sent again whole
         with self.residency.working_on((RECEIVED,)):
-            loaded = self.llm.collective_rpc("rayrep_receive_weights", args=(manifest,))[0]
+            if manifest.adapter is not None:
+                folder = self._adapter_folder(version)
+                loaded = self.llm.collective_rpc("rayrep_receive_adapter", args=(manifest, folder))[0]
+                self._take_adapter(folder)
+            else:
+                loaded = self.llm.collective_rpc("rayrep_receive_weights", args=(manifest,))[0]
         self.half_loaded = False
         self.residency.release_cache()  # (the extension empties the workers' caches on GPUs)
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         self.version = version
         return loaded
+
+    def _adapter_folder(self, version: int) -> str:
+        import tempfile
+        from pathlib import Path
+
+        if self.adapter_dir is None:
+            self.adapter_dir = tempfile.mkdtemp(prefix="rayrep-adapters-")
+        return str(Path(self.adapter_dir) / f"v{version}-{self.adapters_taken + 1}")
+
+    def _take_adapter(self, folder: str) -> None:
+        """Sample with the adapter at `folder` from now on. vLLM loads it with the first request
+        that names it; the one before is dropped from the engine, and its folder, if this engine
+        wrote it, from the disk. Each adapter taken gets a new name and serial: the engine
+        keeps adapters by serial and caches prompts by name, so neither can serve an old one."""
+        import shutil
+
+        from rayrep.generator.engine import adapter_request
+
+        self.adapters_taken += 1
+        old, self.adapter = self.adapter, adapter_request(folder, f"policy-{self.adapters_taken}", self.adapters_taken)
+        if old is not None:
+            if self.llm is not None:
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+            if self.adapter_dir is not None and old.lora_path.startswith(self.adapter_dir):
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def drop_adapters(self) -> None:
+        """Remove the adapter folders this engine wrote (before the runtime ends it)."""
+        import shutil
+
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     def memory_report(self) -> Holding:
         """What this engine holds on each of its GPUs, now and at its peak since the last report."""

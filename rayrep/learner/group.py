@@ -83,9 +83,9 @@ class LearnerGroup:
 
     def weight_manifest(self, bucket_bytes: int) -> WeightManifest:
         specs = ray.get(self.workers[0].weight_specs.remote())
-        tied = ray.get(self.workers[0].tied_embedding_name.remote())
+        tied, adapter = ray.get([self.workers[0].tied_embedding_name.remote(), self.workers[0].adapter_config.remote()])
         tensors = [TensorSpec(name, shape, getattr(torch, dtype)) for name, shape, dtype in specs]
-        return WeightManifest.build(tensors, bucket_bytes, tied_embedding=tied)
+        return WeightManifest.build(tensors, bucket_bytes, tied_embedding=None if adapter else tied, adapter=adapter)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's node address and a free port there: the weight group's rendezvous."""

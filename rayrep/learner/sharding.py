@@ -52,22 +52,27 @@ class Sharding(Protocol):
     def step(self) -> tuple[float, bool]:
         """Clip and apply the accumulated gradient: (global grad norm, whether the step was applied)."""
 
-    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of every parameter: the fp32 master, or in `dtype` (a weight
-        sync's compute dtype); every rank must iterate together."""
+    def full_tensors(self, dtype: torch.dtype | None = None, trained_only: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of every parameter (`trained_only`: of those that train, a LoRA
+        adapter's): the fp32 master, or in `dtype` (a weight sync's compute dtype); every rank
+        must iterate together."""
 
-    def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
-        """Every parameter's full tensor in `dtype`, in CPU memory at rank 0 (None elsewhere);
-        every rank must call it. For checkpoints: it takes no GPU memory."""
+    def full_state(self, dtype: torch.dtype, rank: int, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """Every parameter's (`trained_only`: every trained one's) full tensor in `dtype`, in
+        CPU memory at rank 0 (None elsewhere); every rank must call it. For checkpoints: it
+        takes no GPU memory."""
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config):
-    """AdamW over the fp32 parameters, and its learning-rate schedule in ROLLOUT steps: linear
-    warm-up, then constant or cosine decay to 0 at `run.steps`. The RLEP code (a verl fork)
-    steps its scheduler once per rollout, so the paper's 10 warm-up steps are 10 rollouts,
-    however many optimizer steps each rollout takes."""
+    """AdamW over the fp32 parameters that train (all of them, or a LoRA adapter's), and its
+    learning-rate schedule in ROLLOUT steps: linear warm-up, then constant or cosine decay to
+    0 at `run.steps`. The RLEP code (a verl fork) steps its scheduler once per rollout, so
+    the paper's 10 warm-up steps are 10 rollouts, however many optimizer steps each rollout
+    takes."""
     learner = cfg.learner
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay, betas=(0.9, 0.999))
+    trained = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=learner.lr, weight_decay=learner.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda=lambda rollout: lr_factor(rollout, learner.warmup_steps, cfg.run.steps, learner.lr_schedule)
     )
@@ -86,6 +91,23 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
 
 def compute_dtype(cfg: Config) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
+
+
+def with_lora(model: torch.nn.Module, config, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with a LoRA adapter (`config`, a `peft.LoraConfig`) in each target layer, by
+    PEFT, before any sharding: the adapter's parameters train, in fp32 (the masters, as a
+    whole model's are); the base's are frozen and held in the compute `dtype`, with no
+    gradients, optimizer state or fp32 masters (FSDP2 asks one dtype of the parameters that
+    train only). The same module object: its parameters gain the adapter's, named by PEFT
+    (`...q_proj.lora_A.default.weight`; the base's as `...q_proj.base_layer.weight`)."""
+    from peft import get_peft_model
+
+    get_peft_model(model, config)  # injects the adapter layers into `model` and freezes the rest
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(dtype)
+    return model
 
 
 class FSDP2Sharding:
@@ -134,16 +156,19 @@ class FSDP2Sharding:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, stepped
 
-    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, dtype: torch.dtype | None = None, trained_only: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
+            if trained_only and not param.requires_grad:
+                continue  # (on every rank alike: no all-gather of the frozen base)
             # Each rank casts its own shard, then the all-gather moves the cast tensors: a
             # bf16 sync gathers half the bytes of the fp32 masters (the same values: a cast
             # is elementwise).
             local = param.detach() if dtype is None else param.detach().to(dtype)
             yield name, local.full_tensor() if hasattr(local, "full_tensor") else local
 
-    def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
-        """Each parameter's dim-0 shards, cast to `dtype` where they lie (CPU memory while the
+    def full_state(self, dtype: torch.dtype, rank: int, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """Each parameter's (`trained_only`: each trained one's) dim-0 shards, cast to `dtype` where they lie (CPU memory while the
         engines hold the GPU), gathered to rank 0 over the CPU group and joined in rank order
         (FSDP2 shards dim 0 as torch.chunk does): a checkpoint never brings the learner's
         state back to the GPU."""
@@ -151,6 +176,8 @@ class FSDP2Sharding:
         state: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, param in self.model.named_parameters():
+                if trained_only and not param.requires_grad:
+                    continue
                 local = _local(param).detach().to("cpu", dtype, copy=True)
                 if W == 1:
                     state[name] = local
@@ -169,7 +196,8 @@ class FSDP2Sharding:
 
     # A learner checkpoint is one safetensors file per rank (this rank's shard of every fp32
     # master and AdamW moment: FSDP2 shards dim 0 as torch.chunk does) and the scheduler's
-    # state. Concatenating the files along dim 0 gives the full tensors back, so a group of
+    # state; with LoRA, of the adapter's parameters only (the frozen base is the base policy's
+    # own weights, loaded again on resume). Concatenating the files along dim 0 gives the full tensors back, so a group of
     # any size can load it; no pickle is involved.
 
     def save_state(self, folder: Path, rank: int, world_size: int) -> dict:
@@ -180,6 +208,8 @@ class FSDP2Sharding:
         folder.mkdir(parents=True, exist_ok=True)
         tensors, steps = {}, {}
         for name, param in self.model.named_parameters():
+            if not param.requires_grad:
+                continue
             tensors[f"param/{name}"] = _local(param).detach().to("cpu", copy=True).contiguous()
             state = self.optimizer.state.get(param)
             if state:
@@ -214,6 +244,8 @@ class FSDP2Sharding:
 
         with torch.no_grad():
             for name, param in self.model.named_parameters():
+                if not param.requires_grad:
+                    continue
                 _local(param).copy_(rows_of("param", name, param))
                 if name in shared["adam_steps"]:
                     moments = {kind: torch.zeros_like(param) for kind in ("exp_avg", "exp_avg_sq")}
@@ -331,26 +363,30 @@ class DeepSpeedSharding:
         grad_norm = float(self.model.get_global_grad_norm())
         return grad_norm, math.isfinite(grad_norm)
 
-    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, dtype: torch.dtype | None = None, trained_only: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         from deepspeed.utils import safe_get_full_fp32_param
 
+        params = [(name, param) for name, param in self.module.named_parameters()
+                  if param.requires_grad or not trained_only]
         if self.bf16 and dtype == torch.bfloat16:
             # ZeRO-2 keeps the bf16 weights whole on every rank, each the fp32 master as the
             # optimizer's step rounded it (a copy into bf16, which rounds as `.to` does): a
             # sync sends them as they are, without gathering the fp32 masters.
-            for name, param in self.module.named_parameters():
+            for name, param in params:
                 yield name, param.detach()
             return
-        for name, param in self.module.named_parameters():
-            # The fp32 master (gathered from the optimizer's partitions), not the bf16 copy.
-            master = (safe_get_full_fp32_param(param) if self.bf16 else param).detach()
+        for name, param in params:
+            # The fp32 master (gathered from the optimizer's partitions), not the bf16 copy; a
+            # frozen base parameter has none (LoRA): it is what it holds.
+            master = (safe_get_full_fp32_param(param) if self.bf16 and param.requires_grad else param).detach()
             yield name, master if dtype is None else master.to(dtype)
 
-    def full_state(self, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
+    def full_state(self, dtype: torch.dtype, rank: int, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
         # ZeRO-2 keeps its state on the GPU all along (nothing is offloaded): every rank takes
         # part in each gather there, and rank 0 alone copies the tensors to host memory.
         state = {}
-        for name, tensor in self.full_tensors():
+        for name, tensor in self.full_tensors(trained_only=trained_only):
             if rank == 0:
                 state[name] = tensor.to("cpu", dtype, copy=True)
         return state if rank == 0 else None

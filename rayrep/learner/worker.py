@@ -31,9 +31,10 @@ from rayrep.heap import long_lived
 from rayrep.learner.forward import Entropy, PolicyForward, mini_batches, rows_per_rank
 from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.learner.mismatch import correct, correction_sums, mismatch_sums
-from rayrep.learner.sharding import compute_dtype
+from rayrep.learner.sharding import compute_dtype, with_lora
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
+from rayrep.models.adapter import file_key, lora_config, write_adapter
 from rayrep.sync.collective import TIED_EMBEDDING, WeightManifest
 from rayrep.types import BatchRecipe, LossSpec, TokenSequences, TrainBatch
 
@@ -105,13 +106,20 @@ class LearnerWorker:
             # Keep each layer's input only and recompute the rest in backward.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied_embedding = TIED_EMBEDDING if model.config.tie_word_embeddings else None
+        self.lora = lora_config(cfg, model_path) if cfg.learner.lora_rank else None
+        """The LoRA adapter this group trains on the frozen base (`learner.lora_rank`), or None."""
+        if self.lora is not None:
+            model = with_lora(model, self.lora, compute_dtype(cfg))
         self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device)
         self.sharding.model.train()
         self.forward = PolicyForward(cfg, self.sharding, self.device, rank, world_size)
-        if cfg.learner.strategy == "fsdp2":  # this rank's fp32 shards as they are: parameters, two moments, gradients
-            shard = 4 * sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                            for p in self.sharding.model.parameters())
-            self.residency.sizes.update({PARAMETERS: shard, OPTIMIZER: 2 * shard, GRADIENTS: shard})
+        if cfg.learner.strategy == "fsdp2":
+            # This rank's shards as they are: the parameters (fp32, or a frozen LoRA base in the
+            # compute dtype), and for those that train, two fp32 moments and an fp32 gradient.
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in self.sharding.model.parameters()]
+            trained = 4 * sum(t.numel() for t, p in zip(local, self.sharding.model.parameters()) if p.requires_grad)
+            self.residency.sizes.update({PARAMETERS: sum(t.numel() * t.element_size() for t in local),
+                                         OPTIMIZER: 2 * trained, GRADIENTS: trained})
         self.residency.move(PARAMETERS, DEVICE)
         if cfg.learner.strategy == "deepspeed":  # its fp32 partitions exist from the start, on the GPU for good
             self.residency.move(OPTIMIZER, DEVICE)
@@ -339,8 +347,17 @@ class LearnerWorker:
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(name, global shape, dtype) of what a sync sends: the compute dtype (bf16 on the
-        paper presets), which the generators run in; the fp32 masters stay here."""
+        paper presets), which the generators run in; the fp32 masters stay here. With LoRA,
+        the adapter's tensors alone, by the names of PEFT's files (the engines keep the base)."""
+        if self.lora is not None:
+            return [(file_key(name), tuple(param.shape), self.cfg.model.dtype)
+                    for name, param in self.sharding.module.named_parameters() if param.requires_grad]
         return [(name, tuple(param.shape), self.cfg.model.dtype) for name, param in self.sharding.module.named_parameters()]
+
+    def adapter_config(self):
+        """The `peft.LoraConfig` of the adapter this group trains (a sync's manifest carries
+        it, for the engines to write the adapter they load), or None: full weights."""
+        return self.lora
 
     def tied_embedding_name(self) -> str | None:
         return self.tied_embedding
@@ -372,7 +389,8 @@ class LearnerWorker:
         self.residency.require("a weight sync", PARAMETERS)
         with torch.no_grad(), self.residency.working_on((WHOLE_TENSOR,)):
             # Every rank iterates together: under FSDP2 each tensor is an all-gather.
-            tensors = (tensor for _, tensor in self.sharding.full_tensors(compute_dtype(self.cfg)))
+            tensors = (tensor for _, tensor in self.sharding.full_tensors(compute_dtype(self.cfg),
+                                                                          trained_only=self.lora is not None))
             try:
                 if self.weight_channel is not None:
                     self.weight_channel.send(manifest, tensors, self.residency)
@@ -386,22 +404,27 @@ class LearnerWorker:
             self.offload(optimizer=False)
         return time.perf_counter() - start
 
-    def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor] | None:
-        """The full weights on CPU at rank 0 (None elsewhere), the fp32 masters unless `dtype`
-        says otherwise; every rank must call it. Gathered in CPU memory: nothing comes back
-        to the GPU (`Sharding.full_state`)."""
-        return self.sharding.full_state(dtype, self.rank)
+    def full_state_dict(self, dtype: torch.dtype = torch.float32, trained_only: bool = False
+                        ) -> dict[str, torch.Tensor] | None:
+        """The full weights (`trained_only`: the LoRA adapter's) on CPU at rank 0 (None
+        elsewhere), the fp32 masters unless `dtype` says otherwise; every rank must call it.
+        Gathered in CPU memory: nothing comes back to the GPU (`Sharding.full_state`)."""
+        return self.sharding.full_state(dtype, self.rank, trained_only)
 
     def save(self, path: str, base_model_path: str) -> str | None:
-        """Save a Hugging Face checkpoint directory in `model.dtype` (rank 0 writes; every rank must call)."""
+        """Save the policy in `model.dtype` (rank 0 writes; every rank must call): a Hugging
+        Face checkpoint directory, or with LoRA the adapter in PEFT's format beside the base's
+        tokenizer (`rayrep.models.adapter`)."""
         from rayrep.models.checkpoint import save_checkpoint
 
         # DeepSpeed gathers each fp32 master whole on the GPU (FSDP2 casts its shards where they lie).
         with self.residency.working_on((MASTER_GATHERED,)):
-            state = self.full_state_dict(compute_dtype(self.cfg))
-        if self.rank == 0:
-            return save_checkpoint(state, base_model_path, path, self.config_overrides)
-        return None
+            state = self.full_state_dict(compute_dtype(self.cfg), trained_only=self.lora is not None)
+        if self.rank != 0:
+            return None
+        if self.lora is not None:
+            return write_adapter(path, {file_key(name): t for name, t in state.items()}, self.lora, with_tokenizer=True)
+        return save_checkpoint(state, base_model_path, path, self.config_overrides)
 
     def save_state(self, folder: str) -> dict | None:
         """Write this rank's part of the learner checkpoint (fp32 masters, AdamW moments) to

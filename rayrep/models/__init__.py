@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rayrep.config import Config, InputError
+from rayrep.models.adapter import base_policy
 from rayrep.models.recipe import read_record, shipped_policy, tiny_spec
 
 
@@ -37,12 +38,13 @@ def config_overrides(cfg: Config, model_path: str) -> dict:
 
 
 def read_model_config(model_path: str, local_only: bool = False):
-    """The checkpoint's model config (`config.json`), or an InputError naming the path. A hub
-    id is read from the local cache, or (not `local_only`) fetched from the hub."""
+    """The checkpoint's model config (`config.json`; an adapter's: its base's), or an
+    InputError naming the path. A hub id is read from the local cache, or (not `local_only`)
+    fetched from the hub."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_path, local_files_only=local_only)
+        return AutoConfig.from_pretrained(base_policy(model_path), local_files_only=local_only)
     except (OSError, ValueError) as err:
         raise InputError(f"model {model_path}: cannot read its config.json ({err})") from None
 

@@ -9,9 +9,24 @@ from pathlib import Path
 
 import torch
 
-# Everything of the base checkpoint except its weights travels with a trained one.
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+# Everything of the base checkpoint except its weights travels with a trained one; its
+# tokenizer travels with a trained adapter too (`rayrep.models.adapter`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt")
+_COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+
+
+def copy_tokenizer(base_model_path: str, out: Path) -> None:
+    """The base's tokenizer files into `out` (a folder or a hub id's, from the local cache)."""
+    base = Path(base_model_path)
+    if not base.is_dir():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(base_model_path).save_pretrained(out)
+        return
+    for name in TOKENIZER_FILES:
+        if (base / name).exists():
+            shutil.copy2(base / name, out / name)
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], base_model_path: str, out_path: str,

@@ -157,6 +157,12 @@ class Runtime:
         """The policy version the generators sample (the learners' is one ahead during an update)."""
         return self.sync.version if self.sync is not None else self.generators.version
 
+    @property
+    def keeps_engine_weights(self) -> bool:
+        """Whether sleeping engines keep their weights (in host memory): a LoRA run's syncs send
+        the adapter alone, so the base weights they dropped would never come back."""
+        return bool(self.cfg.learner.lora_rank)
+
     def observe(self, phase: str) -> None:
         """The device-memory ledger's view of the transition that ends `phase` (where the run
         models its GPUs): what every live learner rank and engine held since the last one."""
@@ -173,12 +179,12 @@ class Runtime:
 
     def hand_over_to_learners(self) -> None:
         """Where colocated roles take turns: the engines sleep, dropping their weights (the
-        weight sync after the update overwrites them all), then the learners bring their state
-        back. Elsewhere (disaggregated, CPU) nothing to do, and no call made: a call would wait
+        weight sync after the update overwrites them all; a LoRA run's engines keep them in host
+        memory), then the learners bring their state back. Elsewhere (disaggregated, CPU) nothing to do, and no call made: a call would wait
         behind the generators' work in flight (asynchronous rollouts)."""
         if not self.cfg.placement.takes_turns:
             return
-        self.generators.sleep(keep_weights=False)
+        self.generators.sleep(keep_weights=self.keeps_engine_weights)
         self.observe("generate")
         self.learners.onload()
         self.observe("hand-over")
@@ -233,7 +239,7 @@ class Runtime:
             return
         self.observe("replacement")
         if self.cfg.placement.takes_turns:
-            self.generators.sleep(keep_weights=False)
+            self.generators.sleep(keep_weights=self.keeps_engine_weights)
             self.observe("replacement")
         self.sync.rebuild()
         self.observe("sync")
@@ -259,6 +265,9 @@ class Runtime:
             self.learners.shutdown()
         if self.verifiers is not None:
             self.verifiers.shutdown()
+        if self.generators is not None and self.cfg.learner.lora_rank:  # (their adapter folders; a dead one's stay)
+            ray.wait([w.drop_adapters.remote() for w in self.generators.workers],
+                     num_returns=len(self.generators.workers), timeout=10)
         for group in (self.generators, self.verifiers):
             for worker in group.workers if group is not None else []:
                 ray.kill(worker)

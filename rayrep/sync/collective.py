@@ -18,7 +18,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -81,9 +81,13 @@ class WeightManifest:
     buckets: tuple[tuple[int, ...], ...]
     tied_embedding: str | None = None
     """Name of the input embedding when the output head shares it (sent once, loaded twice)."""
+    adapter: Any = None
+    """The `peft.LoraConfig` of a LoRA run's adapter, whose tensors alone a sync sends (named
+    as in PEFT's files), for the engines to take as a new adapter; None: the policy's weights."""
 
     @staticmethod
-    def build(specs: Iterable[TensorSpec], bucket_bytes: int, tied_embedding: str | None = None) -> "WeightManifest":
+    def build(specs: Iterable[TensorSpec], bucket_bytes: int, tied_embedding: str | None = None,
+              adapter: Any = None) -> "WeightManifest":
         specs = tuple(specs)
         buckets: list[tuple[int, ...]] = []
         current: list[int] = []
@@ -98,7 +102,7 @@ class WeightManifest:
             current_dtype = spec.dtype
         if current:
             buckets.append(tuple(current))
-        return WeightManifest(specs, tuple(buckets), tied_embedding)
+        return WeightManifest(specs, tuple(buckets), tied_embedding, adapter)
 
     @property
     def total_bytes(self) -> int:

@@ -93,6 +93,19 @@ class WeightSyncExtension:
             torch.cuda.empty_cache()
         return loaded
 
+    def rayrep_receive_adapter(self, manifest: WeightManifest, folder: str) -> int:
+        """A LoRA run's sync: receive the adapter's tensors (every worker of the engine takes
+        part in the transport) and write them as an adapter folder at `folder` (the engine's
+        first worker), which the engine then loads through vLLM's public `LoRARequest`; the
+        base weights stay as they are. Returns tensors received."""
+        from rayrep.models.adapter import write_adapter
+
+        # Copied out of the flat buckets, which the transport may reuse for the next one.
+        tensors = {name: tensor.to("cpu", copy=True) for name, tensor in self._rayrep_channel.receive(manifest)}
+        if getattr(self, "rank", 0) == 0:
+            write_adapter(folder, tensors, manifest.adapter)
+        return len(tensors)
+
     def rayrep_load_folder(self, folder: str) -> int:
         """Load a checkpoint folder's weights (its *.safetensors, tensor by tensor) in place;
         returns tensors loaded. vLLM's own `reload_weights(weights_path=...)` would leave a
