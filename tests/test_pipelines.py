@@ -10,7 +10,7 @@ def test_the_exgrpo_job_compares_with_a_baseline_of_the_same_advantage(ray_clust
                                                                        monkeypatch):
     """Both arms take ExGRPO's mean-only (Dr.GRPO) advantage, as the paper's on-policy
     baseline does, so the comparison isolates replay; the job writes both runs, the table
-    and the plot. The job's `main` runs here, on the session's cluster: a process of its own
+    and the plot; both arms train a LoRA adapter. The job's `main` runs here, on the session's cluster: a process of its own
     would spend about 20 s starting Python, vLLM and a cluster (the jobs' command lines and
     errors, as processes: test_job_errors.py)."""
     import runpy
@@ -20,7 +20,7 @@ def test_the_exgrpo_job_compares_with_a_baseline_of_the_same_advantage(ray_clust
     job = runpy.run_path(str(ROOT / "jobs" / "exgrpo.py"))  # its main, not run: __name__ is not "__main__"
     job["main"](["--out", str(out), "--run.steps", "2", "--run.eval_every", "0", "--algorithm.prompts_per_step", "16",
                  "--learner.mini_batch_prompts", "8", "--data.arithmetic_test_size", "32",
-                 "--algorithm.exgrpo.start_pass_rate", "0"])
+                 "--algorithm.exgrpo.start_pass_rate", "0", "--learner.lora_rank", "8"])
     stdout = capsys.readouterr().out
     for run, name in (("baseline", "grpo"), ("exgrpo", "exgrpo")):
         config = json.loads((out / run / "config.json").read_text())
@@ -32,6 +32,8 @@ def test_the_exgrpo_job_compares_with_a_baseline_of_the_same_advantage(ray_clust
     assert comparison["metric"] == "test_pass@1" and comparison["baseline"]["final_step"] == 2
     assert (out / "comparison.png").stat().st_size > 0
     assert "ExGRPO" in stdout and "peak test_pass@1" in stdout
+    # Both arms trained a LoRA adapter (`--learner.lora_rank 8`): their policies are adapters.
+    assert all((out / run / "checkpoints" / "final" / "adapter_config.json").exists() for run in ("baseline", "exgrpo"))
 
 
 def test_a_finished_run_is_reused_only_under_the_settings_it_ran_with(tmp_path, tiny_cfg):

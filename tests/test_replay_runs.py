@@ -45,7 +45,8 @@ def same_as_recorded(name: str, records: list[dict]) -> None:
     path = RECORDED / f"{name}.json"
     if os.environ.get("RAYREP_RECORD_METRICS"):
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(kept, indent=0, sort_keys=True) + "\n")
+        recorded = [{k: v for k, v in r.items() if not NEW_SINCE_RECORDED.match(k)} for r in kept]  # (as compared)
+        path.write_text(json.dumps(recorded, indent=0, sort_keys=True) + "\n")
         return
     recorded = json.loads(path.read_text())
     assert len(kept) == len(recorded), name
@@ -176,8 +177,10 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
     changes = {"algorithm.name": name, "algorithm.dynamic_sampling": True, "run.steps": 3, "logging.run_name": name}
     if name == "rlep":
         # G = 4: fresh groups that all fail (kept only through their replays) are common
-        # enough that three steps surely hold some (about 1 in 5 groups).
-        changes.update({"algorithm.rlep.pool": pool_stats["pool"], "algorithm.group_size": 4})
+        # enough that three steps surely hold some (about 1 in 5 groups). The learners train a
+        # LoRA adapter (RLEP with LoRA; the full-weight RLEP run is the test above).
+        changes.update({"algorithm.rlep.pool": pool_stats["pool"], "algorithm.group_size": 4,
+                        "learner.lora_rank": 8, "learner.lr": 1e-3})
     else:
         changes.update({"algorithm.prune.after": 1, "data.arithmetic_train_size": 32})
     cfg = small(tiny_cfg, tmp_path, **changes)
@@ -194,7 +197,7 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
         records[1] = {k: v for k, v in records[1].items() if not k.startswith("test_")}
         records[2] = {k: v for k, v in records[2].items()
                       if not k.startswith(("memory_resume", "memory_engine_start_up", "memory_learner_set_up"))}
-    same_as_recorded(f"{name}-dynamic", records)
+    same_as_recorded(f"{name}-lora-dynamic" if cfg.learner.lora_rank else f"{name}-dynamic", records)
     K = cfg.algorithm.group_size
     assert sum(r["dynamic_sampling_rounds"] for r in records) > 0  # refills did happen
     for r in records:
@@ -212,6 +215,8 @@ def test_dynamic_sampling_keeps_every_algorithms_replays(ray_cluster, tiny_cfg, 
             assert 0 < r["prioritized_wrong_share"] < 1 and r["prioritized_age_mean"] <= cfg.algorithm.prioritized.max_age
         assert sum(r["pruner_skipped"] for r in records) > 0
     if name == "rlep":
+        # LoRA: each sync sent the adapter alone (rank 8 on 7 projections of 4 layers, fp32).
+        assert {r["sync_bytes"] for r in records} == {4 * 4 * 8 * (2 * (128 + 128) + 2 * (128 + 64) + 3 * (128 + 384))}
         # Groups whose fresh rollouts all failed are kept when a pooled success gives them a signal.
         assert any(r["groups_signal_from_replay"] > 0 for r in records)
         assert all(r["group_size_max"] <= K + cfg.algorithm.rlep.replays_per_group for r in records)

@@ -3,7 +3,7 @@ generator, a replay shard and its learner are killed in turn (`--auto-resume` re
 from step 2 after the learner's death), then the driver is SIGKILLed while it saves step 4.
 The job leaves the checkpoint before current, ends as the uninterrupted run ends once
 resumed, with each death counted; a run also resumes on another number of learners. One
-uninterrupted run and this one serve every test. The run takes partial rollouts: every step
+uninterrupted run and this one serve every test; both train a LoRA adapter. The run takes partial rollouts: every step
 stops its slowest answers, so each death meets answers paused."""
 
 import json
@@ -20,6 +20,9 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from safetensors import safe_open
+
+from rayrep.models.adapter import is_adapter
 from rayrep.run.checkpoints import read_run_state, step_checkpoints
 from rayrep.run.log import read_metrics
 
@@ -36,7 +39,11 @@ RUN = ["--algorithm.name", "exgrpo", "--algorithm.std_normalize", "false", "--al
        # The generation pruner: from step 3 (the second epoch) it passes by questions whose
        # groups taught nothing; its records resume with the sampler.
        "--algorithm.prune.after", "1",
-       "--placement.emulate_gpus", "true"]  # turns taken as on colocated GPUs, the device-memory ledger live
+       "--placement.emulate_gpus", "true",  # turns taken as on colocated GPUs, the device-memory ledger live
+       # LoRA: the learners train an adapter, the syncs send it alone, checkpoints hold it in
+       # PEFT's format (the run resumes from it), and the engines keep their base weights
+       # while they sleep. (Full-weight resume: test_replay_runs' stopped and resumed run.)
+       "--learner.lora_rank", "8", "--learner.lr", "1e-3"]
 # What differs between two runs that took the same steps: the clock.
 CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
 
@@ -140,6 +147,11 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
             whole_table, killed_table = whole_table.drop_columns(["advantage"]), killed_table.drop_columns(["advantage"])
         assert whole_table.equals(killed_table)
     assert [step for step, _ in step_checkpoints(out / "killed")] == [2, 4]
+    # LoRA: the policy checkpoint is the adapter (in PEFT's format), each sync sent it alone.
+    final = out / "killed" / "checkpoints" / "final"
+    assert is_adapter(final) and not (final / "model.safetensors").exists()
+    with safe_open(str(final / "adapter_model.safetensors"), "pt") as adapter:
+        assert {r["sync_bytes"] for r in resumed[1:]} == {sum(adapter.get_tensor(k).nbytes for k in adapter.keys())}
     assert not list((out / "killed" / "checkpoints").glob(".step-*"))  # nothing half-written left
 
 
