@@ -20,7 +20,7 @@ def test_the_exgrpo_job_compares_with_a_baseline_of_the_same_advantage(ray_clust
     job = runpy.run_path(str(ROOT / "jobs" / "exgrpo.py"))  # its main, not run: __name__ is not "__main__"
     job["main"](["--out", str(out), "--run.steps", "2", "--run.eval_every", "0", "--algorithm.prompts_per_step", "16",
                  "--learner.mini_batch_prompts", "8", "--data.arithmetic_test_size", "32",
-                 "--algorithm.exgrpo.start_pass_rate", "0", "--learner.lora_rank", "8"])
+                 "--algorithm.exgrpo.start_pass_rate", "0", "--learner.lora_rank", "8", "--learner.lora_merge", "true"])
     stdout = capsys.readouterr().out
     for run, name in (("baseline", "grpo"), ("exgrpo", "exgrpo")):
         config = json.loads((out / run / "config.json").read_text())
@@ -32,8 +32,22 @@ def test_the_exgrpo_job_compares_with_a_baseline_of_the_same_advantage(ray_clust
     assert comparison["metric"] == "test_pass@1" and comparison["baseline"]["final_step"] == 2
     assert (out / "comparison.png").stat().st_size > 0
     assert "ExGRPO" in stdout and "peak test_pass@1" in stdout
-    # Both arms trained a LoRA adapter (`--learner.lora_rank 8`): their policies are adapters.
+    # Both arms trained a LoRA adapter (`--learner.lora_rank 8`): their policies are adapters,
+    # and each final one is merged into the base too (`--learner.lora_merge`): a whole
+    # checkpoint whose logits are the base's with the adapter, as PEFT applies it.
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    checkpoints = out / "exgrpo" / "checkpoints"
     assert all((out / run / "checkpoints" / "final" / "adapter_config.json").exists() for run in ("baseline", "exgrpo"))
+    ids = torch.tensor([[5, 17, 42, 99, 7, 12, 3]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(str(checkpoints / "final-merged"))(ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_policy),
+                                            str(checkpoints / "final"))(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_policy)(ids).logits
+    assert torch.allclose(merged, adapted, atol=1e-4) and not torch.allclose(merged, base, atol=1e-4)
 
 
 def test_a_finished_run_is_reused_only_under_the_settings_it_ran_with(tmp_path, tiny_cfg):

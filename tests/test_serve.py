@@ -3,6 +3,7 @@ the official `openai` client."""
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -414,6 +415,71 @@ def test_an_evaluation_harness_scores_and_answers_through_the_server(server, tin
     for sample, (a, b) in zip(answer_samples, sums):
         expected = greedy_answer(tiny_policy, f"Q: {a}+{b}=? Answer in \\boxed{{}}.\nA: ", 32).split("\n")[0]
         assert sample["resps"][0][0] == expected
+
+
+def adapter_step(run, step: int, tiny_cfg, tiny_policy: str, seed: int):
+    """A LoRA run's step checkpoint, as a run writes it (the adapter in PEFT's format beside the
+    base's tokenizer, then its run state): rank 8 on every projection, A and B both random
+    (PEFT's `init_lora_weights=False`), so that it moves the policy's log-probs."""
+    import dataclasses
+
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from rayrep.models.adapter import lora_config, write_adapter
+
+    torch.manual_seed(seed)
+    config = dataclasses.replace(lora_config(tiny_cfg.replace(**{"learner.lora_rank": 8}), tiny_policy),
+                                 init_lora_weights=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_policy), config)
+    folder = run / "checkpoints" / f"step-{step}"
+    write_adapter(folder, {k: v * 0.3 for k, v in get_peft_model_state_dict(model).items()}, config, with_tokenizer=True)
+    (folder / "run_state.json").write_text("{}")
+    return folder
+
+
+def test_a_lora_run_is_served_as_its_base_with_its_adapter_and_followed_adapter_by_adapter(
+        server, tiny_cfg, tiny_policy, tmp_path):
+    """`jobs/serve.py --follow` on a LoRA run: the replica serves the base with the newest
+    checkpoint's adapter (vLLM's LoRA API), its log-probs PEFT's own (transformers loads the
+    adapter folder), and switches to each newer adapter in place, the base weights untouched.
+    A second application on the fixture's Serve instance, under /lora."""
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from rayrep.serve.app import build_app
+
+    run = tmp_path / "lora-run"
+    first = adapter_step(run, 1, tiny_cfg, tiny_policy, seed=1)
+    ids = AutoTokenizer.from_pretrained(str(first)).encode(PROMPT, add_special_tokens=False)
+    cfg = tiny_cfg.replace(**CAPS, **{"serve.follow_every_s": 0.2, "logging.out_dir": str(tmp_path)})
+
+    def served() -> tuple[str, list[float]]:
+        scored = httpx.post(f"{server}/lora/v1/completions", timeout=120, json={
+            "model": "lora-run", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0}).json()
+        return scored["model"], scored["choices"][0]["logprobs"]["token_logprobs"][1:]
+
+    def own(folder) -> list[float]:
+        reference = policy_logprobs(str(folder), ids)  # transformers + peft, from the adapter folder
+        return [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+
+    base = own(tiny_policy)
+    serve.run(build_app(cfg, str(run), "lora-run", follow=True), name="lora", route_prefix="/lora")
+    try:
+        name, logprobs = served()
+        assert name == "lora-run/step-1" and logprobs == pytest.approx(own(first), abs=2e-3)
+        assert logprobs != pytest.approx(base, abs=2e-2)  # the adapter moved them
+        second = adapter_step(run, 2, tiny_cfg, tiny_policy, seed=2)
+        deadline = time.monotonic() + 60
+        while served()[0] != "lora-run/step-2":
+            assert time.monotonic() < deadline, "the server did not switch to step-2's adapter"
+            time.sleep(0.2)
+        name, logprobs = served()
+        assert logprobs == pytest.approx(own(second), abs=2e-3)
+        assert logprobs != pytest.approx(own(first), abs=2e-2)
+    finally:
+        serve.delete("lora")
 
 
 def test_request_rules_without_a_server(tiny_cfg):

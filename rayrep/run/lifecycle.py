@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from rayrep.algos import AlgorithmInputs, algorithm_class, check_inputs, make_algorithm
@@ -22,7 +23,8 @@ from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.heap import long_lived
 from rayrep.library_output import LIBRARY_LOG
-from rayrep.models import resolve_policy
+from rayrep.models import config_overrides, resolve_policy
+from rayrep.models.adapter import merge_adapter
 from rayrep.progress import Progress
 from rayrep.run.checkpoints import (BufferSnapshots, RunState, mark_final, restore_run, resume_point,
                                     save_run)
@@ -173,9 +175,13 @@ class Training:
 
     def finish(self) -> RunResult:
         """The run's final checkpoint marked (a run with no steps to take saves the policy as
-        it is) and its evaluations written."""
+        it is), a LoRA run's also merged into its base if asked (`learner.lora_merge`:
+        `checkpoints/final-merged`, in the driver's memory), and its evaluations written."""
         if self.saved is None:
             self.save(self.cfg.run.steps)
         final = mark_final(self.folder.path, self.saved)
+        if self.cfg.learner.lora_merge:  # the adapter merged into its base: a whole checkpoint beside `final`
+            merge_adapter(final, final.with_name("final-merged"), getattr(torch, self.cfg.model.dtype),
+                          config_overrides(self.cfg, str(final)))
         self.evaluations.write(self.folder)
         return RunResult(self.folder.path, str(final), self.evaluations.records)

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 
 from rayrep.config import Config, InputError
 from rayrep.library_output import library_log_env, route_library_output
+from rayrep.models.adapter import is_adapter
 from rayrep.run.layout import STATE_FILE, RunFolder
 from rayrep.serve import openai_api as oai
 from rayrep.serve import keys, metrics
@@ -271,6 +272,9 @@ class PolicyServer:
         os.environ.pop("VLLM_RAY_PER_WORKER_GPUS", None)
         self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
         self.checkpoint = checkpoint
+        self.adapters_taken = 0
+        self.adapter = self._adapter_of(checkpoint)
+        """vLLM's request for the LoRA adapter served on the base (a LoRA run's checkpoint), or None."""
         if follow:  # (Serve runs __init__ on the replica's event loop)
             self.following = asyncio.get_running_loop().create_task(self._follow(RunFolder(Path(source))))
 
@@ -363,24 +367,48 @@ class PolicyServer:
                 print(f"not switching: {err}", flush=True)
                 passed_over = version
                 continue
-            await self._switch(newest, version)
+            if not await self._switch(newest, version):
+                passed_over = version
 
-    async def _switch(self, checkpoint: Path, version: tuple[str, int]) -> None:
-        """Load `checkpoint`'s weights in place: no new request is scheduled meanwhile, the ones
-        in flight finish first (on the weights they started with), the caches are emptied."""
+    def _adapter_of(self, checkpoint: str | Path):
+        """vLLM's request for `checkpoint` if it is a LoRA adapter (a new name and serial each
+        time: the engine keeps adapters by serial, and caches prompts by name), else None."""
+        from rayrep.generator.engine import adapter_request
+
+        if not is_adapter(checkpoint):
+            return None
+        self.adapters_taken += 1
+        return adapter_request(str(checkpoint), f"{self.alias or self.name}-{self.adapters_taken}", self.adapters_taken)
+
+    async def _switch(self, checkpoint: Path, version: tuple[str, int]) -> bool:
+        """Load `checkpoint`'s weights in place (a LoRA run's: its adapter, on the same base): no
+        new request is scheduled meanwhile, the ones in flight finish first (on the weights they
+        started with), the caches are emptied. Returns whether it switched: an adapter that does
+        not load leaves the one served as it was (False); weights that fail half way leave the
+        replica unable to answer."""
         started = time.perf_counter()
         await self.engine.pause_generation(mode="wait", clear_cache=True)
         try:
-            await self.engine.collective_rpc("rayrep_load_folder", args=(str(checkpoint),))
+            if self.adapter is not None:
+                adapter = self._adapter_of(checkpoint)
+                try:
+                    await self.engine.add_lora(adapter)  # loaded now: a bad adapter fails here, not in a request
+                except Exception as err:
+                    print(f"not switching: the adapter of {checkpoint} does not load ({err})", flush=True)
+                    return False
+                await self.engine.remove_lora(self.adapter.lora_int_id)
+                self.adapter = adapter
+            else:
+                await self.engine.collective_rpc("rayrep_load_folder", args=(str(checkpoint),))
         except Exception as err:  # the weights may be part old, part new: answer nothing more
             self.broken = f"reloading the weights of {checkpoint} failed ({err})"
             print(self.broken, flush=True)
-        else:
-            self.checkpoint, self.version, self.name = str(checkpoint), version, self._following_name(checkpoint)
-            print(f"serving {checkpoint} as {self.name!r} (switched in {time.perf_counter() - started:.1f} s)",
-                  flush=True)
+            return False
         finally:
             await self.engine.resume_generation()
+        self.checkpoint, self.version, self.name = str(checkpoint), version, self._following_name(checkpoint)
+        print(f"serving {checkpoint} as {self.name!r} (switched in {time.perf_counter() - started:.1f} s)", flush=True)
+        return True
 
     def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
         if isinstance(prompt, str):
@@ -454,7 +482,7 @@ class PolicyServer:
     def _generate(self, ids: list[int], params, request_id: str) -> AsyncIterator:
         from vllm.inputs import TokensPrompt
 
-        return self.engine.generate(TokensPrompt(prompt_token_ids=ids), params, request_id)
+        return self.engine.generate(TokensPrompt(prompt_token_ids=ids), params, request_id, lora_request=self.adapter)
 
     def token_logprobs(self, token_ids, steps, top: int) -> list[oai.TokenLogprob]:
         """Each token of `token_ids` with its log-prob from `steps` (vLLM's per-position
