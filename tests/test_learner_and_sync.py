@@ -383,6 +383,47 @@ def test_bf16_compute_keeps_fp32_masters_that_move_at_a_paper_learning_rate(ray_
             assert torch.equal(tensor, state[name].to(torch.bfloat16).float()), name
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+def test_lora_trains_only_its_adapter_in_fp32_on_a_frozen_base_in_bf16(ray_cluster, tiny_cfg, tiny_policy, strategy):
+    """With `learner.lora_rank`, two ranks of either strategy hold the base frozen in bf16 (no
+    gradients, no optimizer state, no fp32 masters: it stays the checkpoint's weights to the
+    bit) and train the adapter alone, in fp32; a sync's manifest lists the adapter's tensors
+    alone, in bf16, named as in PEFT's files."""
+    from safetensors.torch import load_file
+
+    cfg = tiny_cfg.replace(**{"model.dtype": "bfloat16", "learner.lr": 1e-3, "learner.warmup_steps": 0,
+                              "algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 4,
+                              "learner.lora_rank": 8})
+    _, placement, learners = make_learners(cfg, tiny_policy, 2, strategy)
+    try:
+        for _ in range(2):
+            learners.update(synthetic_batch(), LossSpec())
+        state = ray.get([w.full_state_dict.remote(torch.bfloat16) for w in learners.workers])[0]
+        held = ray.get(learners.workers[1].__ray_call__.remote(lambda worker: (
+            {str(p.dtype) for p in worker.sharding.module.parameters() if not p.requires_grad},
+            {str(p.dtype) for p in worker.sharding.module.parameters() if p.requires_grad})))
+        dtypes = optimizer_state_dtypes(learners)
+        moments = ray.get(learners.workers[0].__ray_call__.remote(lambda worker: len(
+            getattr(worker.sharding.optimizer, "optimizer", worker.sharding.optimizer).state)))
+        manifest = learners.weight_manifest(1 << 20)
+    finally:
+        learners.shutdown()
+        placement.remove()
+    # The frozen base; the adapter's masters (DeepSpeed: in its optimizer, the module's copies bf16).
+    assert held == ({"torch.bfloat16"}, {"torch.float32" if strategy == "fsdp2" else "torch.bfloat16"})
+    assert dtypes == {"torch.float32"}
+    adapter = {name: t for name, t in state.items() if ".lora_" in name}
+    assert len(adapter) == 56 and all(t.abs().max() > 0 for t in adapter.values())  # A and B both moved from 0 / init
+    # DeepSpeed's optimizer holds its partitions as flat groups; torch's AdamW (FSDP2) one state per adapter tensor.
+    assert moments == (56 if strategy == "fsdp2" else moments) and moments > 0
+    original = load_file(f"{tiny_policy}/model.safetensors")
+    for name, tensor in original.items():
+        frozen = name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        assert torch.equal(state.get(frozen, state.get(name)), tensor.to(torch.bfloat16)), name
+    assert [s.name for s in manifest.tensors] == [f"base_model.model.{name.replace('.default', '')}" for name in adapter]
+    assert {s.dtype for s in manifest.tensors} == {torch.bfloat16} and manifest.adapter.r == 8
+
+
 def test_three_bf16_steps_agree_with_fp32_within_bf16_tolerance(fp32_updates, tiny_cfg, tiny_policy):
     from safetensors.torch import load_file
 

@@ -75,6 +75,42 @@ def test_the_paper_presets_fit_on_80_gib_gpus_phase_by_phase(preset):
     assert described.rstrip().endswith("fits")
 
 
+def test_the_adapter_count_matches_peft_and_lora_fits_the_rlep_setting_on_one_gpu(tiny_policy):
+    """A LoRA adapter's size, as the plan counts it, is PEFT's own; and the RLEP paper setting
+    with a rank-32 adapter on every projection shrinks each learner's state to the bf16 base
+    shard and the adapter's fp32 state, each sync to the adapter: it fits on one 80 GiB GPU
+    (learner and engine taking turns on it), where full fine-tuning does not."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_policy), LoraConfig(r=8, target_modules=list(targets)))
+    counted = model_shape(load_preset("tiny-cpu")).adapter_parameters(8, targets)
+    assert counted == sum(p.numel() for p in model.parameters() if p.requires_grad) == 77824
+
+    one_gpu = {"learner.num_workers": 1, "learner.mini_batch_prompts": 64}
+    full = memory_plan(load_preset("qwen2.5-math-7b-rlep").replace(**one_gpu))
+    lora_cfg = load_preset("qwen2.5-math-7b-rlep").replace(**one_gpu, **{"learner.lora_rank": 32})
+    lora = memory_plan(lora_cfg)
+    assert full.problems() and lora.problems() == [], lora.describe()
+    shape = model_shape(lora_cfg)
+    adapter = shape.adapter_parameters(32, targets)
+    assert 0.004 < adapter / shape.parameters < 0.02  # about 80M of 7.6B
+    learner = lora.sizes[LEARNER]
+    assert learner[PARAMETERS] == 2 * shape.parameters + 4 * adapter  # the bf16 base, the adapter's fp32 masters
+    assert learner[OPTIMIZER] == 8 * adapter and learner["gradients"] == 4 * adapter
+    assert lora.sync_bytes == 2 * adapter and full.sync_bytes == 2 * shape.parameters
+    assert lora.per_gpu(lora.phase("update")) < full.per_gpu(full.phase("update")) / 3
+    assert lora.phase("sync").holds(LEARNER) < full.phase("sync").holds(LEARNER) / 2
+    described = lora.describe()
+    assert "engines asleep" in described and described.rstrip().endswith("fits")
+    # On 8 GPUs (one node, as the paper), the state each rank keeps on its GPU between turns shrinks 5x.
+    eight = {"learner.num_workers": 8}
+    full8 = memory_plan(load_preset("qwen2.5-math-7b-rlep").replace(**eight))
+    lora8 = memory_plan(load_preset("qwen2.5-math-7b-rlep").replace(**eight, **{"learner.lora_rank": 32}))
+    assert lora8.problems() == [] and lora8.phase("hand-over").holds(LEARNER) < full8.phase("hand-over").holds(LEARNER) / 5
+
+
 def test_a_plan_that_cannot_fit_is_refused_with_its_numbers(tiny_policy):
     cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{"placement.gpu_memory_gib": 24})
     plan = memory_plan(cfg)

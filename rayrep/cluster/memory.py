@@ -21,6 +21,12 @@ at most that many padded tokens, one row at least; `c` the compute dtype's bytes
   compute dtype and packs the buckets into two send buffers of the largest bucket.
 - learner, DeepSpeed ZeRO-2: the whole compute-dtype model and the fp32 master partition,
   moment and gradient partitions, the same activations; its state never leaves the GPU.
+- learner with LoRA (`learner.lora_rank`, A adapter parameters): the frozen base in the
+  compute dtype (FSDP2: its shard, Pc/W), the adapter's fp32 masters, moments and gradients
+  (4A, 8A, 4A over W); a sync gathers and sends the adapter alone, an engine holds a slot for
+  one adapter of vLLM's size beside its weights and receives a bucket at a time. The
+  activations are counted as without the adapter (its inputs of rank r per projection add
+  about r / (16 H + 6 I) of a layer's).
 - engine (vLLM): `generator.gpu_memory_utilization` of the GPU awake: its weights (split over
   the tensor-parallel group), its runtime (what stays on the GPU asleep), the KV cache in the
   rest. Receiving weights it holds a copy of the tensors of a layer (the loader keeps them
@@ -141,6 +147,18 @@ class ModelShape:
         """Elements of the largest weight: the embedding (or the head) or an MLP projection."""
         return max(self.vocab_size * self.hidden_size, self.intermediate_size * self.hidden_size)
 
+    def adapter_parameters(self, rank: int, targets: Iterable[str]) -> int:
+        """Elements of a LoRA adapter of `rank` on the `targets` projections of every layer
+        (A: rank x in, B: out x rank); a name no layer has adds nothing."""
+        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
+        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                  "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        return self.num_hidden_layers * sum(rank * sum(shapes[t]) for t in set(targets) if t in shapes)
+
+    def largest_adapter_tensor(self, rank: int) -> int:
+        """Elements of a LoRA adapter's largest tensor (an MLP projection's A or B)."""
+        return rank * max(self.hidden_size, self.intermediate_size)
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
 
@@ -179,6 +197,8 @@ class MemoryPlan:
     kv_cache_tokens: int
     host: dict[str, tuple[int, str]] = field(default_factory=dict)
     """Host memory per node at the moments that need most of it: bytes and what holds them."""
+    sync_bytes: int = 0
+    """What one weight sync sends: the policy in the compute dtype, or a LoRA run's adapter."""
 
     def phase(self, name: str) -> Phase:
         for phase in self.phases:
@@ -222,7 +242,7 @@ class MemoryPlan:
                     holders.append(f"{label} {phase.holds(holder) / GIB:.2f}" + (f" ({inside})" if inside else ""))
             lines.append(f"  {phase.name:<{width}} {self.per_gpu(phase) / GIB:5.1f}  {'; '.join(holders)}")
             lines.append(f"  {'':<{width}}        {phase.what}")
-        travel = f"the weights travel by {self.transport}; " if self.transport else ""
+        travel = (f"a sync sends {self.sync_bytes / 1e9:.3g} GB by {self.transport}; " if self.transport else "")
         lines.append(f"  (each GPU also keeps {RESERVED_BYTES / GIB:.2f} for CUDA contexts, NCCL and fragmentation; "
                      f"{travel}an engine's KV cache holds {self.kv_cache_tokens:,} tokens: "
                      f"{self.kv_cache_tokens // max(1, self.longest_sequence):,} sequences of {self.longest_sequence:,})")
@@ -254,6 +274,8 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
     bucket = int(cfg.sync.bucket_mb * 2**20)
     largest_bucket = max(bucket, shape.largest_tensor * c)
     fsdp = learner.strategy == "fsdp2"
+    if learner.lora_rank:
+        return _lora_part_sizes(cfg, shape, tokens, per_layer, embeddings)
     learner_parts = {
         PARAMETERS: 4 * P // W if fsdp else P * c + 4 * P // W,  # DeepSpeed: the whole compute-dtype model too
         OPTIMIZER: 8 * P // W,
@@ -279,6 +301,45 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
         ENGINE_RUNTIME: SLEEPING_ENGINE_BYTES,
         KV_CACHE: max(0, budget - weights - SLEEPING_ENGINE_BYTES),
         RECEIVED: 2 * max(shape.largest_tensor, shape.layer_parameters) * c + bucket,
+    }
+    return {LEARNER: learner_parts, ENGINE: engine_parts}
+
+
+def _lora_part_sizes(cfg: Config, shape: ModelShape, tokens: int, per_layer: int, embeddings: int
+                     ) -> dict[str, dict[str, int]]:
+    """`part_sizes` of a LoRA run: the base frozen in the compute dtype, the adapter trained (A
+    parameters: fp32 masters, moments and gradients), syncs of the adapter alone."""
+    from rayrep.models.adapter import vllm_max_lora_rank
+
+    learner, gen, place = cfg.learner, cfg.generator, cfg.placement
+    c = compute_bytes(cfg)
+    P, W, L, V = shape.parameters, learner.num_workers, shape.num_hidden_layers, shape.vocab_size
+    A = shape.adapter_parameters(learner.lora_rank, learner.lora_target_modules)
+    fsdp = learner.strategy == "fsdp2"
+    adapter_bucket = min(int(cfg.sync.bucket_mb * 2**20), A * c)  # buckets of the adapter's tensors only
+    learner_parts = {
+        PARAMETERS: (P * c // W if fsdp else P * c) + 4 * A // W,
+        OPTIMIZER: 8 * A // W,
+        GRADIENTS: 4 * A // W,
+        GATHERED: (embeddings + 2 * shape.layer_parameters) * c if fsdp else 0,
+        ACTIVATIONS: L * tokens * shape.hidden_size * c + per_layer if learner.gradient_checkpointing else L * per_layer,
+        LOGITS: 2 * tokens * V * c,
+        LOGPROB_CHUNK: 4 * min(tokens, learner.logit_chunk_tokens) * V * 4,
+        PASS_ACTIVATIONS: per_layer,
+        PASS_LOGITS: tokens * V * c,
+        WHOLE_TENSOR: shape.largest_adapter_tensor(learner.lora_rank) * c,
+        SEND_BUFFERS: 2 * adapter_bucket,
+        MASTER_GATHERED: 0 if fsdp else shape.largest_adapter_tensor(learner.lora_rank) * (4 + c),
+    }
+    budget = int(gen.gpu_memory_utilization * place.gpu_memory_gib * GIB)
+    # vLLM's slot for one adapter of its rank size on every projection (max_loras 1), beside the base.
+    slot = shape.adapter_parameters(vllm_max_lora_rank(learner.lora_rank), learner.lora_target_modules) * c
+    weights = (P * c + slot) // gen.tensor_parallel_size
+    engine_parts = {
+        WEIGHTS: weights,
+        ENGINE_RUNTIME: SLEEPING_ENGINE_BYTES,
+        KV_CACHE: max(0, budget - weights - SLEEPING_ENGINE_BYTES),
+        RECEIVED: adapter_bucket,  # a bucket at a time: the worker copies each to host memory
     }
     return {LEARNER: learner_parts, ENGINE: engine_parts}
 
@@ -332,8 +393,8 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
               {LEARNER: resident, ENGINE: awake}),
         Phase("generate", "the engines sample (rollouts, evaluations); the learners' state is in host memory",
               {LEARNER: resident, ENGINE: awake}),
-        Phase("hand-over", "the engines sleep (level 2: weights and KV cache dropped); the learners' state comes back",
-              {LEARNER: state, ENGINE: asleep}),
+        Phase("hand-over", "the engines sleep (level 2: weights and KV cache dropped; with LoRA level 1, the "
+              "weights kept in host memory); the learners' state comes back", {LEARNER: state, ENGINE: asleep}),
         Phase("update", "the learners train (ExGRPO's entropy pass first), then release the allocator's cache",
               {LEARNER: update, ENGINE: asleep}),
         Phase("sync", "the optimizer state leaves; each tensor is gathered whole and handed over in buckets; the "
@@ -352,14 +413,23 @@ def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple
         return {}
     place, W = cfg.placement, cfg.learner.num_workers
     ranks = min(W, place.gpus_per_node) if place.device == "gpu" else W
-    P = shape.parameters
-    loading = 4 * P + 4 * P // W  # from_pretrained's fp32 model, and this rank's shard beside it
+    P, lora = shape.parameters, cfg.learner.lora_rank
+    # from_pretrained's fp32 model (a LoRA run's frozen base: in the compute dtype), and this rank's shard beside it
+    loading = (P * compute_bytes(cfg) if lora else 4 * P) * (W + 1) // W
     host = {"learner set-up": (ranks * loading, f"{ranks} learner rank(s), each loading the policy in fp32: "
                                                  f"{loading / 1e9:.1f} GB")}
     if place.mode == "colocated" and cfg.learner.strategy == "fsdp2":
-        state = 12 * P // W
+        if lora:
+            A = shape.adapter_parameters(lora, cfg.learner.lora_target_modules)
+            state = (P * compute_bytes(cfg) + 12 * A) // W
+        else:
+            state = 12 * P // W
         host["training"] = (ranks * state, f"{ranks} learner rank(s)' parameters and optimizer state while the "
                                            f"engines run: {state / 1e9:.1f} GB each")
+    if place.mode == "colocated" and lora:
+        weights = P * compute_bytes(cfg) // cfg.generator.tensor_parallel_size
+        host["engines asleep"] = (ranks * weights, f"{ranks} sleeping engine worker(s)' weights (LoRA: sleep level 1 keeps "
+                                           f"them): {weights / 1e9:.1f} GB each")
     return host
 
 
@@ -388,6 +458,8 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True, sequence: int 
         longest_sequence=sequence or cfg.data.max_prompt_tokens + gen.max_response_tokens,
         kv_cache_tokens=sizes[ENGINE][KV_CACHE] // max(1, kv_per_token),
         host=host_memory(cfg, shape, trains),
+        sync_bytes=(shape.adapter_parameters(cfg.learner.lora_rank, cfg.learner.lora_target_modules)
+                    if cfg.learner.lora_rank else shape.parameters) * c,
     )
 
 

@@ -80,7 +80,8 @@ class LearnerWorker:
         """Join the data-parallel group, load and shard the policy, build the optimizer.
 
         The weights load in fp32 whatever `model.dtype` is: they are the master weights that
-        the optimizer updates; the sharding computes in `model.dtype` (mixed precision).
+        the optimizer updates; the sharding computes in `model.dtype` (mixed precision). A
+        LoRA run's frozen base loads in `model.dtype`, its adapter's masters are fp32.
         """
         with long_lived():
             from transformers import AutoModelForCausalLM
@@ -99,14 +100,17 @@ class LearnerWorker:
 
         self.config_overrides = config_overrides(cfg, model_path)
         # Loaded on the CPU: each rank keeps only its shard on the device (a full fp32 copy
-        # of a 7B policy would not fit beside a colocated vLLM engine).
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **self.config_overrides)
+        # of a 7B policy would not fit beside a colocated vLLM engine). A LoRA run's base is
+        # frozen in the compute dtype: loaded in it (PEFT makes the adapter fp32 all the same).
+        lora = cfg.learner.lora_rank > 0
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype(cfg) if lora else torch.float32,
+                                                     **self.config_overrides)
         model.config.use_cache = False
         if cfg.learner.gradient_checkpointing:
             # Keep each layer's input only and recompute the rest in backward.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied_embedding = TIED_EMBEDDING if model.config.tie_word_embeddings else None
-        self.lora = lora_config(cfg, model_path) if cfg.learner.lora_rank else None
+        self.lora = lora_config(cfg, model_path) if lora else None
         """The LoRA adapter this group trains on the frozen base (`learner.lora_rank`), or None."""
         if self.lora is not None:
             model = with_lora(model, self.lora, compute_dtype(cfg))
