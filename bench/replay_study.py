@@ -45,7 +45,9 @@ the ExGRPO ablations `exgrpo-fullfresh` (the baseline's 64 fresh questions plus 
 bucket weighting instead of the code's); `baseline-partial` (the baseline with partial
 rollouts, `run.partial_rollouts 0.5`); and answer-level replay and the generation pruner:
 `prioritized`, `baseline-prune`, `prioritized-prune`, and the ablations
-`prioritized-nodecay` (priority |A| alone) and `prioritized-noevict` (no age bound).
+`prioritized-nodecay` (priority |A| alone) and `prioritized-noevict` (no age bound); and
+the baseline with a LoRA adapter instead of full fine-tuning: `baseline-lora8`,
+`baseline-lora1` (ranks 8 and 1, lr 1e-3).
 
 Every arm is also measured in compute: its mean curve against the tokens it generated and
 the seconds its steps took, and the generated tokens and steps each seed needs to reach the
@@ -107,6 +109,12 @@ ARMS: dict[str, dict] = {
     "prioritized-prune": {"algorithm.name": "prioritized", "algorithm.prune.after": 1},
     "prioritized-nodecay": {"algorithm.name": "prioritized", "algorithm.prioritized.decay_versions": 0.0},
     "prioritized-noevict": {"algorithm.name": "prioritized", "algorithm.prioritized.max_age": -1},
+    # The baseline training a LoRA adapter (alpha 32, every projection) instead of every weight,
+    # at rank 8 and at rank 1, at 10x the full fine-tuning rate (LoRA's best rate sits about
+    # 10x above full fine-tuning's, "LoRA Without Regret"; one rate, not a sweep): what a
+    # rank-limited adapter costs on this task (docs/lora.md).
+    "baseline-lora8": {"algorithm.name": "grpo", "learner.lora_rank": 8, "learner.lr": 1e-3},
+    "baseline-lora1": {"algorithm.name": "grpo", "learner.lora_rank": 1, "learner.lr": 1e-3},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 # Paired by seed, a - b, beside every arm against the baseline: what each ablation isolates.
@@ -121,6 +129,7 @@ CONTRASTS = (
     ("baseline-partial", "baseline"),  # partial rollouts against waiting for every answer
     ("prioritized-prune", "prioritized"), ("prioritized-prune", "baseline-prune"),  # what each part adds to the other
     ("prioritized-nodecay", "prioritized"), ("prioritized-noevict", "prioritized"),  # the decay and the eviction
+    ("baseline-lora1", "baseline-lora8"),  # rank 1 against rank 8
 )
 
 

@@ -17,6 +17,13 @@ cluster, as in a run. Measured side by side, the medians of `--repeats`:
 
 It prints each rate in GB/s, the ratio sync / raw (the goal: at least 0.8 at 200 MB and
 above), and the sync's and the reload's seconds.
+
+With `--lora-ranks R ...`, the same model is trained as a LoRA adapter of each rank (every
+projection, `learner.lora_rank`) and, side by side with the full weights' sync: what a sync
+sends (the adapter alone), its seconds end to end (`WeightSync.push`: gathered, sent,
+written as a PEFT folder by the engine), the first sample after it (vLLM loads the new
+adapter with the first request that names it) against the second, and each learner's state
+(parameters, AdamW moments, gradients, as the learner holds them).
 """
 
 import statistics
@@ -99,10 +106,56 @@ def reload_seconds(generators, manifest) -> float:
     return ray.get(generators.workers[0].__ray_call__.remote(in_engine, manifest))
 
 
+def lora_sync(cfg, path: str, repeats: int) -> tuple[int, float, float, float, int]:
+    """(bytes a sync sends, its median seconds, the first and the second one-token sample
+    after a sync, the learner's state in bytes) of `cfg` (`learner.lora_rank` 0: the weights)."""
+    import ray
+
+    from rayrep.cluster.memory import GRADIENTS, OPTIMIZER, PARAMETERS
+    from rayrep.cluster.placement import Placement, make_plan
+    from rayrep.generator.group import GeneratorGroup
+    from rayrep.learner.group import LearnerGroup
+    from rayrep.runtime.system import connect_ray
+    from rayrep.sync.weights import WeightSync
+
+    def sample_seconds() -> float:
+        start = time.perf_counter()
+        generators.gather(generators.generate([[5, 6, 7, 8]], n=1, temperature=1.0, top_p=1.0, max_tokens=1))
+        return time.perf_counter() - start
+
+    plan = make_plan(cfg)
+    started = connect_ray(plan)
+    placement = Placement(plan)
+    learners = LearnerGroup(cfg, path, placement)
+    generators = GeneratorGroup.create(cfg, path, placement)
+    try:
+        sync = WeightSync(cfg, learners, generators)
+        sync.push()
+        sample_seconds()  # warm-up: first-touch allocations on both sides, the adapter's first load
+        pushes, firsts, seconds = [], [], []
+        for _ in range(repeats):
+            pushes.append(sync.push()["sync_seconds"])
+            firsts.append(sample_seconds())
+            seconds.append(sample_seconds())
+        sizes = ray.get(learners.workers[0].__ray_call__.remote(lambda worker: worker.residency.sizes))
+        state = sum(sizes[part] for part in (PARAMETERS, OPTIMIZER, GRADIENTS))
+        return (sync.manifest.total_bytes, statistics.median(pushes), statistics.median(firsts),
+                statistics.median(seconds), state)
+    finally:
+        learners.shutdown()
+        ray.get([worker.drop_adapters.remote() for worker in generators.workers])
+        for worker in generators.workers:
+            ray.kill(worker)
+        placement.remove()
+        if started:
+            ray.shutdown()
+
+
 def main(argv=None):
     parser = job_parser(__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[3, 200, 1000], choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lora-ranks", type=int, nargs="*", default=[])
     args, cfg = parse_job_args(parser, argv)
 
     import ray
@@ -117,7 +170,7 @@ def main(argv=None):
     cfg = cfg.replace(**{"learner.num_workers": 1, "generator.num_workers": 1, "verifier.num_workers": 0,
                          "placement.mode": "disaggregated", "placement.threads": 1, "placement.cpus_per_bundle": 1})
     tiny_policy = resolve_policy(cfg)
-    rows = []
+    rows, lora_rows = [], []
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes:
             path = str(random_model(size, tiny_policy, Path(folder)))
@@ -143,6 +196,8 @@ def main(argv=None):
                 if started:
                     ray.shutdown()
             rows.append((size_bytes, sync_s, raw_s, reload_s, in_memory_copy_gbps(size_bytes)))
+            for rank in [0, *args.lora_ranks] if args.lora_ranks else []:
+                lora_rows.append((size, rank, *lora_sync(cfg.replace(**{"learner.lora_rank": rank}), path, args.repeats)))
 
     print(f"\nweight sync, 1 learner -> 1 vLLM generator, {cfg.placement.collective_backend}, "
           f"buckets of {cfg.sync.bucket_mb} MB; medians of {args.repeats}")
@@ -151,6 +206,13 @@ def main(argv=None):
         sync_gbps, raw_gbps = size_bytes / sync_s / 1e9, size_bytes / raw_s / 1e9
         print(f"{size_bytes / 1e6:>8.1f}{sync_gbps:>12.3f}{raw_gbps:>12.3f}{sync_gbps / raw_gbps:>10.2f}"
               f"{copy_gbps:>12.2f}{sync_s:>9.3f}{reload_s:>10.3f}")
+    if lora_rows:
+        print(f"\nfull weights (rank 0) against LoRA adapters, fp32; medians of {args.repeats}")
+        print(f"{'model MB':>9}{'rank':>6}{'sent MB':>10}{'sync s':>9}{'1st sample s':>14}{'2nd sample s':>14}"
+              f"{'learner state MB':>18}")
+        for size, rank, sent, sync_s, first_s, second_s, state in lora_rows:
+            print(f"{size:>9}{rank:>6}{sent / 1e6:>10.3f}{sync_s:>9.3f}{first_s:>14.3f}{second_s:>14.3f}"
+                  f"{state / 1e6:>18.1f}")
 
 
 if __name__ == "__main__":

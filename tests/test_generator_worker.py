@@ -98,6 +98,7 @@ def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
     from rayrep.cluster.residency import ResidencyError
     from rayrep.config import load_preset
     from rayrep.generator.worker import GeneratorWorker, engine_residency
+    from rayrep.sync.collective import WeightManifest
 
     def worker_for(cfg):
         worker = GeneratorWorker.__new__(GeneratorWorker)  # the engine-facing logic, on a recording engine
@@ -112,7 +113,7 @@ def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
                 worker.wake_up()
             with pytest.raises(ResidencyError, match="sampling needs its weights on the device, and it is dropped"):
                 next(worker.generate_as_finished([[1, 2]], 1, 1.0, 1.0, 4, None, 1))
-            worker.receive_weights(manifest=None, version=step)  # WeightSync.push
+            worker.receive_weights(manifest=WeightManifest.build([], 1), version=step)  # WeightSync.push
             assert not worker.sleep()  # between the sync and the KV cache's waking: nothing to free
             assert worker.wake_up() == ("kv_cache",)  # Runtime.hand_over_to_generators
             assert worker.wake_up() == () and worker.version == step
@@ -127,7 +128,7 @@ def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
         assert worker.llm.calls == one_step * 2
     cpu = worker_for(load_preset("tiny-cpu"))
     assert not cpu.sleep() and not cpu.sleep(keep_weights=True)
-    cpu.receive_weights(manifest=None, version=1)
+    cpu.receive_weights(manifest=WeightManifest.build([], 1), version=1)
     assert cpu.wake_up() == () and cpu.llm.calls == [("rayrep_receive_weights",), ("reset_prefix_cache",)]
 
 

@@ -463,9 +463,11 @@ def adapted(tiny_policy: str, learners: LearnerGroup, folder):
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_policy), str(folder)).eval()
 
 
+# The broadcast's full-weight sync is checked the same way across two nodes (test_two_nodes:
+# the same log-prob gap, under 1e-3); here it carries a LoRA adapter.
 @pytest.mark.parametrize(("dtype", "tolerance", "moved", "mode", "lora_rank"), [
     ("float32", 1e-3, 1e-2, "colocated", 0), ("bfloat16", 0.3, 0.5, "colocated", 0),
-    ("float32", 1e-3, 1e-2, "disaggregated", 0), ("float32", 1e-3, 1e-2, "disaggregated", 8)])
+    ("float32", 1e-3, 1e-2, "disaggregated", 8)])
 def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_cluster, tiny_cfg, tiny_policy, tmp_path,
                                                                          dtype, tolerance, moved, mode, lora_rank):
     """After each sync the behaviour log-probs of fresh samples equal the learner's weights'
@@ -523,6 +525,7 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
         # one, from computing in bf16)
         assert worst_gap(original) > moved
     finally:
+        ray.get([worker.drop_adapters.remote() for worker in generators.workers])  # (a LoRA run's folders)
         for worker in generators.workers:
             ray.kill(worker)
         learners.shutdown()

@@ -12,8 +12,6 @@ adapter applied (`base_policy`).
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -89,22 +87,15 @@ def write_adapter(folder: str | Path, tensors: dict[str, torch.Tensor], config: 
     half an adapter, and one there is replaced only by a complete one."""
     from safetensors.torch import save_file
 
-    from rayrep.models.checkpoint import copy_tokenizer
+    from rayrep.models.checkpoint import copy_tokenizer, written_whole
 
     out = Path(folder)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with written_whole(out) as staging:
         config.save_pretrained(str(staging))
         if with_tokenizer:
             copy_tokenizer(config.base_model_name_or_path, staging)
         save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, staging / ADAPTER_WEIGHTS,
                   metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return str(out)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,6 +31,22 @@ def copy_tokenizer(base_model_path: str, out: Path) -> None:
             shutil.copy2(base / name, out / name)
 
 
+@contextmanager
+def written_whole(out: Path) -> Iterator[Path]:
+    """A folder to fill in place of `out`: a temporary folder beside it, renamed into place
+    once the block ends without error (removed otherwise). A reader never sees half of it,
+    and a folder at `out` is replaced only by a complete one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def save_checkpoint(state: dict[str, torch.Tensor], base_model_path: str, out_path: str,
                     config_overrides: dict | None = None) -> str:
     """Write `state` as `out_path`/model.safetensors beside the base's config and tokenizer,
@@ -41,9 +59,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], base_model_path: str, out_pa
     from safetensors.torch import save_file
 
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with written_whole(out) as staging:
         base = Path(base_model_path)
         if base.is_dir():
             for name in _COPIED:
@@ -59,9 +75,4 @@ def save_checkpoint(state: dict[str, torch.Tensor], base_model_path: str, out_pa
             config.update(config_overrides)
             (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors", metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return str(out)
