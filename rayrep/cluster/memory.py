@@ -416,7 +416,8 @@ def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple
     P, lora = shape.parameters, cfg.learner.lora_rank
     # from_pretrained's fp32 model (a LoRA run's frozen base: in the compute dtype), and this rank's shard beside it
     loading = (P * compute_bytes(cfg) if lora else 4 * P) * (W + 1) // W
-    host = {"learner set-up": (ranks * loading, f"{ranks} learner rank(s), each loading the policy in fp32: "
+    host = {"learner set-up": (ranks * loading, f"{ranks} learner rank(s), each loading the policy in "
+                                                 f"{cfg.model.dtype if lora else 'fp32'}: "
                                                  f"{loading / 1e9:.1f} GB")}
     if place.mode == "colocated" and cfg.learner.strategy == "fsdp2":
         if lora:
