@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -106,22 +107,17 @@ def reload_seconds(generators, manifest) -> float:
     return ray.get(generators.workers[0].__ray_call__.remote(in_engine, manifest))
 
 
-def lora_sync(cfg, path: str, repeats: int) -> tuple[int, float, float, float, int]:
-    """(bytes a sync sends, its median seconds, the first and the second one-token sample
-    after a sync, the learner's state in bytes) of `cfg` (`learner.lora_rank` 0: the weights)."""
+@contextmanager
+def one_learner_and_generator(cfg, path: str):
+    """(learners, generators, their weight sync) for the model at `path` on a local Ray
+    cluster (this process's, or one started for them), all gone after the block."""
     import ray
 
-    from rayrep.cluster.memory import GRADIENTS, OPTIMIZER, PARAMETERS
     from rayrep.cluster.placement import Placement, make_plan
     from rayrep.generator.group import GeneratorGroup
     from rayrep.learner.group import LearnerGroup
     from rayrep.runtime.system import connect_ray
     from rayrep.sync.weights import WeightSync
-
-    def sample_seconds() -> float:
-        start = time.perf_counter()
-        generators.gather(generators.generate([[5, 6, 7, 8]], n=1, temperature=1.0, top_p=1.0, max_tokens=1))
-        return time.perf_counter() - start
 
     plan = make_plan(cfg)
     started = connect_ray(plan)
@@ -129,7 +125,30 @@ def lora_sync(cfg, path: str, repeats: int) -> tuple[int, float, float, float, i
     learners = LearnerGroup(cfg, path, placement)
     generators = GeneratorGroup.create(cfg, path, placement)
     try:
-        sync = WeightSync(cfg, learners, generators)
+        yield learners, generators, WeightSync(cfg, learners, generators)
+    finally:
+        learners.shutdown()
+        ray.get([worker.drop_adapters.remote() for worker in generators.workers])  # (a LoRA run's folders)
+        for worker in generators.workers:
+            ray.kill(worker)
+        placement.remove()
+        if started:
+            ray.shutdown()
+
+
+def lora_sync(cfg, path: str, repeats: int) -> tuple[int, float, float, float, int]:
+    """(bytes a sync sends, its median seconds, the first and the second one-token sample
+    after a sync, the learner's state in bytes) of `cfg` (`learner.lora_rank` 0: the weights)."""
+    import ray
+
+    from rayrep.cluster.memory import GRADIENTS, OPTIMIZER, PARAMETERS
+
+    def sample_seconds() -> float:
+        start = time.perf_counter()
+        generators.gather(generators.generate([[5, 6, 7, 8]], n=1, temperature=1.0, top_p=1.0, max_tokens=1))
+        return time.perf_counter() - start
+
+    with one_learner_and_generator(cfg, path) as (learners, generators, sync):
         sync.push()
         sample_seconds()  # warm-up: first-touch allocations on both sides, the adapter's first load
         pushes, firsts, seconds = [], [], []
@@ -141,14 +160,6 @@ def lora_sync(cfg, path: str, repeats: int) -> tuple[int, float, float, float, i
         state = sum(sizes[part] for part in (PARAMETERS, OPTIMIZER, GRADIENTS))
         return (sync.manifest.total_bytes, statistics.median(pushes), statistics.median(firsts),
                 statistics.median(seconds), state)
-    finally:
-        learners.shutdown()
-        ray.get([worker.drop_adapters.remote() for worker in generators.workers])
-        for worker in generators.workers:
-            ray.kill(worker)
-        placement.remove()
-        if started:
-            ray.shutdown()
 
 
 def main(argv=None):
@@ -158,14 +169,7 @@ def main(argv=None):
     parser.add_argument("--lora-ranks", type=int, nargs="*", default=[])
     args, cfg = parse_job_args(parser, argv)
 
-    import ray
-
-    from rayrep.cluster.placement import Placement, make_plan
-    from rayrep.generator.group import GeneratorGroup
-    from rayrep.learner.group import LearnerGroup
     from rayrep.models import resolve_policy
-    from rayrep.runtime.system import connect_ray
-    from rayrep.sync.weights import WeightSync
 
     cfg = cfg.replace(**{"learner.num_workers": 1, "generator.num_workers": 1, "verifier.num_workers": 0,
                          "placement.mode": "disaggregated", "placement.threads": 1, "placement.cpus_per_bundle": 1})
@@ -174,13 +178,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes:
             path = str(random_model(size, tiny_policy, Path(folder)))
-            plan = make_plan(cfg)
-            started = connect_ray(plan)
-            placement = Placement(plan)
-            learners = LearnerGroup(cfg, path, placement)
-            generators = GeneratorGroup.create(cfg, path, placement)
-            try:
-                sync = WeightSync(cfg, learners, generators)
+            with one_learner_and_generator(cfg, path) as (learners, generators, sync):
                 size_bytes = sync.manifest.total_bytes
                 sync.push()  # warm-up: first-touch allocations on both sides
                 sync_s = statistics.median(sync.push()["sync_seconds"] for _ in range(args.repeats))
@@ -188,16 +186,10 @@ def main(argv=None):
                 raw_s = statistics.median(raw_broadcast_seconds(learners, generators, size_bytes)
                                           for _ in range(args.repeats))
                 reload_s = statistics.median(reload_seconds(generators, sync.manifest) for _ in range(args.repeats))
-            finally:
-                learners.shutdown()
-                for worker in generators.workers:
-                    ray.kill(worker)
-                placement.remove()
-                if started:
-                    ray.shutdown()
             rows.append((size_bytes, sync_s, raw_s, reload_s, in_memory_copy_gbps(size_bytes)))
             for rank in [0, *args.lora_ranks] if args.lora_ranks else []:
-                lora_rows.append((size, rank, *lora_sync(cfg.replace(**{"learner.lora_rank": rank}), path, args.repeats)))
+                lora_cfg = cfg.replace(**{"learner.lora_rank": rank})
+                lora_rows.append((size, rank, *lora_sync(lora_cfg, path, args.repeats)))
 
     print(f"\nweight sync, 1 learner -> 1 vLLM generator, {cfg.placement.collective_backend}, "
           f"buckets of {cfg.sync.bucket_mb} MB; medians of {args.repeats}")

@@ -260,11 +260,23 @@ def compute_bytes(cfg: Config) -> int:
     return 2 if cfg.model.dtype == "bfloat16" else 4
 
 
+def trained_parameters(cfg: Config, shape: ModelShape) -> int:
+    """The parameters that train (fp32 masters, AdamW moments, gradients) and that a weight
+    sync sends: every one, or a LoRA run's adapter's (`learner.lora_rank`)."""
+    learner = cfg.learner
+    return shape.adapter_parameters(learner.lora_rank, learner.lora_target_modules) if learner.lora_rank \
+        else shape.parameters
+
+
 def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
     """Each holder's parts, in bytes on one GPU (see the module's docstring)."""
+    from rayrep.models.adapter import vllm_max_lora_rank
+
     learner, gen, place = cfg.learner, cfg.generator, cfg.placement
     c = compute_bytes(cfg)
     P, W, H, L, V = shape.parameters, learner.num_workers, shape.hidden_size, shape.num_hidden_layers, shape.vocab_size
+    lora, T = learner.lora_rank, trained_parameters(cfg, shape)
+    frozen = P * c if lora else 0  # a LoRA run's base, frozen in the compute dtype
     sequence = cfg.data.max_prompt_tokens + gen.max_response_tokens
     tokens = learner.micro_batch_size * sequence
     if learner.micro_batch_tokens:  # passes of rows of like length, at most this many padded tokens (one row at least)
@@ -272,14 +284,14 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
     per_layer = tokens * (16 * H + 6 * shape.intermediate_size) * c
     embeddings = V * H * (1 if shape.tie_word_embeddings else 2)
     bucket = int(cfg.sync.bucket_mb * 2**20)
-    largest_bucket = max(bucket, shape.largest_tensor * c)
+    largest = shape.largest_adapter_tensor(lora) if lora else shape.largest_tensor  # of what a sync sends
+    # Buckets of at most `bucket` bytes, a bigger tensor alone; an adapter smaller than one bucket fills one.
+    largest_bucket = min(bucket, T * c) if lora else max(bucket, largest * c)
     fsdp = learner.strategy == "fsdp2"
-    if learner.lora_rank:
-        return _lora_part_sizes(cfg, shape, tokens, per_layer, embeddings)
     learner_parts = {
-        PARAMETERS: 4 * P // W if fsdp else P * c + 4 * P // W,  # DeepSpeed: the whole compute-dtype model too
-        OPTIMIZER: 8 * P // W,
-        GRADIENTS: 4 * P // W,
+        PARAMETERS: (frozen // W if fsdp else P * c) + 4 * T // W,  # DeepSpeed: the whole compute-dtype model too
+        OPTIMIZER: 8 * T // W,
+        GRADIENTS: 4 * T // W,
         GATHERED: (embeddings + 2 * shape.layer_parameters) * c if fsdp else 0,
         ACTIVATIONS: L * tokens * H * c + per_layer if learner.gradient_checkpointing else L * per_layer,
         LOGITS: 2 * tokens * V * c,  # the model's output and, in backward, its gradient
@@ -288,58 +300,23 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
         PASS_LOGITS: tokens * V * c,
         # A sync: FSDP2 casts each rank's shard to the compute dtype, then gathers it; DeepSpeed
         # sends its whole bf16 weights as they are, or in fp32 gathers the master.
-        WHOLE_TENSOR: shape.largest_tensor * c if fsdp or c == 4 else 0,
+        WHOLE_TENSOR: largest * c if fsdp or c == 4 else 0,
         SEND_BUFFERS: 2 * largest_bucket,
         # A checkpoint: DeepSpeed gathers each fp32 master whole on the GPU (then casts it);
         # FSDP2 casts its shards in host memory.
-        MASTER_GATHERED: 0 if fsdp else shape.largest_tensor * (4 + c),
+        MASTER_GATHERED: 0 if fsdp else largest * (4 + c),
     }
     budget = int(gen.gpu_memory_utilization * place.gpu_memory_gib * GIB)
-    weights = P * c // gen.tensor_parallel_size
-    engine_parts = {
-        WEIGHTS: weights,
-        ENGINE_RUNTIME: SLEEPING_ENGINE_BYTES,
-        KV_CACHE: max(0, budget - weights - SLEEPING_ENGINE_BYTES),
-        RECEIVED: 2 * max(shape.largest_tensor, shape.layer_parameters) * c + bucket,
-    }
-    return {LEARNER: learner_parts, ENGINE: engine_parts}
-
-
-def _lora_part_sizes(cfg: Config, shape: ModelShape, tokens: int, per_layer: int, embeddings: int
-                     ) -> dict[str, dict[str, int]]:
-    """`part_sizes` of a LoRA run: the base frozen in the compute dtype, the adapter trained (A
-    parameters: fp32 masters, moments and gradients), syncs of the adapter alone."""
-    from rayrep.models.adapter import vllm_max_lora_rank
-
-    learner, gen, place = cfg.learner, cfg.generator, cfg.placement
-    c = compute_bytes(cfg)
-    P, W, L, V = shape.parameters, learner.num_workers, shape.num_hidden_layers, shape.vocab_size
-    A = shape.adapter_parameters(learner.lora_rank, learner.lora_target_modules)
-    fsdp = learner.strategy == "fsdp2"
-    adapter_bucket = min(int(cfg.sync.bucket_mb * 2**20), A * c)  # buckets of the adapter's tensors only
-    learner_parts = {
-        PARAMETERS: (P * c // W if fsdp else P * c) + 4 * A // W,
-        OPTIMIZER: 8 * A // W,
-        GRADIENTS: 4 * A // W,
-        GATHERED: (embeddings + 2 * shape.layer_parameters) * c if fsdp else 0,
-        ACTIVATIONS: L * tokens * shape.hidden_size * c + per_layer if learner.gradient_checkpointing else L * per_layer,
-        LOGITS: 2 * tokens * V * c,
-        LOGPROB_CHUNK: 4 * min(tokens, learner.logit_chunk_tokens) * V * 4,
-        PASS_ACTIVATIONS: per_layer,
-        PASS_LOGITS: tokens * V * c,
-        WHOLE_TENSOR: shape.largest_adapter_tensor(learner.lora_rank) * c,
-        SEND_BUFFERS: 2 * adapter_bucket,
-        MASTER_GATHERED: 0 if fsdp else shape.largest_adapter_tensor(learner.lora_rank) * (4 + c),
-    }
-    budget = int(gen.gpu_memory_utilization * place.gpu_memory_gib * GIB)
-    # vLLM's slot for one adapter of its rank size on every projection (max_loras 1), beside the base.
-    slot = shape.adapter_parameters(vllm_max_lora_rank(learner.lora_rank), learner.lora_target_modules) * c
+    # With LoRA, vLLM's slot for one adapter of its rank size on every projection (max_loras 1), beside the base.
+    slot = shape.adapter_parameters(vllm_max_lora_rank(lora), learner.lora_target_modules) * c if lora else 0
     weights = (P * c + slot) // gen.tensor_parallel_size
     engine_parts = {
         WEIGHTS: weights,
         ENGINE_RUNTIME: SLEEPING_ENGINE_BYTES,
         KV_CACHE: max(0, budget - weights - SLEEPING_ENGINE_BYTES),
-        RECEIVED: adapter_bucket,  # a bucket at a time: the worker copies each to host memory
+        # Full weights: a layer's tensors held by the loader and the layer it materialises, and a
+        # bucket in flight; an adapter: a bucket at a time (the worker copies each to host memory).
+        RECEIVED: largest_bucket if lora else 2 * max(shape.largest_tensor, shape.layer_parameters) * c + bucket,
     }
     return {LEARNER: learner_parts, ENGINE: engine_parts}
 
@@ -420,17 +397,13 @@ def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple
                                                  f"{cfg.model.dtype if lora else 'fp32'}: "
                                                  f"{loading / 1e9:.1f} GB")}
     if place.mode == "colocated" and cfg.learner.strategy == "fsdp2":
-        if lora:
-            A = shape.adapter_parameters(lora, cfg.learner.lora_target_modules)
-            state = (P * compute_bytes(cfg) + 12 * A) // W
-        else:
-            state = 12 * P // W
+        state = ((P * compute_bytes(cfg) if lora else 0) + 12 * trained_parameters(cfg, shape)) // W
         host["training"] = (ranks * state, f"{ranks} learner rank(s)' parameters and optimizer state while the "
                                            f"engines run: {state / 1e9:.1f} GB each")
     if place.mode == "colocated" and lora:
         weights = P * compute_bytes(cfg) // cfg.generator.tensor_parallel_size
-        host["engines asleep"] = (ranks * weights, f"{ranks} sleeping engine worker(s)' weights (LoRA: sleep level 1 keeps "
-                                           f"them): {weights / 1e9:.1f} GB each")
+        host["engines asleep"] = (ranks * weights, f"{ranks} sleeping engine worker(s)' weights (LoRA: sleep "
+                                                   f"level 1 keeps them): {weights / 1e9:.1f} GB each")
     return host
 
 
@@ -459,8 +432,7 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True, sequence: int 
         longest_sequence=sequence or cfg.data.max_prompt_tokens + gen.max_response_tokens,
         kv_cache_tokens=sizes[ENGINE][KV_CACHE] // max(1, kv_per_token),
         host=host_memory(cfg, shape, trains),
-        sync_bytes=(shape.adapter_parameters(cfg.learner.lora_rank, cfg.learner.lora_target_modules)
-                    if cfg.learner.lora_rank else shape.parameters) * c,
+        sync_bytes=trained_parameters(cfg, shape) * c,
     )
 
 

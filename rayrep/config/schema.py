@@ -390,7 +390,8 @@ def validate(cfg: Config) -> None:
     if not learner.lora_rank and learner.lora_merge:
         raise ConfigError("learner.lora_merge merges a LoRA adapter into its base: set learner.lora_rank (> 0) too")
     if learner.lora_rank and not learner.lora_target_modules:
-        raise ConfigError(f"learner.lora_rank={learner.lora_rank} needs learner.lora_target_modules (the layers that get an adapter)")
+        raise ConfigError(f"learner.lora_rank={learner.lora_rank} needs learner.lora_target_modules "
+                          "(the layers that get an adapter)")
     if learner.dual_clip and learner.dual_clip <= 1:
         raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
     if gen.batch_invariant and place.device != "gpu":

@@ -168,8 +168,9 @@ class FSDP2Sharding:
             yield name, local.full_tensor() if hasattr(local, "full_tensor") else local
 
     def full_state(self, dtype: torch.dtype, rank: int, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
-        """Each parameter's (`trained_only`: each trained one's) dim-0 shards, cast to `dtype` where they lie (CPU memory while the
-        engines hold the GPU), gathered to rank 0 over the CPU group and joined in rank order
+        """Each parameter's (`trained_only`: each trained one's) dim-0 shards, cast to `dtype`
+        where they lie (CPU memory while the engines hold the GPU), gathered to rank 0 over the
+        CPU group and joined in rank order
         (FSDP2 shards dim 0 as torch.chunk does): a checkpoint never brings the learner's
         state back to the GPU."""
         W = self.world_size
@@ -197,8 +198,8 @@ class FSDP2Sharding:
     # A learner checkpoint is one safetensors file per rank (this rank's shard of every fp32
     # master and AdamW moment: FSDP2 shards dim 0 as torch.chunk does) and the scheduler's
     # state; with LoRA, of the adapter's parameters only (the frozen base is the base policy's
-    # own weights, loaded again on resume). Concatenating the files along dim 0 gives the full tensors back, so a group of
-    # any size can load it; no pickle is involved.
+    # own weights, loaded again on resume). Concatenating the files along dim 0 gives the full
+    # tensors back, so a group of any size can load it; no pickle is involved.
 
     def save_state(self, folder: Path, rank: int, world_size: int) -> dict:
         """Write this rank's shards to `folder`; returns the small state every rank shares

@@ -99,7 +99,8 @@ def write_adapter(folder: str | Path, tensors: dict[str, torch.Tensor], config: 
     return str(out)
 
 
-def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype, config_overrides: dict | None = None) -> str:
+def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype,
+                  config_overrides: dict | None = None) -> str:
     """`adapter` merged into its base (W + alpha/r * B A, by PEFT), written as a whole Hugging
     Face checkpoint in `dtype` at `out`, beside the base's config (with `config_overrides`)
     and tokenizer."""

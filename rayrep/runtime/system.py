@@ -180,8 +180,9 @@ class Runtime:
     def hand_over_to_learners(self) -> None:
         """Where colocated roles take turns: the engines sleep, dropping their weights (the
         weight sync after the update overwrites them all; a LoRA run's engines keep them in host
-        memory), then the learners bring their state back. Elsewhere (disaggregated, CPU) nothing to do, and no call made: a call would wait
-        behind the generators' work in flight (asynchronous rollouts)."""
+        memory), then the learners bring their state back. Elsewhere (disaggregated, CPU)
+        nothing to do, and no call made: a call would wait behind the generators' work in
+        flight (asynchronous rollouts)."""
         if not self.cfg.placement.takes_turns:
             return
         self.generators.sleep(keep_weights=self.keeps_engine_weights)
