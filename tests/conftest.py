@@ -109,3 +109,44 @@ def run_together(commands: list[list[str]], timeout_s: float = 300.0, **popen) -
         stdout, stderr = process.communicate(timeout=timeout_s)
         done.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
     return done
+
+
+def job_here(job: str, *args: str, env: dict | None = None, cwd=None):
+    """`python jobs/<job> ARGS` run in this process, for a job that only checks, plans and
+    prints (`--dry-run`, input refused before anything starts): the script's `main` through
+    `run_job`, as its entry point calls it, under its own `sys.argv`, with `env` on top of
+    this environment and `cwd` as the working folder; its stdout, stderr and exit status
+    captured (`subprocess.CompletedProcess`). A process of its own would spend about 4 s here
+    importing what this one already has. Such a job must start nothing: a Ray connection it
+    opened or closed fails here."""
+    import contextlib
+    import io
+    import os
+    import runpy
+    import subprocess
+    import sys
+    from pathlib import Path
+    from unittest import mock
+
+    import ray
+
+    from rayrep.cli import run_job
+
+    path = Path(__file__).resolve().parents[1] / "jobs" / job
+    main = runpy.run_path(str(path), run_name="job_here")["main"]  # (not "__main__": the entry point stays unrun)
+    out, err, status, connected = io.StringIO(), io.StringIO(), 0, ray.is_initialized()
+    with contextlib.ExitStack() as context:
+        context.enter_context(mock.patch.object(sys, "argv", [str(path), *args]))
+        context.enter_context(mock.patch.dict(os.environ, env or {}))
+        if cwd is not None:
+            context.enter_context(contextlib.chdir(cwd))
+        context.enter_context(contextlib.redirect_stdout(out))
+        context.enter_context(contextlib.redirect_stderr(err))
+        try:
+            run_job(main)
+        except SystemExit as exit:
+            status = exit.code if isinstance(exit.code, int) else (exit.code is not None)
+            if isinstance(exit.code, str):
+                err.write(exit.code + "\n")
+    assert ray.is_initialized() == connected, f"{job} {' '.join(args)} opened or closed a Ray connection"
+    return subprocess.CompletedProcess([sys.executable, str(path), *args], int(status), out.getvalue(), err.getvalue())

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_together
+from conftest import job_here
 
 import rayrep.eval.report as evaluation
 import rayrep.eval.runner
@@ -26,12 +26,9 @@ from rayrep.types import Prompt
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def eval_job_command(*args: str, cwd: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "jobs" / "eval.py"), *args, "--logging.out_dir", str(cwd / "runs")]
-
-
 def run_eval_job(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(eval_job_command(*args, cwd=cwd), capture_output=True, text=True, timeout=600, cwd=cwd)
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / "eval.py"), *args, "--logging.out_dir", str(cwd / "runs")],
+                          capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 def table_rows(text: str) -> dict[str, dict[str, str]]:
@@ -128,9 +125,8 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
         (["--out", str(tmp_path)], f"eval.py: report {tmp_path}: is a folder; give a file name"),
         (["--checkpoint", str(tmp_path)], f"eval.py: model {tmp_path}: cannot read its config.json"),
     ]
-    # Independent refusals, each a job's start-up: started together.
-    for (args, expected), done in zip(cases, run_together([eval_job_command(*args, cwd=tmp_path) for args, _ in cases],
-                                                          cwd=tmp_path)):
+    for args, expected in cases:
+        done = job_here("eval.py", *args, "--logging.out_dir", str(tmp_path / "runs"), cwd=tmp_path)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr
         last = [line for line in done.stderr.splitlines() if line.strip()][-1]

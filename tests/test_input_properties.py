@@ -19,8 +19,6 @@ import datetime
 import decimal
 import json
 import math
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,7 +48,6 @@ from rayrep.verifier import math as vm
 from rayrep.verifier.final_answer import MAX_ANSWER_CHARS, TAIL_CHARS, Verdict, completion_item, last_boxed_content
 
 pytestmark = pytest.mark.timeout(180)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def fast(max_examples: int, deadline_s: float = 20.0):
@@ -653,7 +650,8 @@ def test_toml_config_files_give_a_config_or_an_error_naming_the_file_or_field(do
 def test_a_job_reports_a_bad_config_file_in_one_line(tmp_path, document, expected):
     """What a user sees: run_job's one line and exit status 2, no traceback, nothing started."""
     (tmp_path / "bad.toml").write_text(document, encoding="utf-8")
-    done = subprocess.run([sys.executable, str(ROOT / "jobs" / "grpo.py"), "--config", "bad.toml"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    from conftest import job_here
+
+    done = job_here("grpo.py", "--config", "bad.toml", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"grpo.py: config error: {expected}", done.stderr

@@ -2,25 +2,17 @@
 or value, exit status 2, and nothing written."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_together
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import job_here
 
 
-def job_command(script: str, *args: str, cwd: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "jobs" / script), *args, "--logging.out_dir", str(cwd / "runs")]
+def run_job(script: str, *args: str, cwd: Path):
+    return job_here(script, *args, "--logging.out_dir", str(cwd / "runs"), cwd=cwd)
 
 
-def run_job(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(job_command(script, *args, cwd=cwd), capture_output=True, text=True, timeout=300, cwd=cwd)
-
-
-def assert_one_line_error(done: subprocess.CompletedProcess, expected: str) -> None:
+def assert_one_line_error(done, expected: str) -> None:
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -53,9 +45,8 @@ def test_config_file_errors_say_what_is_wrong_with_the_file(tmp_path, args, expe
 
 def test_pipeline_inputs_are_checked_before_any_stage(tmp_path, tiny_policy):
     pool = tmp_path / "nowhere.parquet"
-    no_pool, no_checkpoint = run_together(
-        [job_command("rlep.py", "--baseline-checkpoint", tiny_policy, "--pool", str(pool), cwd=tmp_path),
-         job_command("exgrpo.py", "--baseline-checkpoint", str(tmp_path), cwd=tmp_path)], cwd=tmp_path)
+    no_pool = run_job("rlep.py", "--baseline-checkpoint", tiny_policy, "--pool", str(pool), cwd=tmp_path)
+    no_checkpoint = run_job("exgrpo.py", "--baseline-checkpoint", str(tmp_path), cwd=tmp_path)
     assert_one_line_error(no_pool, f"rlep.py: {pool}: no such file")
     assert_one_line_error(no_checkpoint, f"baseline checkpoint {tmp_path}: not a checkpoint folder (no config.json in it)")
     assert not (tmp_path / "runs").exists()

@@ -2,11 +2,8 @@
 the residency of one process (places, idempotent moves, the allocator's cache), and the
 device-memory ledger that holds a run's transitions to the plan."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import job_here
 
 from rayrep.cluster.memory import (ENGINE, ENGINE_RUNTIME, GIB, KNOWN_SHAPES, KV_CACHE, LEARNER, MASTER_GATHERED,
                                    OPTIMIZER, PARAMETERS, RECEIVED, RESERVED_BYTES, SEND_BUFFERS, UPDATE, WEIGHTS,
@@ -15,7 +12,6 @@ from rayrep.cluster.memory import (ENGINE, ENGINE_RUNTIME, GIB, KNOWN_SHAPES, KV
 from rayrep.cluster.residency import ABSENT, ALLOCATOR_CACHE, DEVICE, DROPPED, HOST, Holding, Residency, ResidencyError
 from rayrep.config import InputError, load_preset
 
-ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ("qwen2.5-math-7b-rlep", "qwen2.5-math-7b-exgrpo")
 
 
@@ -137,15 +133,13 @@ def test_a_plan_that_cannot_fit_is_refused_with_its_numbers(tiny_policy):
 @pytest.mark.parametrize(("job", "extra"), [("rlep.py", []), ("exgrpo.py", []), ("grpo.py", []), ("eval.py", []),
                                              ("collect.py", ["--checkpoint", "x", "--out", "y"])])
 def test_every_job_takes_a_dry_run(job, extra):
-    done = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--dry-run", "--preset", "qwen2.5-math-7b-rlep",
-                           *extra], capture_output=True, text=True, timeout=120)
+    done = job_here(job, "--dry-run", "--preset", "qwen2.5-math-7b-rlep", *extra)
     assert done.returncode == 0, done.stderr
     assert "placement plan:" in done.stdout and "memory plan per GPU (80 GiB" in done.stdout
     trains = job not in ("eval.py", "collect.py")
     assert ("  update " in done.stdout) == trains and ("host memory per node" in done.stdout) == trains
     assert "vLLM engines: the V1 model runner and synchronous scheduling, as the CPU suite runs them" in done.stdout
-    small = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--dry-run", "--preset", "qwen2.5-math-7b-rlep",
-                            "--placement.gpu_memory_gib", "16", *extra], capture_output=True, text=True, timeout=120)
+    small = job_here(job, "--dry-run", "--preset", "qwen2.5-math-7b-rlep", "--placement.gpu_memory_gib", "16", *extra)
     assert small.returncode == 2 and "does not fit" in small.stdout
 
 

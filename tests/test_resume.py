@@ -2,9 +2,10 @@
 generator, a replay shard and its learner are killed in turn (`--auto-resume` restarts it
 from step 2 after the learner's death), then the driver is SIGKILLed while it saves step 4.
 The job leaves the checkpoint before current, ends as the uninterrupted run ends once
-resumed, with each death counted; a run also resumes on another number of learners. One
-uninterrupted run and this one serve every test; both train a LoRA adapter. The run takes partial rollouts: every step
-stops its slowest answers, so each death meets answers paused."""
+resumed, with each death counted. One uninterrupted run and this one serve every test; both
+train a LoRA adapter. The run takes partial rollouts: every step stops its slowest answers,
+so each death meets answers paused. (A run resumed on another number of learners:
+tests/test_replay_runs.py's answer-level run.)"""
 
 import json
 import os
@@ -54,12 +55,6 @@ def job(out: Path, name: str, *extra: str, env: dict | None = None) -> subproces
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finish(process: subprocess.Popen) -> str:
-    output, _ = process.communicate(timeout=900)
-    assert process.returncode == 0, output[-4000:]
-    return output
-
-
 def comparable(record: dict) -> dict:
     """What a step shares with the same step of another run: not the clock, nor the GPU
     memory the ledger saw (a restarted run's first step has its start-up's figures too)."""
@@ -72,13 +67,19 @@ def without_recovery(record: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_policy, tmp_path_factory):
+def runs(ray_cluster, tiny_policy, tmp_path_factory):
     """An uninterrupted run, and the same run with its actors killed in turn (`kill_in_turn`)
     and then SIGKILLed while it saves its step-4 checkpoint (the driver kills itself with the
     checkpoint written but not yet renamed into place; then the rest of the job, its local Ray
-    cluster and every actor), then resumed. What the killed run left is noted before the resume."""
+    cluster and every actor), then resumed. What the killed run left is noted before the resume.
+    The killed run is a job of its own (its driver dies); the uninterrupted run and the resume
+    train in this process, on the session's cluster (the same seeds, the same run)."""
+    from rayrep.cli import resume_base
+    from rayrep.config import parse_cli
+    from rayrep.train import train
+
     out = tmp_path_factory.mktemp("runs")
-    finish(job(out, "whole"))
+    train(parse_cli([*RUN, "--logging.out_dir", str(out), "--logging.run_name", "whole"]), log=lambda _: None)
 
     run = out / "killed"
     killed = job(out, "killed", "--auto-resume", env=dict(os.environ, RAYREP_FAILPOINT="save-4"))
@@ -99,10 +100,9 @@ def runs(tiny_policy, tmp_path_factory):
     left = {"checkpoints": [step for step, _ in step_checkpoints(run)],
             "partial": (run / "checkpoints" / ".step-4.partial" / "run_state.json").exists(),
             "logged": [r["step"] for r in read_metrics(run / "metrics.jsonl")]}
-    resumed_output = finish(subprocess.Popen(
-        [sys.executable, "jobs/train.py", "--resume", str(run)], cwd=REPO, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return out, left, resumed_output, (deaths, output)
+    resumed_lines = []
+    train(parse_cli([], base=resume_base(str(run))), log=resumed_lines.append, resume=True)
+    return out, left, "\n".join(resumed_lines), (deaths, output)
 
 
 def test_a_job_killed_while_saving_leaves_the_checkpoint_before_it_current(runs):
@@ -153,28 +153,6 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
     with safe_open(str(final / "adapter_model.safetensors"), "pt") as adapter:
         assert {r["sync_bytes"] for r in resumed[1:]} == {sum(adapter.get_tensor(k).nbytes for k in adapter.keys())}
     assert not list((out / "killed" / "checkpoints").glob(".step-*"))  # nothing half-written left
-
-
-def test_a_run_resumes_on_another_number_of_learners(runs, tmp_path):
-    out, _, _, _ = runs
-    # A copy of the interrupted run's step-2 checkpoint, resumed by two learners instead of one.
-    run = tmp_path / "two"
-    (run / "checkpoints").mkdir(parents=True)
-    subprocess.run(["cp", "-r", str(out / "killed" / "checkpoints" / "step-2"), str(run / "checkpoints")], check=True)
-    (run / "config.json").write_text((out / "killed" / "config.json").read_text())
-    metrics = read_metrics(out / "killed" / "metrics.jsonl")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics if r["step"] <= 2))
-    finish(subprocess.Popen([sys.executable, "jobs/train.py", "--resume", str(run), "--learner.num_workers", "2"],
-                            cwd=REPO, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    two = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in two] == [0, 1, 2, 3, 4] and two[-1]["policy_version"] == 4
-    # Step 3 samples from the checkpoint's weights with the same seeds: the same rollouts,
-    # whatever the learner count; its update (and so step 4) may differ in the last digits.
-    one = {r["step"]: r for r in metrics}
-    for key in ("accuracy", "reward_mean", "response_length", "generated_tokens"):
-        assert two[3][key] == one[3][key], key
-    assert abs(two[4]["accuracy"] - one[4]["accuracy"]) < 0.1
-    assert read_run_state(run / "checkpoints" / "final").learner["world_size"] == 2
 
 
 def kill_in_turn(job: subprocess.Popen, run: Path, stop: threading.Event, killed: list) -> None:

@@ -547,23 +547,18 @@ def test_the_serve_job_refuses_an_exposed_address_without_a_key_before_starting(
     """`jobs/serve.py` on an address other machines reach, no key: refused before anything
     starts (a dry run, which would otherwise print the deployment); with a key it goes on,
     and never prints the key."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import job_here
 
     from rayrep.serve.keys import KEY_ENV
 
-    root = Path(__file__).resolve().parents[1]
+    monkeypatch.delenv(KEY_ENV, raising=False)
     exposed = ".".join(["0"] * 4)
-    env = {k: v for k, v in __import__("os").environ.items() if k != KEY_ENV}
-    command = [sys.executable, "jobs/serve.py", "--dry-run", "--serve.host", exposed,
-               "--logging.out_dir", str(tmp_path)]
-    refused = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    args = ("--dry-run", "--serve.host", exposed, "--logging.out_dir", str(tmp_path))
+    refused = job_here("serve.py", *args)
     assert refused.returncode != 0
     assert f"serve.host={exposed} makes the server reachable from other machines" in refused.stdout + refused.stderr
     assert "would serve" not in refused.stdout
-    keyed = subprocess.run(command, cwd=root, env={**env, KEY_ENV: "sk-job-key-123"}, capture_output=True, text=True,
-                           timeout=300)
+    keyed = job_here("serve.py", *args, env={KEY_ENV: "sk-job-key-123"})
     assert keyed.returncode == 0, keyed.stderr[-2000:]
     assert "would serve" in keyed.stdout and "1 API key(s)" in keyed.stdout
     assert "sk-job-key-123" not in keyed.stdout + keyed.stderr
@@ -572,15 +567,10 @@ def test_the_serve_job_refuses_an_exposed_address_without_a_key_before_starting(
 def test_the_serve_job_follows_a_run_folder_and_refuses_a_checkpoint_there(short_run_dir, tiny_policy, tmp_path):
     """`jobs/serve.py --follow`: a run's folder is served as the run's newest checkpoint under
     the run's name (a dry run says so); a checkpoint folder given instead is refused in one line."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import job_here
 
-    root = Path(__file__).resolve().parents[1]
-
-    def job(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "jobs/serve.py", "--dry-run", *args, "--logging.out_dir", str(tmp_path)],
-                              cwd=root, capture_output=True, text=True, timeout=300)
+    def job(*args: str):
+        return job_here("serve.py", "--dry-run", *args, "--logging.out_dir", str(tmp_path))
 
     followed = job("--follow", str(short_run_dir))
     assert followed.returncode == 0, followed.stderr[-2000:]
@@ -620,29 +610,25 @@ def test_a_checkpoint_is_served_with_its_runs_settings_and_what_cannot_fit_is_re
     plan that fits one 80 GB GPU. The same folder outside a run takes its own dtype and this
     machine's device (a CPU here), where a KV cache too small for one context is refused,
     naming the knob; fields on the command line go on top of either."""
-    import sys
+    import shutil
     from pathlib import Path
 
-    from conftest import run_together
+    from conftest import job_here
 
-    root = Path(__file__).resolve().parents[1]
     run, checkpoint = seven_b_run(tmp_path, tiny_policy)
 
-    def job(*args: str) -> list[str]:
-        return [sys.executable, "jobs/serve.py", "--dry-run", *args, "--logging.out_dir", str(tmp_path)]
+    def job(*args: str):
+        return job_here("serve.py", "--dry-run", *args, "--logging.out_dir", str(tmp_path))
 
     # Outside a run: the same folder, copied; its own dtype, this machine's device (no GPU
-    # here), the preset's CPU KV cache. The six dry runs are independent: started together.
+    # here), the preset's CPU KV cache.
     loose = Path(tmp_path) / "loose"
-    import shutil
-
     shutil.copytree(checkpoint, loose)
-    *followed, small, on_cpu, refused = run_together([
-        job("--checkpoint", str(checkpoint)), job("--follow", str(run)),
-        # A smaller GPU, told on the command line: the plan refuses before anything starts.
-        job("--checkpoint", str(checkpoint), "--placement.gpu_memory_gib", "12"),
-        job("--checkpoint", str(loose)), job("--checkpoint", str(loose), "--generator.cpu_kv_cache_gib", "0.1")],
-        cwd=root)
+    followed = [job("--checkpoint", str(checkpoint)), job("--follow", str(run))]
+    # A smaller GPU, told on the command line: the plan refuses before anything starts.
+    small = job("--checkpoint", str(checkpoint), "--placement.gpu_memory_gib", "12")
+    on_cpu = job("--checkpoint", str(loose))
+    refused = job("--checkpoint", str(loose), "--generator.cpu_kv_cache_gib", "0.1")
     for served in followed:
         assert served.returncode == 0, served.stderr[-2000:]
         assert "(context 4096 tokens, no API key; gpu, bfloat16)" in served.stdout
