@@ -11,7 +11,7 @@ import torch
 from rayrep.config import InputError, load_preset, parse_cli
 from rayrep.models import resolve_policy, shipped_policy, tiny_spec
 from rayrep.models.recipe import SHIPPED, TinyPolicySpec, read_record, weights_sha256
-from rayrep.models.tiny import build_policy
+from rayrep.models.tiny import build_policy, main
 from rayrep.models.tokenizer import build_char_tokenizer
 
 
@@ -169,7 +169,7 @@ def test_a_recipe_without_a_shipped_policy_is_refused_with_how_to_build_it(tmp_p
         shipped_policy(tiny_spec(load_preset("tiny-cpu")), root)
 
 
-def test_the_build_command_builds_what_a_preset_describes(tmp_path):
+def test_the_build_command_builds_what_a_preset_describes(tmp_path, capsys):
     """`python -m rayrep.models.tiny build` (a few steps here): the recipe of the preset with
     the overrides given, recorded with the preset's name; the folder then serves as
     `model.path`."""
@@ -189,9 +189,10 @@ def test_the_build_command_builds_what_a_preset_describes(tmp_path):
     assert (record["preset"], record["cache_key"]) == ("tiny-cpu-hard", tiny_spec(cfg).cache_key())
     assert AutoConfig.from_pretrained(out).model_type == "qwen2"
     assert resolve_policy(cfg.replace(**{"model.path": str(out)})) == str(out)
-    bad = subprocess.run([sys.executable, "-m", "rayrep.models.tiny", "build", "--model.tiny_layers", "0",
-                          "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "model.tiny_layers: 0 is below the minimum 1" in bad.stderr
+    # A bad field: refused in one line before anything is built (the command's `main`, here).
+    with pytest.raises(SystemExit) as refused:
+        main(["build", "--model.tiny_layers", "0", "--out", str(tmp_path / "bad")])
+    assert refused.value.code == 2 and "model.tiny_layers: 0 is below the minimum 1" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 
 
@@ -243,11 +244,11 @@ def test_vllm_logprobs_match_transformers(tiny_policy, tiny_cfg):
             assert torch.allclose(torch.from_numpy(rollout.logprobs.copy()), expected, atol=1e-3), (rollout.text,)
 
 
-def test_tiny_policy_lands_in_the_target_band(tiny_policy, tiny_cfg):
+def test_tiny_policy_lands_in_the_target_band(ray_cluster, tiny_policy, tiny_cfg):
     """pass@1 at T=1.0 between 15% and 60%: useful, with room for RL to improve."""
     from rayrep.eval.runner import evaluate_checkpoint
 
-    metrics = evaluate_checkpoint(tiny_cfg, tiny_policy)  # on a local Ray cluster of its own
+    metrics = evaluate_checkpoint(tiny_cfg, tiny_policy)
     assert metrics["questions"] == tiny_cfg.data.arithmetic_test_size
     assert 0 < metrics["maj@4"] <= metrics["pass@4"]
     assert 0.15 <= metrics["pass@1"] <= 0.60, metrics
