@@ -96,21 +96,6 @@ def kill_and_wait(actor, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def run_together(commands: list[list[str]], timeout_s: float = 300.0, **popen) -> list:
-    """`subprocess.run` of each of `commands` (output captured, as text), all started at once:
-    independent jobs that are refused, or only print, spend their time starting up, which
-    two cores do side by side."""
-    import subprocess
-
-    started = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-               for command in commands]
-    done = []
-    for process in started:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-        done.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
-    return done
-
-
 def job_here(job: str, *args: str, env: dict | None = None, cwd=None):
     """`python jobs/<job> ARGS` run in this process, for a job that only checks, plans and
     prints (`--dry-run`, input refused before anything starts): the script's `main` through
