@@ -46,7 +46,7 @@ from rayrep.run.layout import RunFolder
 
 from rayrep.cli import job_parser, parse_job_args
 from rayrep.config import parse_cli
-from rayrep.plots import PHASES
+from rayrep.run.phases import PHASES
 from rayrep.run.log import read_metrics
 
 

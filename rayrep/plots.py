@@ -15,6 +15,7 @@ from pathlib import Path
 from rayrep.errors import InputError
 from rayrep.stats.study import mean_curve, series
 from rayrep.run.layout import RunFolder
+from rayrep.run.phases import NESTED_PHASES, PHASES, phase_seconds
 
 
 def plot_study(curves: dict[str, list[list[dict]]], path: str | Path, metric: str = "test_pass@1", title: str = "") -> Path:
@@ -111,13 +112,6 @@ CURVES = (  # (file name, title, y label, metric patterns (a line per metric tha
     ("replay_share", "replay share", "trained rollouts that are replayed (%)", (r"replay_share",), True, False),
 )
 
-PHASES = ("plan", "generate", "verify", "hand_over", "select", "build", "old_logprobs", "update", "sync")
-"""The driver's timed phases of a step, in the order they run."""
-
-NESTED_PHASES = {"old_logprobs": "update"}
-"""Phases timed inside another one: the learners take the old log-probs within the update call."""
-
-
 def load_run_metrics(run_dir: str | Path) -> list[dict]:
     """The records of `<run_dir>/metrics.jsonl`, of the latest run that wrote there.
 
@@ -170,14 +164,8 @@ def step_times(records: Sequence[dict]) -> tuple[list[int], dict[str, list[float
     phases = [p for p in (*PHASES, *extra) if p in logged]
     parts: dict[str, list[float]] = {name: [] for name in (*phases, "other", "eval")}
     for r in rows:
-        seconds = {p: r.get(f"time_{p}") or 0.0 for p in phases}
-        for child, parent in NESTED_PHASES.items():
-            if child in seconds and parent in seconds:
-                seconds[parent] = max(0.0, seconds[parent] - seconds[child])
-        for p in phases:
-            parts[p].append(seconds[p])
-        step = r.get("time_step") or 0.0
-        parts["other"].append(max(0.0, step - sum(seconds.values())) if step else 0.0)
+        for name, seconds in phase_seconds(r, phases).items():
+            parts[name].append(seconds)
         parts["eval"].append(r.get("time_eval") or 0.0)
     return [r["step"] for r in rows], {name: values for name, values in parts.items() if any(values)}
 

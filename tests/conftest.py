@@ -20,22 +20,59 @@ def tiny_policy(tiny_cfg) -> str:
 
 SHORT_RUN = {"run.steps": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8,
              "data.arithmetic_test_size": 32, "learner.behaviour_cap": 2.0, "logging.plots": False,
-             "placement.emulate_gpus": True}
+             "placement.emulate_gpus": True, "logging.tensorboard": True}
 """Two cheap GRPO steps of the tiny preset: the run that several tests vary one knob of. It
 takes turns as a colocated GPU run does (`placement.emulate_gpus`): its engines sleep and
-wake, its learners' state moves, and the device-memory ledger checks every transition."""
+wake, its learners' state moves, and the device-memory ledger checks every transition. It
+logs to TensorBoard and Ray's metrics too."""
+
+METRICS_PAGES: list[str] = []
+"""The node's Prometheus page (Ray's metrics agent) as scraped every second while
+`short_run_dir` trained, until the run's last step was there."""
 
 
 @pytest.fixture(scope="session")
-def short_run_dir(tiny_cfg, tiny_policy, tmp_path_factory):
+def short_run_dir(ray_session, tiny_cfg, tiny_policy, tmp_path_factory):
     """The folder of `SHORT_RUN` (seed 0, synchronous; its one checkpoint: step-2), trained
-    once for the whole session: on the cluster of the module that first asks (`train` joins
-    the one this process has), or on a local one of its own. Tests read it, never write it."""
+    once for the whole session, on the session's cluster, its metrics scraped meanwhile
+    (`METRICS_PAGES`). Tests read it, never write it."""
+    import re
+    import threading
+    import time
+    import urllib.request
+
+    import ray
+
+    from rayrep.run.sinks import run_label
     from rayrep.train import train
 
-    cfg = tiny_cfg.replace(**SHORT_RUN, **{"logging.out_dir": str(tmp_path_factory.mktemp("short")),
-                                           "logging.run_name": "seed-0"})
-    return train(cfg, log=lambda _: None).run_dir
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    endpoint = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.wait(1.0):
+            try:
+                METRICS_PAGES.append(urllib.request.urlopen(endpoint, timeout=10).read().decode())
+            except OSError:
+                pass  # (the agent busy: the next second)
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        cfg = tiny_cfg.replace(**SHORT_RUN, **{"logging.out_dir": str(tmp_path_factory.mktemp("short")),
+                                               "logging.run_name": "seed-0"})
+        run_dir = train(cfg, log=lambda _: None).run_dir
+        # Ray's agent has a step's figures within its report interval (10 s) of their being set.
+        last = re.compile(r'^ray_rayrep_train_steps_total\{[^}]*run="' + re.escape(run_label(run_dir)) + r'"[^}]*\} 2\.0$',
+                          re.M)
+        deadline = time.monotonic() + 60
+        while not (METRICS_PAGES and last.search(METRICS_PAGES[-1])) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        scraper.join()
+    return run_dir
 
 
 @pytest.fixture(scope="session")

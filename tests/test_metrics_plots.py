@@ -110,7 +110,11 @@ NETWORK_WATCH = textwrap.dedent("""
     sys.addaudithook(watch)
     from rayrep.run.log import MetricsLog
 
-    log = MetricsLog(Path(sys.argv[1]), {"seed": 7}, use_wandb=True, project="rayrep-test", wandb_mode="offline")
+    from rayrep.config import load_preset
+
+    logging = load_preset("tiny-cpu").replace(**{"logging.wandb": True, "logging.wandb_project": "rayrep-test",
+                                                 "logging.ray_metrics": False}).logging
+    log = MetricsLog(Path(sys.argv[1]), {"seed": 7}, logging)
     for record in json.loads(sys.argv[2]):
         log.log(record)
     log.close()
@@ -153,6 +157,118 @@ def test_wandb_offline_run_holds_the_logged_metrics_and_stays_off_the_network(tm
 
 
 # ---------------------------------------------------------------- plots
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """Every scalar in the event files of `folder`, read by TensorBoard's own reader: {tag:
+    [(step, value, wall time)]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    events = EventAccumulator(str(folder), size_guidance={"tensors": 0}).Reload()  # 0: keep every event
+    return {tag: [(e.step, tensor_util.make_ndarray(e.tensor_proto).item(), e.wall_time) for e in events.Tensors(tag)]
+            for tag in events.Tags()["tensors"] if not tag.endswith("/text_summary")}
+
+
+def test_tensorboard_holds_every_number_of_the_log_and_a_failing_logger_costs_one_line(tmp_path, tiny_cfg):
+    """TensorBoard event files hold each record's numbers at its step and wall time, as
+    `metrics.jsonl` has them (to the digit), and the config as text. A logger that cannot
+    start (its folder cannot be made) or that fails mid-run (a full disk) says so in one
+    line; the run's records all reach `metrics.jsonl`."""
+    import errno
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rayrep.run.log import MetricsLog
+
+    records = [{"step": 0, "test_pass@1": 0.1185, "time_eval": 1.5},
+               {"step": 1, "reward_mean": -0.25, "accuracy": 1 / 3, "grad_norm": float("nan"), "note": "text",
+                "sync_bytes": 3_289_600_123, "generator_replaced": 1},
+               {"step": 2, "reward_mean": 0.125, "accuracy": 0.5, "grad_norm": 0.31}]
+    logging = tiny_cfg.replace(**{"logging.tensorboard": True, "logging.ray_metrics": False}).logging
+    lines = []
+    log = MetricsLog(tmp_path / "run", {"seed": 7}, logging, log=lines.append)
+    for record in records:
+        log.log(record)
+    log.close()
+    written = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    expected = {}
+    for record in written:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key not in ("step", "time"):
+                expected.setdefault(key, []).append((record["step"], float(value), record["time"]))
+    assert tensorboard_scalars(tmp_path / "run" / "tensorboard") == expected and not lines
+    config = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    text = config.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert json.loads(text.removeprefix("```json").removesuffix("```")) == {"seed": 7}
+
+    # The folder cannot be made (a file is where it would go): one line, and the log goes on.
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "tensorboard").write_text("a file")
+    log = MetricsLog(tmp_path / "blocked", {"seed": 7}, logging, log=lines.append)
+    # A full disk mid-run: the writer raises on the next record.
+    log_full = MetricsLog(tmp_path / "full", {"seed": 7}, logging, log=lines.append)
+    log_full.log(records[0])
+
+    def no_space(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    log_full.sinks[0].writer.add_scalar = no_space
+    for record in records:
+        log.log(record)
+    for record in records[1:]:
+        log_full.log(record)
+    log.close()
+    log_full.close()
+    assert len(lines) == 2 and all(line.startswith("warning: TensorBoard stopped (") for line in lines), lines
+    assert "No space left on device" in lines[1] and "holds every record" in lines[1]
+    for run in ("blocked", "full"):
+        assert [r["step"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_a_runs_metrics_reach_tensorboard_and_rays_prometheus_endpoint_as_its_log_has_them(short_run_dir, short_run):
+    """The short run (tests/conftest.py): its TensorBoard files hold every number of its
+    `metrics.jsonl`; the node's Prometheus endpoint, scraped while it trained, served every
+    training series that the run's records feed, labelled with the run, and their last values
+    are the log's: each gauge its key's value at the last step that logged it, each counter
+    the sum over steps."""
+    import re
+
+    from conftest import METRICS_PAGES
+
+    from rayrep.run.sinks import COUNTERS, DERIVED_GAUGES, TRAIN_GAUGES, run_label
+
+    expected = {}
+    for record in short_run:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key not in ("step", "time"):
+                expected.setdefault(key, []).append((record["step"], float(value), record["time"]))
+    assert tensorboard_scalars(short_run_dir / "tensorboard") == expected
+
+    label, series = run_label(short_run_dir), {}
+    for page in METRICS_PAGES:  # in order: the last page that has a series holds its last value
+        for name, labels, value in re.findall(r"^ray_rayrep_train_(\w+)\{([^}]*)\} (\S+)$", page, re.M):
+            tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if tags.get("run") == label:
+                series[name, tags.get("phase", tags.get("role"))] = float(value)
+    logged = {key: [r[key] for r in short_run if isinstance(r.get(key), (int, float))] for key in
+              {key for key, _ in TRAIN_GAUGES.values()} | {"time_step", "generated_tokens", "fresh_tokens",
+                                                             "replay_tokens"}}
+    gauges = {name: logged[key][-1] for name, (key, _) in TRAIN_GAUGES.items() if logged[key]}
+    assert gauges.keys() >= {"step", "step_seconds", "generated_tokens_per_second", "reward", "accuracy", "sync_seconds",
+                             "policy_version"}
+    steps = [r for r in short_run if r.get("time_step")]
+    trained = [(r.get("fresh_tokens") or 0) + (r.get("replay_tokens") or 0) for r in steps]
+    assert {name: series.get((name, None)) for name in gauges} == gauges
+    assert series["trained_tokens_per_second", None] == trained[-1] / steps[-1]["time_step"]
+    shares = {phase: value for (name, phase), value in series.items() if name == "phase_share"}
+    assert {"generate", "verify", "update", "sync", "other"} <= set(shares) and sum(shares.values()) == \
+        pytest.approx(1.0, abs=1e-6)
+    assert series["steps_total", None] == len(steps) == 2
+    assert series["generated_tokens_total", None] == sum(logged["generated_tokens"])
+    assert series["trained_tokens_total", None] == sum(trained)
+    assert set(DERIVED_GAUGES) | {f"{name}_total" for name in COUNTERS} >= {name for name, _ in series
+                                                                            if name not in gauges}
 
 
 def test_plot_command_writes_each_curve_and_an_overview(tmp_path):

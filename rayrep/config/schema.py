@@ -230,6 +230,8 @@ class LoggingConfig:
     wandb_mode: Literal["offline", "online"] = option("offline", "offline: a local wandb run folder in the run's folder, never the network (sync it later with `wandb sync`); online: stream to wandb with the user's key")
     wandb_project: str = option("rayrep", "Weights & Biases project")
     plots: bool = option(True, "write learning-curve PNGs to <run>/plots at the end of a run")
+    tensorboard: bool = option(False, "also write each step's metrics and the config to TensorBoard event files in <run>/tensorboard", added=True)
+    ray_metrics: bool = option(True, "also export each step's metrics through Ray's metrics (the node's Prometheus endpoint, Ray's Grafana), labelled with the run", added=True)
 
 
 @dataclass

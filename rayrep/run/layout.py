@@ -45,6 +45,10 @@ class RunFolder:
         return self.path / "metrics.jsonl"
 
     @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
     def evals(self) -> Path:
         return self.path / "evals.json"
 

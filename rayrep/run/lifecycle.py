@@ -98,9 +98,8 @@ class Run:
                                 generator_path=str(self.checkpoint) if self.checkpoint else None,
                                 log_dir=self.folder.path)
         self.log(f"run folder: {self.folder.path} (libraries' output: {LIBRARY_LOG} there)")
-        logging = self.cfg.logging
-        metrics = MetricsLog(self.folder.path, self.cfg.to_dict(), logging.wandb, logging.wandb_project,
-                             logging.wandb_mode)
+        metrics = MetricsLog(self.folder.path, self.cfg.to_dict(), self.cfg.logging,
+                             resumed_at=self.state.step if self.state else None, log=self.log)
         training = None
         try:
             algorithm = make_algorithm(self.cfg, self.inputs, runtime.buffer, runtime.learners, self.sampler)

@@ -1,6 +1,7 @@
-"""The run's log: one JSON record per step in `metrics.jsonl` (mirrored to wandb when
-asked), read back for plots and studies, cut back to a checkpoint's step on resume, and the
-headline fields of the progress line."""
+"""The run's log: one JSON record per step in `metrics.jsonl`, mirrored to the sinks the
+config asks for (wandb, TensorBoard, Ray's metrics: `rayrep.run.sinks`), read back for plots
+and studies, cut back to a checkpoint's step on resume, and the headline fields of the
+progress line."""
 
 from __future__ import annotations
 
@@ -8,57 +9,62 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Literal
 
+from rayrep.run import sinks
 from rayrep.run.layout import RunFolder
 
 
 class MetricsLog:
-    """One JSON object per line in `<run_dir>/metrics.jsonl`, mirrored to wandb when asked.
+    """One JSON object per line in `<run_dir>/metrics.jsonl`, and the same records to each of
+    `logging`'s sinks: wandb (`logging.wandb`), TensorBoard (`logging.tensorboard`), Ray's
+    metrics (`logging.ray_metrics`). `metrics.jsonl` is the record: a sink that fails to start
+    or to take a record (an unwritable folder, a full disk, a lost connection) is dropped with
+    one line through `log`, and the run goes on without it, losing nothing from the file.
 
-    wandb's offline mode (the default) writes a run folder under `<run_dir>/wandb/` and
-    never touches the network (`wandb sync <that folder>` uploads it later); online mode
-    streams to the wandb server with the user's key.
+    `resumed_at`: the step a resumed run goes on from (the records after it were dropped
+    from the file; TensorBoard hides them too).
     """
 
-    def __init__(
-        self,
-        run_dir: Path,
-        config_dict: dict,
-        use_wandb: bool = False,
-        project: str = "rayrep",
-        wandb_mode: Literal["offline", "online"] = "offline",
-    ):
+    def __init__(self, run_dir: Path, config_dict: dict, logging=None, resumed_at: int | None = None, log=print):
         self.path = RunFolder(Path(run_dir)).metrics
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a", buffering=1)
-        self.wandb = start_wandb(Path(run_dir), config_dict, project, wandb_mode) if use_wandb else None
+        self.log_line, self.sinks = log, []
+        wanted = [] if logging is None else [
+            (logging.wandb, lambda: sinks.WandbSink(Path(run_dir), config_dict, logging.wandb_project,
+                                                    logging.wandb_mode), sinks.WandbSink.name),
+            (logging.tensorboard, lambda: sinks.TensorBoardSink(RunFolder(Path(run_dir)).tensorboard, config_dict,
+                                                                resumed_at), sinks.TensorBoardSink.name),
+            (logging.ray_metrics, lambda: sinks.RayMetricsSink(Path(run_dir)), sinks.RayMetricsSink.name)]
+        for asked, start, name in wanted:
+            if asked:
+                try:
+                    self.sinks.append(start())
+                except Exception as err:  # a logger is never worth the run
+                    self._dropped(name, err)
 
     def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         clean.setdefault("time", round(time.time(), 3))
         self.file.write(json.dumps(clean) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=record.get("step"))
+        self._each(lambda sink: sink.write(clean))
 
     def close(self) -> None:
         self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        self._each(lambda sink: sink.close())
+        self.sinks = []
 
+    def _each(self, call) -> None:
+        for sink in list(self.sinks):
+            try:
+                call(sink)
+            except Exception as err:
+                self.sinks.remove(sink)
+                self._dropped(sink.name, err)
 
-def start_wandb(run_dir: Path, config_dict: dict, project: str, mode: Literal["offline", "online"]):
-    """A wandb run whose files live in `run_dir/wandb/`.
-
-    Offline, wandb neither logs in nor uploads; its process-wide usage telemetry follows the
-    global settings rather than the run's, so those are set offline too (`wandb.setup`),
-    else it would look up wandb's server when the process exits.
-    """
-    import wandb
-
-    if mode == "offline":
-        wandb.setup(settings=wandb.Settings(mode="offline"))
-    return wandb.init(project=project, name=run_dir.name, config=config_dict, dir=str(run_dir), mode=mode)
+    def _dropped(self, name: str, err: Exception) -> None:
+        self.log_line(f"warning: {name} stopped ({type(err).__name__}: {err}); the run goes on, "
+                      f"and {self.path} holds every record")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
