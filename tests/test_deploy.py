@@ -114,3 +114,44 @@ def test_the_rayjob_agrees_with_cluster_yaml():
     assert '"rayrep_cpu_node": 32' in cpu["rayStartParams"]["resources"].replace('\\"', '"')
     head = rayjob()["spec"]["rayClusterSpec"]["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"  # as cluster.yaml's head: the driver only
+
+
+def dashboard() -> dict:
+    import json
+
+    return json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+
+
+def dashboard_series() -> set[str]:
+    """The series the Grafana dashboard's panels query (`ray_rayrep_*`, as Ray's agent names them)."""
+    import re
+
+    return {name for panel in dashboard()["panels"] for target in panel.get("targets", [])
+            for name in re.findall(r"\b(ray_rayrep_\w+)", target["expr"])}
+
+
+def test_the_grafana_dashboard_queries_only_series_rayrep_exports():
+    """deploy/grafana-dashboard.json loads as Grafana reads it: every panel draws from the
+    dashboard's data source and queries, every variable it uses is defined, and every
+    training series it names is one a run exports (`rayrep.run.sinks`); the serving ones are
+    checked against the server's own page in tests/test_serve.py, the training ones a run
+    feeds in tests/test_metrics_plots.py."""
+    import re
+
+    from rayrep.run.sinks import COUNTERS, DERIVED_GAUGES, TRAIN_GAUGES
+
+    board = dashboard()
+    assert board["uid"] == "rayrepDashboard" and board["title"]
+    defined = {v["name"] for v in board["templating"]["list"]}
+    assert defined == {"datasource", "SessionName", "Run", "Deployment"}
+    graphs = [p for p in board["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"]) and len(graphs) >= 10
+    for panel in graphs:
+        assert panel["type"] == "timeseries" and panel["datasource"] == "${datasource}" and panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert set(re.findall(r"\$(\w+)", target["expr"])) <= defined, target["expr"]
+    exported = ({f"ray_rayrep_train_{name}" for name in (*TRAIN_GAUGES, *DERIVED_GAUGES)}
+                | {f"ray_rayrep_train_{name}_total" for name in COUNTERS})
+    training = {name for name in dashboard_series() if name.startswith("ray_rayrep_train_")}
+    assert training <= exported and len(training) >= 12, training - exported
+    assert any(name.startswith("ray_rayrep_serve_") for name in dashboard_series())

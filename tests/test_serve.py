@@ -223,6 +223,11 @@ def test_metrics_reach_rays_prometheus_endpoint(server, client):
         time.sleep(2)
     assert set(found) == set(wanted), sorted(set(wanted) - set(found))
     assert found["refused"] >= 1 and found["tokens in"] >= 2 * len(PROMPT) and found["tokens out"] >= 2
+    # Every serving series the Grafana dashboard queries is one the server exports.
+    from test_deploy import dashboard_series
+
+    served = set(re.findall(r"^(ray_rayrep_serve_\w+)\{", text, re.M))
+    assert {name for name in dashboard_series() if name.startswith("ray_rayrep_serve_")} <= served
 
 
 def test_streamed_completions_keep_each_prompts_answers_apart(client):
