@@ -159,13 +159,19 @@ def test_wandb_offline_run_holds_the_logged_metrics_and_stays_off_the_network(tm
 # ---------------------------------------------------------------- plots
 
 
+def tensorboard_events(folder: Path):
+    """The event files of `folder`, as TensorBoard's server reads them (its plugins'
+    accumulator: every event kept, a restart's orphaned steps purged)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    return EventAccumulator(str(folder), size_guidance={"tensors": 0}).Reload()
+
+
 def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float, float]]]:
-    """Every scalar in the event files of `folder`, read by TensorBoard's own reader: {tag:
-    [(step, value, wall time)]}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Every scalar in the event files of `folder`: {tag: [(step, value, wall time)]}."""
     from tensorboard.util import tensor_util
 
-    events = EventAccumulator(str(folder), size_guidance={"tensors": 0}).Reload()  # 0: keep every event
+    events = tensorboard_events(folder)
     return {tag: [(e.step, tensor_util.make_ndarray(e.tensor_proto).item(), e.wall_time) for e in events.Tensors(tag)]
             for tag in events.Tags()["tensors"] if not tag.endswith("/text_summary")}
 
@@ -176,8 +182,6 @@ def test_tensorboard_holds_every_number_of_the_log_and_a_failing_logger_costs_on
     start (its folder cannot be made) or that fails mid-run (a full disk) says so in one
     line; the run's records all reach `metrics.jsonl`."""
     import errno
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from rayrep.run.log import MetricsLog
 
@@ -198,9 +202,20 @@ def test_tensorboard_holds_every_number_of_the_log_and_a_failing_logger_costs_on
             if isinstance(value, (int, float)) and key not in ("step", "time"):
                 expected.setdefault(key, []).append((record["step"], float(value), record["time"]))
     assert tensorboard_scalars(tmp_path / "run" / "tensorboard") == expected and not lines
-    config = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
-    text = config.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    text = tensorboard_events(tmp_path / "run" / "tensorboard").Tensors("config/text_summary")[0] \
+        .tensor_proto.string_val[0].decode()
     assert json.loads(text.removeprefix("```json").removesuffix("```")) == {"seed": 7}
+
+    # Resumed from a step-1 checkpoint: what the stopped run logged after it is gone from both.
+    from rayrep.run.log import keep_metrics_until
+
+    keep_metrics_until(tmp_path / "run" / "metrics.jsonl", 1)
+    log = MetricsLog(tmp_path / "run", {"seed": 7}, logging, resumed_at=1, log=lines.append)
+    log.log({"step": 2, "reward_mean": 0.75})
+    log.close()
+    resumed = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    assert [(step, value) for step, value, _ in resumed["reward_mean"]] == [(1, -0.25), (2, 0.75)]
+    assert resumed.get("grad_norm", []) == []  # the stopped run's, at step 2 (step 1's was NaN: not a number)
 
     # The folder cannot be made (a file is where it would go): one line, and the log goes on.
     (tmp_path / "blocked").mkdir()

@@ -57,7 +57,9 @@ class TensorBoardSink:
     def __init__(self, folder: Path, config_dict: dict, resumed_at: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(folder), purge_step=None if resumed_at is None else resumed_at + 1)
+        # Every start marks a session (SessionLog.START); TensorBoard takes each start after
+        # the first as a restart and hides what came before it from its step on.
+        self.writer = SummaryWriter(str(folder), purge_step=0 if resumed_at is None else resumed_at + 1)
         if resumed_at is None:
             self.writer.add_text("config", "```json\n" + json.dumps(config_dict, indent=1) + "\n```", 0)
 
