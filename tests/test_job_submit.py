@@ -20,17 +20,28 @@ from rayrep.cluster.placement import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 
+HEAD: dict = {}
+"""What the head fixture made: its temp folder ("temp_dir") and the Grafana dashboards folder it was given ("dashboards")."""
+
+
 @pytest.fixture(scope="module")
 def ray_head(tiny_policy):
-    """A Ray head started from the CLI; stopped through the process we started (never `ray stop`)."""
+    """A Ray head started from the CLI; stopped through the process we started (never `ray stop`).
+    It is given rayrep's Grafana dashboard as docs/watching-a-run.md says (Ray's dashboards
+    written beside it, in a folder Ray's Grafana set-up loads)."""
     temp_dir = tempfile.mkdtemp(prefix="rr-", dir="/tmp")  # short: Ray's unix sockets live here
+    dashboards = Path(temp_dir) / "grafana-dashboards"
+    dashboards.mkdir()
+    shutil.copy(REPO / "deploy" / "grafana-dashboard.json", dashboards)
+    HEAD.update(temp_dir=Path(temp_dir), dashboards=dashboards)
     dashboard = free_port()
     # The job agent's port is free too: the default (52365) is taken by any other Ray node on
     # the machine (the suite's own cluster, say), and a head whose agent cannot listen takes
     # no job ("No available agent to submit job").
     head = start_ray_node("--head", "--port", str(free_port()), "--dashboard-host", "127.0.0.1",
                           "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port", str(free_port()),
-                          "--temp-dir", temp_dir)
+                          "--temp-dir", temp_dir,
+                          env=dict(os.environ, RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR=str(dashboards)))
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 120
@@ -189,3 +200,17 @@ def test_a_submitted_server_follows_the_run_as_it_trains_on_and_stops_cleanly(ra
     assert "shutting down the server" in logs and "server stopped" in logs, logs[-3000:]
     with pytest.raises(openai.APIConnectionError):  # Serve is gone from the cluster
         client.models.list()
+
+
+def test_rays_grafana_set_up_provisions_rayrep_s_dashboard_beside_its_own(ray_head):
+    """The head's Grafana provisioning (what `grafana-server --config <session>/metrics/grafana/
+    grafana.ini` loads) reads the dashboards folder it was given, where Ray wrote its own
+    dashboards beside rayrep's."""
+    import yaml
+
+    provisioning = HEAD["temp_dir"] / "session_latest" / "metrics" / "grafana" / "provisioning" / "dashboards"
+    (provider,) = yaml.safe_load((provisioning / "default.yml").read_text())["providers"]
+    assert Path(provider["options"]["path"]) == HEAD["dashboards"]
+    written = {path.name for path in HEAD["dashboards"].glob("*.json")}
+    assert {"grafana-dashboard.json", "default_grafana_dashboard.json", "serve_grafana_dashboard.json"} <= written
+    assert json.loads((HEAD["dashboards"] / "grafana-dashboard.json").read_text())["uid"] == "rayrepDashboard"
