@@ -41,13 +41,10 @@ def short_run_dir(ray_session, tiny_cfg, tiny_policy, tmp_path_factory):
     import time
     import urllib.request
 
-    import ray
-
     from rayrep.run.sinks import run_label
     from rayrep.train import train
 
-    (node,) = [n for n in ray.nodes() if n["Alive"]]
-    endpoint = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    endpoint = metrics_endpoint()
     stop = threading.Event()
 
     def scrape() -> None:
@@ -63,9 +60,9 @@ def short_run_dir(ray_session, tiny_cfg, tiny_policy, tmp_path_factory):
         cfg = tiny_cfg.replace(**SHORT_RUN, **{"logging.out_dir": str(tmp_path_factory.mktemp("short")),
                                                "logging.run_name": "seed-0"})
         run_dir = train(cfg, log=lambda _: None).run_dir
-        # Ray's agent has a step's figures within its report interval (10 s) of their being set.
-        last = re.compile(r'^ray_rayrep_train_steps_total\{[^}]*run="' + re.escape(run_label(run_dir)) + r'"[^}]*\} 2\.0$',
-                          re.M)
+        # Ray's agent has a step's figures within its report interval (a second here) of their being set.
+        last = re.compile(r'^ray_rayrep_train_steps_total\{[^}]*run="' + re.escape(run_label(run_dir)) + r'"[^}]*\} '
+                          + re.escape(f"{float(SHORT_RUN['run.steps'])}") + "$", re.M)
         deadline = time.monotonic() + 60
         while not (METRICS_PAGES and last.search(METRICS_PAGES[-1])) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -81,6 +78,15 @@ def short_run(short_run_dir) -> list[dict]:
     from rayrep.run.log import read_metrics
 
     return read_metrics(short_run_dir / "metrics.jsonl")
+
+
+def metrics_endpoint() -> str:
+    """The Prometheus page of the (one) node of the cluster this process is connected to:
+    where Ray's metrics agent serves every process's metrics."""
+    import ray
+
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 @pytest.fixture(scope="session")

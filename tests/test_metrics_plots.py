@@ -176,6 +176,17 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float, float]
             for tag in events.Tags()["tensors"] if not tag.endswith("/text_summary")}
 
 
+def logged_scalars(records: list[dict]) -> dict[str, list[tuple[int, float, float]]]:
+    """What TensorBoard should hold of `metrics.jsonl`'s records: every number but the step
+    and wall time, {key: [(step, value, wall time)]}."""
+    scalars = {}
+    for record in records:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key not in ("step", "time"):
+                scalars.setdefault(key, []).append((record["step"], float(value), record["time"]))
+    return scalars
+
+
 def test_tensorboard_holds_every_number_of_the_log_and_a_failing_logger_costs_one_line(tmp_path, tiny_cfg):
     """TensorBoard event files hold each record's numbers at its step and wall time, as
     `metrics.jsonl` has them (to the digit), and the config as text. A logger that cannot
@@ -195,12 +206,7 @@ def test_tensorboard_holds_every_number_of_the_log_and_a_failing_logger_costs_on
     for record in records:
         log.log(record)
     log.close()
-    written = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    expected = {}
-    for record in written:
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key not in ("step", "time"):
-                expected.setdefault(key, []).append((record["step"], float(value), record["time"]))
+    expected = logged_scalars(read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert tensorboard_scalars(tmp_path / "run" / "tensorboard") == expected and not lines
     text = tensorboard_events(tmp_path / "run" / "tensorboard").Tensors("config/text_summary")[0] \
         .tensor_proto.string_val[0].decode()
@@ -253,12 +259,7 @@ def test_a_runs_metrics_reach_tensorboard_and_rays_prometheus_endpoint_as_its_lo
 
     from rayrep.run.sinks import COUNTERS, DERIVED_GAUGES, TRAIN_GAUGES, run_label
 
-    expected = {}
-    for record in short_run:
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key not in ("step", "time"):
-                expected.setdefault(key, []).append((record["step"], float(value), record["time"]))
-    assert tensorboard_scalars(short_run_dir / "tensorboard") == expected
+    assert tensorboard_scalars(short_run_dir / "tensorboard") == logged_scalars(short_run)
 
     label, series = run_label(short_run_dir), {}
     for page in METRICS_PAGES:  # in order: the last page that has a series holds its last value

@@ -198,14 +198,13 @@ def test_metrics_reach_rays_prometheus_endpoint(server, client):
     import re
     import time
 
-    import ray
+    from conftest import metrics_endpoint
 
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
     list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
     with httpx.Client(base_url=server, timeout=60) as http:
         assert http.get("/v1/models").status_code == 401
-    (node,) = [n for n in ray.nodes() if n["Alive"]]
-    endpoint = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    endpoint = metrics_endpoint()
     wanted = {
         "requests": r'rayrep_serve_requests_total\{[^}]*deployment="tiny"[^}]*route="/v1/completions"[^}]*status="200"[^}]*\} (\S+)',
         "refused": r'rayrep_serve_requests_total\{[^}]*route="/v1/models"[^}]*status="401"[^}]*\} (\S+)',

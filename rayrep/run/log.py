@@ -30,18 +30,16 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a", buffering=1)
         self.log_line, self.sinks = log, []
-        wanted = [] if logging is None else [
-            (logging.wandb, lambda: sinks.WandbSink(Path(run_dir), config_dict, logging.wandb_project,
-                                                    logging.wandb_mode), sinks.WandbSink.name),
-            (logging.tensorboard, lambda: sinks.TensorBoardSink(RunFolder(Path(run_dir)).tensorboard, config_dict,
-                                                                resumed_at), sinks.TensorBoardSink.name),
-            (logging.ray_metrics, lambda: sinks.RayMetricsSink(Path(run_dir)), sinks.RayMetricsSink.name)]
-        for asked, start, name in wanted:
+        wanted = [] if logging is None else [  # (asked, the sink, its arguments)
+            (logging.wandb, sinks.WandbSink, (Path(run_dir), config_dict, logging.wandb_project, logging.wandb_mode)),
+            (logging.tensorboard, sinks.TensorBoardSink, (RunFolder(Path(run_dir)).tensorboard, config_dict, resumed_at)),
+            (logging.ray_metrics, sinks.RayMetricsSink, (Path(run_dir),))]
+        for asked, sink, arguments in wanted:
             if asked:
                 try:
-                    self.sinks.append(start())
+                    self.sinks.append(sink(*arguments))
                 except Exception as err:  # a logger is never worth the run
-                    self._dropped(name, err)
+                    self._dropped(sink.name, err)
 
     def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

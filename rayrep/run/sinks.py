@@ -121,12 +121,10 @@ class RayMetricsSink:
         from ray.util.metrics import Counter, Gauge
 
         self.tags = {"run": run_label(run_dir)}
-        self.gauges = {name: Gauge(f"rayrep_train_{name}", description, tag_keys=("run",))
-                       for name, (_, description) in TRAIN_GAUGES.items()}
-        self.gauges["trained_tokens_per_second"] = Gauge("rayrep_train_trained_tokens_per_second",
-                                                         DERIVED_GAUGES["trained_tokens_per_second"], tag_keys=("run",))
-        self.gauges["phase_share"] = Gauge("rayrep_train_phase_share", DERIVED_GAUGES["phase_share"],
-                                           tag_keys=("run", "phase"))
+        described = {**{name: description for name, (_, description) in TRAIN_GAUGES.items()}, **DERIVED_GAUGES}
+        self.gauges = {name: Gauge(f"rayrep_train_{name}", description,
+                                   tag_keys=("run", "phase") if name == "phase_share" else ("run",))
+                       for name, description in described.items()}
         self.counters = {name: Counter(f"rayrep_train_{name}", description,
                                        tag_keys=("run", "role") if name == "actor_replacements" else ("run",))
                          for name, description in COUNTERS.items()}
