@@ -42,12 +42,17 @@ def test_cluster_yaml_passes_rays_own_validation():
 
 def test_cluster_yaml_installs_this_checkout_and_keeps_the_dashboard_private():
     config = launcher_config()
-    assert config["file_mounts"] == {"~/rayrep": "."}
+    assert config["file_mounts"]["~/rayrep"] == "."
     assert any('pip install -e "~/rayrep[gpu]"' in command for command in config["setup_commands"])
     head = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
-    commands = config["setup_commands"] + config["head_start_ray_commands"] + config["worker_start_ray_commands"]
-    assert not any("RAY_AUTH_MODE" in command for command in commands)  # token authentication stays on
+    # Token authentication: Ray 2.60 turns it on by itself only for ray.init()'s local
+    # clusters, so every node's `ray start` asks for it, with the token copied from this machine.
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    starts = [command for command in config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+              if "ray start" in command]
+    assert len(starts) == 2 and all("RAY_AUTH_MODE=token ray start" in command.replace("RAY_enable_autoscaler_v2=1 ", "")
+                                    for command in starts), starts
 
 
 def node_capacity(config: dict) -> dict[str, tuple[dict, int]]:

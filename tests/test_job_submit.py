@@ -1,14 +1,18 @@
 """End to end, as the README says: `ray start --head` with its default resources (2 CPUs on a
-2-core machine; token authentication on), then the GRPO baseline through `ray job submit`."""
+2-core machine; token authentication on), then the GRPO baseline through `ray job submit`.
+The head and every client share a token of the test's own (`RAY_AUTH_TOKEN_PATH`), so the
+tests need no `~/.ray/auth_token` (which a `ray.init()` elsewhere may or may not have made)."""
 
 import itertools
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +23,9 @@ from rayrep.cluster.placement import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+ENV = dict(os.environ, RAY_AUTH_MODE="token")
+"""The head's and its clients' environment; the head fixture adds its token's path."""
 
 HEAD: dict = {}
 """What the head fixture made: its temp folder ("temp_dir") and the Grafana dashboards folder it was given ("dashboards")."""
@@ -34,6 +41,9 @@ def ray_head(tiny_policy):
     dashboards.mkdir()
     shutil.copy(REPO / "deploy" / "grafana-dashboard.json", dashboards)
     HEAD.update(temp_dir=Path(temp_dir), dashboards=dashboards)
+    token = Path(temp_dir) / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    ENV["RAY_AUTH_TOKEN_PATH"] = str(token)
     dashboard = free_port()
     # The job agent's port is free too: the default (52365) is taken by any other Ray node on
     # the machine (the suite's own cluster, say), and a head whose agent cannot listen takes
@@ -41,7 +51,7 @@ def ray_head(tiny_policy):
     head = start_ray_node("--head", "--port", str(free_port()), "--dashboard-host", "127.0.0.1",
                           "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port", str(free_port()),
                           "--temp-dir", temp_dir,
-                          env=dict(os.environ, RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR=str(dashboards)))
+                          env=dict(ENV, RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR=str(dashboards)))
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 120
@@ -53,6 +63,11 @@ def ray_head(tiny_policy):
                 if time.monotonic() > deadline or head.poll() is not None:
                     raise RuntimeError(f"the Ray head did not come up at {address}")
                 time.sleep(1)
+        try:  # token authentication is on: the job API refuses a request without the token
+            urllib.request.urlopen(f"{address}/api/jobs/", timeout=10)
+            raise AssertionError("the head answered the job API without a token")
+        except urllib.error.HTTPError as refused:
+            assert refused.code == 401, refused
         yield address
     finally:
         stop_ray_node(head)
@@ -76,7 +91,6 @@ def submit_job(address: str, job: list[str], env: dict, options: list[str] = ())
         time.sleep(2)
 
 
-ENV = dict(os.environ, RAY_AUTH_MODE="token")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +173,11 @@ def test_a_submitted_server_follows_the_run_as_it_trains_on_and_stops_cleanly(ra
             try:
                 models = client.models.list().data
                 break
-            except openai.APIConnectionError:
+            except (openai.APIConnectionError, openai.NotFoundError) as error:
+                # Serve's proxy takes the port before the application is deployed, and until then it
+                # answers every path 404 itself; any other 404 (the application's own) is a failure.
+                if isinstance(error, openai.NotFoundError):
+                    assert "for available routes" in error.response.text, error.response.text
                 assert time.monotonic() < deadline, job_cli("status") + job_cli("logs")[-3000:]
                 if attempt % 10 == 0:  # (a `ray job status` is a process of its own: not every second)
                     status = job_cli("status")

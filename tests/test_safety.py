@@ -209,10 +209,13 @@ def test_request_caps_cannot_be_switched_off(field, value):
 
 
 def test_the_rayjob_and_its_image_keep_token_authentication_on():
-    """cluster.yaml's commands are checked in test_deploy.py; here the KubeRay side: no
-    container env, start parameter or image layer sets RAY_AUTH_MODE (Ray 2.60's default: token)."""
+    """cluster.yaml's commands are checked in test_deploy.py; here the KubeRay side: the
+    RayJob's cluster asks KubeRay for token authentication (Ray 2.60 turns it on by itself
+    only for ray.init()'s local clusters), and no container env, start parameter or image
+    layer sets RAY_AUTH_* over what the operator gives."""
     job = yaml.safe_load((ROOT / "deploy" / "kuberay-rayjob.yaml").read_text())
     cluster = job["spec"]["rayClusterSpec"]
+    assert cluster["authOptions"] == {"mode": "token"}
     groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
     assert groups and all(group["template"]["spec"]["containers"] for group in groups)
     for group in groups:
