@@ -26,14 +26,15 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: Path, config_dict: dict, logging=None, resumed_at: int | None = None, log=print):
-        self.path = RunFolder(Path(run_dir)).metrics
+        folder = RunFolder(Path(run_dir))
+        self.path = folder.metrics
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a", buffering=1)
         self.log_line, self.sinks = log, []
         wanted = [] if logging is None else [  # (asked, the sink, its arguments)
-            (logging.wandb, sinks.WandbSink, (Path(run_dir), config_dict, logging.wandb_project, logging.wandb_mode)),
-            (logging.tensorboard, sinks.TensorBoardSink, (RunFolder(Path(run_dir)).tensorboard, config_dict, resumed_at)),
-            (logging.ray_metrics, sinks.RayMetricsSink, (Path(run_dir),))]
+            (logging.wandb, sinks.WandbSink, (folder.path, config_dict, logging.wandb_project, logging.wandb_mode)),
+            (logging.tensorboard, sinks.TensorBoardSink, (folder.tensorboard, config_dict, resumed_at)),
+            (logging.ray_metrics, sinks.RayMetricsSink, (folder.path,))]
         for asked, sink, arguments in wanted:
             if asked:
                 try:
