@@ -75,7 +75,7 @@ def main() -> None:
         for build in (("rayrep", "defaults") if round_ % 2 == 0 else ("defaults", "rayrep")):
             results[build].append(measure(build))
     digests = {r["answers"] for runs in results.values() for r in runs}
-    from rayrep.models.tiny import machine_name
+    from rayrep.machine import machine_name
 
     print(f"machine: {machine_name()}; {rounds} rounds; the same answers in every run: {len(digests) == 1}")
     print(f"{'median':<14}{'defaults':>10}{'rayrep':>10}{'ratio':>8}")

@@ -39,14 +39,13 @@ import torch
 
 from rayrep.config import ConfigError, parse_cli
 from rayrep.data.arithmetic import make_splits
+from rayrep.machine import AVX2_KERNELS, machine_name
 from rayrep.models.recipe import (BUILD_RECORD, RECIPE_VERSION, TinyPolicySpec, padded_vocab_size, tiny_spec,
                                   weights_sha256)
 from rayrep.models.tokenizer import build_char_tokenizer
 
 PORTABLE_KERNELS = {
-    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own kernels: AVX2, also where the CPU has AVX-512
-    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: AVX2 code paths on any CPU
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    **AVX2_KERNELS,  # torch, oneDNN and MKL: AVX2, also where the CPU has AVX-512
     "OMP_NUM_THREADS": "2",  # a fixed thread count: parallel loops and reductions split the same way
     "MKL_NUM_THREADS": "2",
 }
@@ -198,20 +197,6 @@ def build_with_portable_kernels(spec: TinyPolicySpec, out_dir: Path, log=print, 
         tail = "\n".join(lines[-20:])
         raise RuntimeError(f"building the tiny policy failed (exit {process.returncode}):\n{tail}")
     return json.loads((out_dir / "rayrep_build.json").read_text())
-
-
-def machine_name() -> str:
-    """The CPU model, as the build record names the machine a policy was built on."""
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return f"{line.partition(':')[2].strip()}, {os.cpu_count()} cores, {platform.machine()}"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def build_policy(spec: TinyPolicySpec, out_dir: Path, log=print, record: dict | None = None) -> dict:

@@ -21,6 +21,7 @@ from rayrep.config import Config, ConfigError, InputError, differing_fields
 from rayrep.eval.runner import evaluate_checkpoint
 from rayrep.stats.study import compare_runs, comparison_table
 from rayrep.pipelines.collect import collect_pool
+from rayrep.pipelines.summary import PAGE, PLOT, RECORD, eval_table, pipeline_record, render
 from rayrep.plots import plot_curves
 from rayrep.run.lifecycle import RunResult
 from rayrep.run.checkpoints import latest_checkpoint
@@ -101,12 +102,18 @@ def compare_with_baseline(
 
     log(f"== {stages}/{stages} comparison ==")
     comparison.update(compare_runs(base_evals, run.evals))
-    plot = plot_curves({f"baseline ({GRPO.label})": base_evals, label: run.evals}, out / "comparison.png",
+    plot = plot_curves({f"baseline ({GRPO.label})": base_evals, label: run.evals}, out / PLOT,
                        title=f"{label} vs baseline, {cfg.model.path} policy")
     comparison.update({"plot": str(plot), "minutes": round((time.monotonic() - start) / 60, 1)})
     (out / "comparison.json").write_text(json.dumps(comparison, indent=2))
+    # The whole pipeline as one record, and as the README shows such a record (`summary`).
+    record = pipeline_record(out, cfg, ("baseline", method), label, {"baseline": base_evals, method: run.evals},
+                             comparison)
+    (out / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    (out / PAGE).write_text(render(record))
     log(comparison_table(("baseline", label), comparison))
-    log(f"plot: {plot}\npipeline folder: {out} ({comparison['minutes']} min)")
+    log("\n".join(eval_table(record)))
+    log(f"plot: {plot}\nresults: {out / PAGE}\npipeline folder: {out} ({comparison['minutes']} min)")
     return comparison
 
 

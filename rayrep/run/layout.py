@@ -2,6 +2,7 @@
 
     <out_dir>/<run_name>/
         config.json         the run's config (what --resume starts from)
+        machine.json        the CPU and kernels of each start of the run (`rayrep.machine`)
         metrics.jsonl       one record per step (`rayrep.run.log`)
         evals.json          every evaluation, written when the run finishes
         checkpoints/        step-<N>/ and final -> step-<last> (`rayrep.run.checkpoints`)
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -39,6 +41,16 @@ class RunFolder:
     @property
     def config(self) -> Path:
         return self.path / "config.json"
+
+    @property
+    def machine(self) -> Path:
+        return self.path / "machine.json"
+
+    def note_machine(self, step: int, path: dict) -> None:
+        """Add the machine and kernels (`rayrep.machine.numeric_path`) of a start at `step`
+        (0: a new run) to the run's `machine.json`, after those of its earlier starts."""
+        starts = json.loads(self.machine.read_text()) if step and self.machine.is_file() else []
+        self.machine.write_text(json.dumps(starts + [{"step": step, **path}], indent=1) + "\n")
 
     @property
     def metrics(self) -> Path:

@@ -23,6 +23,7 @@ from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.heap import long_lived
 from rayrep.library_output import LIBRARY_LOG
+from rayrep.machine import describe_path, numeric_path
 from rayrep.models import config_overrides, resolve_policy
 from rayrep.models.adapter import merge_adapter
 from rayrep.progress import Progress
@@ -79,6 +80,9 @@ class Run:
 
         folder.path.mkdir(parents=True, exist_ok=True)
         folder.config.write_text(cfg.to_json())
+        machine = numeric_path()
+        folder.note_machine(state.step if state else 0, machine)
+        log(f"machine: {describe_path(machine)}")  # what a figure that differs elsewhere depends on
         sampler = PromptSampler.of_run(cfg, train_prompts)
         if state is not None:
             sampler.restore(state.sampler)
