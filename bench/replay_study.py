@@ -140,7 +140,8 @@ CONTRASTS = (
 # continued, on a machine that holds none of the run folders. A run recorded there is not
 # run again; its record stands for it (checked against the settings asked for, as a
 # finished run folder is).
-RECORD_FILES = ("config.json", "metrics.jsonl", "evals.json")  # evals.json last: it marks a whole record
+RECORD_FILES = ("config.json", "machine.json", "metrics.jsonl", "evals.json")  # evals.json last: it marks a whole record
+NOT_IN_OLDER_RUNS = {"machine.json"}  # the kernels a run used, which runs before it was written lack
 POOL_FILES = ("pool.parquet", "pool.json")  # pool.json last, as collect_seed_pool writes them
 
 
@@ -149,6 +150,8 @@ def copy_files(names: tuple[str, ...], source: Path, target: Path) -> None:
     that a copy cut off leaves no file that looks whole (the last name marks the whole)."""
     target.mkdir(parents=True, exist_ok=True)
     for name in names:
+        if name in NOT_IN_OLDER_RUNS and not (source / name).exists():
+            continue
         partial = target / f".{name}.partial"
         shutil.copyfile(source / name, partial)
         os.replace(partial, target / name)

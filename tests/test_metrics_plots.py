@@ -562,6 +562,7 @@ def test_the_study_keeps_a_record_that_stands_for_its_runs(tmp_path):
     (run / "config.json").write_text(study.arm_config(study.seed_config(cfg, out, 0), "baseline", out / "seed-0").to_json())
     (run / "evals.json").write_text(json.dumps(curve([0.2, 0.3])))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "accuracy": 0.3, "replay_share": 0.0}) + "\n")
+    (run / "machine.json").write_text(json.dumps([{"step": 0, "torch_kernels": "AVX2"}]))
     study.copy_files(study.RECORD_FILES, run, record / "seed-0" / "baseline")
     assert sorted(p.name for p in (record / "seed-0" / "baseline").iterdir()) == sorted(study.RECORD_FILES)  # nothing partial left
     shutil.rmtree(out)  # the run folder is gone: its record stands for it

@@ -32,10 +32,23 @@ def test_the_exgrpo_job_compares_with_a_baseline_of_the_same_advantage(ray_clust
     assert comparison["metric"] == "test_pass@1" and comparison["baseline"]["final_step"] == 2
     assert (out / "comparison.png").stat().st_size > 0
     assert "ExGRPO" in stdout and "peak test_pass@1" in stdout
+    # The pipeline as one record (the README's results are such records), rendered beside it as
+    # the README renders it; the evaluations printed as rendered; the kernels each run used.
+    import torch
+
+    from rayrep.pipelines.summary import eval_table, render
+
+    record = json.loads((out / "results.json").read_text())
+    assert (out / "results.md").read_text() == render(record) and "\n".join(eval_table(record)) in stdout
+    assert [r["step"] for r in record["evals"]["exgrpo"]] == [0, 2] and record["pool"] is None
+    assert record["evals"]["baseline"][0]["test_pass@1"] == base_start["test_pass@1"]
+    for run in ("baseline", "exgrpo"):
+        (start,) = json.loads((out / run / "machine.json").read_text())
+        assert start["step"] == 0 and start["torch_kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert record["machine"] == start
     # Both arms trained a LoRA adapter (`--learner.lora_rank 8`): their policies are adapters,
     # and each final one is merged into the base too (`--learner.lora_merge`): a whole
     # checkpoint whose logits are the base's with the adapter, as PEFT applies it.
-    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -19,6 +19,7 @@ from rayrep.buffer.replay import ReplayBuffer
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
+from rayrep.machine import describe_path, numeric_path
 from rayrep.pipelines.collect import collect_pool
 from rayrep.run.checkpoints import read_run_state
 from rayrep.run.log import read_metrics
@@ -30,13 +31,20 @@ RECORDED = Path(__file__).parent / "recorded_metrics"
 """Each short run's metrics as the code before the rollouts' redesign (issue 44) wrote them,
 on a 2-core CPU machine (`buffer_bytes` since grown by the 8 bytes each stored answer's row
 now holds: its question's number and its advantage); answer-level replay's as the code that
-brought it wrote them. `RAYREP_RECORD_METRICS=1` writes them again."""
+brought it wrote them. `RAYREP_RECORD_METRICS=1` writes them again, and the machine and kernels
+they were written with (`RECORDED_ON`: written with the RLEP, ExGRPO and RLEP-with-LoRA runs'
+figures, which came out the same to the last digit)."""
 NOT_RECORDED = re.compile(r"time|seconds|gbps|per_second")
 """Wall-clock figures, which no two runs share."""
 NEW_SINCE_RECORDED = re.compile(r"^(exgrpo_replays_from_others|mismatch_)")
 """Metrics the code logs now that it did not when the figures were recorded: at every ExGRPO
 step that replays, the replays other runs sampled (0 without a shared pool); at every step,
 the engines' log-probs against the learner's (`rayrep.learner.mismatch`)."""
+
+
+RECORDED_ON = RECORDED / "machine.json"
+"""The CPU and kernels the figures were recorded with (`rayrep.machine.numeric_path`): a run
+that differs says whether it ran on other kernels."""
 
 
 def same_as_recorded(name: str, records: list[dict], apart: dict[int, tuple[str, ...]] | None = None) -> None:
@@ -51,8 +59,12 @@ def same_as_recorded(name: str, records: list[dict], apart: dict[int, tuple[str,
         path.parent.mkdir(exist_ok=True)
         recorded = [{k: v for k, v in r.items() if not NEW_SINCE_RECORDED.match(k)} for r in kept]  # (as compared)
         path.write_text(json.dumps(recorded, indent=0, sort_keys=True) + "\n")
+        RECORDED_ON.write_text(json.dumps(numeric_path(), indent=1) + "\n")
         return
     recorded = json.loads(path.read_text())
+    # Sampled tokens repeat across kernels unless a draw falls within round-off of a boundary:
+    # a difference names both machines' kernels.
+    kernels = f"recorded on {describe_path(json.loads(RECORDED_ON.read_text()))}; run on {describe_path(numeric_path())}"
     assert len(kept) == len(recorded), name
     for now, then in zip(kept, recorded):
         if now["step"] in apart:
@@ -60,9 +72,9 @@ def same_as_recorded(name: str, records: list[dict], apart: dict[int, tuple[str,
         assert {k for k in now if not NEW_SINCE_RECORDED.match(k)} == set(then), (name, now["step"], set(now) ^ set(then))
         for key, value in then.items():
             if isinstance(value, float):
-                assert now[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (name, now["step"], key)
+                assert now[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (name, now["step"], key, kernels)
             else:
-                assert now[key] == value, (name, now["step"], key)
+                assert now[key] == value, (name, now["step"], key, kernels)
 
 
 ROLLOUT_CLASSES = {("rayrep.types", "Rollout"), ("rayrep.types", "RolloutPart"), ("rayrep.types", "TrainBatch"),

@@ -129,6 +129,10 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
     assert resumed[-1]["buffer_answers"] > 0 and resumed[-1]["exgrpo_collecting"] == 1.0
     assert sum(r.get("pruner_skipped", 0) for r in resumed) > 0  # the pruner passed questions by, after the resume too
     assert "memory_resume_gib" in resumed[3]  # the ledger saw the learners' state loaded (into host memory)
+    # Each start noted its machine and kernels: the new run's at step 0, each resume's at its step.
+    starts = [start["step"] for start in json.loads((out / "killed" / "machine.json").read_text())]
+    assert starts[0] == 0 and starts[-1] == 2 and len(starts) >= 2, starts
+    assert [start["step"] for start in json.loads((out / "whole" / "machine.json").read_text())] == [0]
 
     # The last checkpoints hold the same buffer, sampler position and policy version.
     a, b = read_run_state(out / "whole" / "checkpoints" / "final"), read_run_state(out / "killed" / "checkpoints" / "final")

@@ -39,13 +39,15 @@ import torch
 
 from rayrep.config import ConfigError, parse_cli
 from rayrep.data.arithmetic import make_splits
-from rayrep.machine import AVX2_KERNELS, machine_name
+from rayrep.machine import machine_name
 from rayrep.models.recipe import (BUILD_RECORD, RECIPE_VERSION, TinyPolicySpec, padded_vocab_size, tiny_spec,
                                   weights_sha256)
 from rayrep.models.tokenizer import build_char_tokenizer
 
 PORTABLE_KERNELS = {
-    **AVX2_KERNELS,  # torch, oneDNN and MKL: AVX2, also where the CPU has AVX-512
+    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own kernels: AVX2, also where the CPU has AVX-512
+    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: AVX2 code paths on any CPU
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
     "OMP_NUM_THREADS": "2",  # a fixed thread count: parallel loops and reductions split the same way
     "MKL_NUM_THREADS": "2",
 }
