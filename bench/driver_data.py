@@ -138,7 +138,7 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
                for q in range(spec["questions"])]
     correct = [(q % 3 == 0,) * answers for q in range(spec["questions"])]
     replayed = (False,) * spec["fresh"] + (True,) * spec["replays"]
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         shares = make_answers(shape, lists=kind == "lists")
         facts = PartFacts(list(range(len(shares))), [[(r.response_length, r.finish_reason, r.version, 0)

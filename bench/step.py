@@ -198,13 +198,14 @@ def plain_update(model, optimizer, batch, cfg, loss) -> None:
     micro-batch (old log-probs: the pass's own), then clip and step."""
     from rayrep.learner.logprobs import token_logprobs
     from rayrep.learner.loss import mini_batch_totals, policy_loss
-    from rayrep.learner.forward import micro_batches, mini_batches, rows_per_rank
+    from rayrep.learner.forward import mini_batches, questions_by_length, rows_per_rank
 
     learner = cfg.learner
     for prompts in mini_batches(batch.num_prompts, learner.mini_batch_prompts):
         rows = rows_per_rank(batch.prompt_index, prompts, 1)[0]
         totals = mini_batch_totals(batch.response_mask[rows], loss.agg, learner.micro_batch_size)
-        for chunk in micro_batches(rows, max(1, -(-len(rows) // learner.micro_batch_size))):
+        count = max(1, -(-len(rows) // learner.micro_batch_size))
+        for chunk in questions_by_length(rows, batch.prompt_index, batch.lengths, count):
             width = int(batch.lengths[chunk].max())
             ids = batch.input_ids[chunk, :width]
             attention = torch.arange(width)[None, :] < batch.lengths[chunk, None]
@@ -236,7 +237,7 @@ def scoring_overlap(cfg, policy: str, rounds: int) -> None:
     prompts = load_split(cfg.data, "train")[: algo.prompts_per_step]
     prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(policy), prompts, cfg.data.max_prompt_tokens)
     truths = [p.ground_truth for p in prompts]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     placement = Placement(make_plan(cfg, learners=False))
     generators, verifiers = GeneratorGroup.create(cfg, policy, placement), VerifierGroup.create(cfg, placement)
 
@@ -294,7 +295,7 @@ def learner_against_plain(cfg, policy: str, rounds: int) -> None:
     model.config.use_cache = False
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     placement = Placement(make_plan(cfg))
     learners = LearnerGroup(cfg, policy, placement)
     times: dict[str, list[float]] = {"learner": [], "plain": []}

@@ -16,7 +16,7 @@ from rayrep.config import DEFAULT_PRESET, Config, ConfigError, help_text, load_p
 from rayrep.config.fields import get_dotted
 from rayrep.config.loading import cli_sources
 from rayrep.errors import InputError
-from rayrep.generator.engine import engine_description
+from rayrep.generator.engine import cpu_engine_batch, engine_description
 from rayrep.learner import LearnerDied
 from rayrep.run.layout import RunFolder
 
@@ -142,7 +142,8 @@ def parse_job_args(parser, argv: list[str] | None = None):
         else:
             lines.append(plan.describe())
         print("\n".join(lines))
-        parser.exit(2 if plan is not None and plan.problems() else 0)
+        waves = cpu_engine_batch(cfg, cfg.model.path) if cfg.placement.device == "cpu" and args.trains else None
+        parser.exit(2 if plan is not None and plan.problems() or waves and waves.problem() else 0)
     return args, cfg
 
 

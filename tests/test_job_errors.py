@@ -50,3 +50,14 @@ def test_pipeline_inputs_are_checked_before_any_stage(tmp_path, tiny_policy):
     assert_one_line_error(no_pool, f"rlep.py: {pool}: no such file")
     assert_one_line_error(no_checkpoint, f"baseline checkpoint {tmp_path}: not a checkpoint folder (no config.json in it)")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_kv_cache_too_small_for_a_steps_sequences_at_once_is_refused_before_anything_starts(tmp_path):
+    """A CPU engine runs a step's answers in one wave (`rayrep.generator.engine.CpuEngineBatch`):
+    a cache that holds fewer is named, with the size that holds them (64 x 8 sequences of 80 +
+    48 tokens, 2 KiB a token: 0.125 GiB), before any actor starts or any file is written."""
+    done = run_job("grpo.py", "--generator.cpu_kv_cache_gib", "0.05", cwd=tmp_path)
+    assert_one_line_error(done, "a step gives each engine 512 sequences of up to 128 tokens, which need 0.125 GiB of "
+                                "KV cache to run at once; generator.cpu_kv_cache_gib holds 204: raise it to 0.125, or "
+                                "give each engine fewer (generator.num_workers, algorithm.prompts_per_step)")
+    assert not (tmp_path / "runs").exists()

@@ -10,7 +10,7 @@ import torch
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
-from rayrep.learner.forward import mini_batches, rows_per_rank, token_budget_batches
+from rayrep.learner.forward import mini_batches, questions_by_length, rows_per_rank, token_budget_batches
 from rayrep.sync.weights import WeightSync
 from rayrep.types import LossSpec, MismatchCorrection, TrainBatch
 
@@ -204,6 +204,52 @@ def test_token_budget_chunks_hold_every_row_once_within_the_budget():
     # Longest first, like lengths together: [60], [45], [30, 30], [20, 12, 9], [3]
     assert [lengths[c].tolist() for c in chunks] == [[60], [45], [30, 30], [20, 12, 9], [3]]
     assert token_budget_batches(rows[:0], lengths, 60) == []
+
+
+def test_micro_batches_hold_whole_questions_ordered_by_their_longest_answer():
+    lengths = torch.tensor([9, 30, 12, 12, 40, 8, 8, 20, 21, 3, 3, 3])
+    index = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])  # four questions of three answers
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    # Longest answers by question: 30, 40, 21, 3 -> questions 1, 0, 2, 3; two questions a micro-batch.
+    assert [c.tolist() for c in questions_by_length(rows, index, lengths, 2)] == [[3, 4, 5, 0, 1, 2], [6, 7, 8, 9, 10, 11]]
+    assert [c.tolist() for c in questions_by_length(rows, index, lengths, 1)] == [[3, 4, 5, 0, 1, 2, 6, 7, 8, 9, 10, 11]]
+    # Uneven questions (longest 40, 8, 20, 21: in order 0, 3, 2, 1, of 5, 4, 2 and 1 rows): each
+    # cut at the question boundary nearest its share of the rows (4 and 8: after 5 and 9 rows).
+    uneven = torch.tensor([0, 0, 0, 0, 0, 1, 2, 2, 3, 3, 3, 3])
+    chunks = questions_by_length(rows, uneven, lengths, 3)
+    assert [c.tolist() for c in chunks] == [[0, 1, 2, 3, 4], [8, 9, 10, 11], [6, 7, 5]]
+    # More micro-batches than questions (another rank's share sets the count): empty ones.
+    assert [len(c) for c in questions_by_length(rows[:3], index, lengths, 3)] == [0, 3, 0]
+
+
+def test_micro_batches_by_length_take_the_update_of_one_pass_and_count_the_padding_it_runs(ray_cluster, tiny_cfg,
+                                                                                           tiny_policy):
+    """The mini-batch's loss and gradients are a sum over its micro-batches, whichever rows
+    each holds: micro-batches of whole questions ordered by length take the update of the whole
+    mini-batch in one pass, up to round-off. `padding_frac` counts the positions the passes
+    run: each question's prompt once (but its last token), then every answer from its prompt's
+    last token on, padded to its micro-batch's longest."""
+    cfg = tiny_cfg.replace(**{"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 8, "learner.lr": 1e-3,
+                              "learner.warmup_steps": 0})
+    batch = synthetic_batch(seed=4)
+    results = []
+    for size in (5, 64):  # micro-batches of whole questions (4 answers each) ordered by length; one pass
+        _, placement, learners = make_learners(cfg.replace(**{"learner.micro_batch_size": size}), tiny_policy, 1)
+        try:
+            results.append(learners.update(batch, LossSpec()))
+        finally:
+            learners.shutdown()
+            placement.remove()
+    split, whole = results
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+    starts = batch.response_mask.to(torch.int8).argmax(1)
+    prompts = {int(q): int(start) - 1 for q, start in zip(batch.prompt_index, starts)}  # each prompt but its last token
+    suffixes = batch.lengths - starts + 1  # each answer with its prompt's last token
+    positions = len(prompts) * max(prompts.values()) + len(batch.lengths) * int(suffixes.max())
+    tokens = sum(prompts.values()) + int(suffixes.sum())
+    assert whole["padding_frac"] == pytest.approx(1 - tokens / positions, rel=1e-9)
+    assert split["padding_frac"] < whole["padding_frac"]  # like lengths together
 
 
 def test_token_budget_micro_batches_take_the_same_update_with_less_padding(ray_cluster, tiny_cfg, tiny_policy):

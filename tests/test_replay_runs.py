@@ -34,8 +34,10 @@ now holds: its question's number and its advantage); answer-level replay's as th
 brought it wrote them. `RAYREP_RECORD_METRICS=1` writes them again, and the machine and kernels
 they were written with (`RECORDED_ON`: written with the RLEP, ExGRPO and RLEP-with-LoRA runs'
 figures, which came out the same to the last digit)."""
-NOT_RECORDED = re.compile(r"time|seconds|gbps|per_second")
-"""Wall-clock figures, which no two runs share."""
+NOT_RECORDED = re.compile(r"time|seconds|gbps|per_second|^padding_frac$")
+"""Wall-clock figures, which no two runs share; and the share of padding, which since the
+figures were recorded counts the positions a pass runs (a shared prompt once, each answer's
+rest to its micro-batch's longest; `rayrep.learner.forward.Pass`) rather than whole rows."""
 NEW_SINCE_RECORDED = re.compile(r"^(exgrpo_replays_from_others|mismatch_)")
 """Metrics the code logs now that it did not when the figures were recorded: at every ExGRPO
 step that replays, the replays other runs sampled (0 without a shared pool); at every step,
@@ -61,7 +63,7 @@ def same_as_recorded(name: str, records: list[dict], apart: dict[int, tuple[str,
         path.write_text(json.dumps(recorded, indent=0, sort_keys=True) + "\n")
         RECORDED_ON.write_text(json.dumps(numeric_path(), indent=1) + "\n")
         return
-    recorded = json.loads(path.read_text())
+    recorded = [{k: v for k, v in r.items() if not NOT_RECORDED.search(k)} for r in json.loads(path.read_text())]
     # Sampled tokens repeat across kernels unless a draw falls within round-off of a boundary:
     # a difference names both machines' kernels.
     kernels = f"recorded on {describe_path(json.loads(RECORDED_ON.read_text()))}; run on {describe_path(numeric_path())}"

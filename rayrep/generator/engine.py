@@ -5,11 +5,14 @@ Shared by the generator worker actor and by the jobs that sample in-process (eva
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from rayrep.cluster.memory import GIB, compute_bytes, model_shape
 from rayrep.config import Config, InputError
 from rayrep.heap import long_lived
 from rayrep.models import config_overrides
@@ -80,6 +83,85 @@ def configure_vllm_env(cfg: Config, in_process: bool = True) -> None:
         torch.compiler.set_stance("force_eager")
 
 
+CPU_BLOCK_SIZE = 32
+"""Tokens per KV-cache block of a CPU engine. vLLM's prefix cache shares whole blocks only,
+and its CPU platform defaults to blocks of 128 tokens: the answers of a group then share none
+of a prompt shorter than that, and each prefills a copy of its own. At 32, the smallest block
+vLLM's CPU attention runs its vectorised kernels on (a multiple of 32), a group's answers share
+all of their prompt but its last, partial block. On GPUs vLLM's own block size (16) stays: it
+shares all but 15 tokens of a prompt already."""
+
+
+@dataclass(frozen=True)
+class CpuEngineBatch:
+    """What a CPU engine runs at once: as many sequences as its KV cache holds at their longest
+    (`max_num_seqs`), so that a step's answers run in one wave, not in vLLM's CPU default of
+    256 at a time; each scheduler step may prefill all of their prompts (`max_num_batched_tokens`;
+    prompts are prefilled whole on CPU)."""
+
+    cache_tokens: int
+    """Tokens the engine's KV cache holds (`generator.cpu_kv_cache_gib`)."""
+    token_bytes: int
+    """KV-cache bytes of one token."""
+    sequence_tokens: int
+    """The longest sequence: prompt and answer (the engine's `max_model_len`)."""
+    prompt_tokens: int
+    step_sequences: int
+    """The most sequences one engine samples in a training step: its share of the step's
+    questions, times `algorithm.group_size`."""
+
+    @property
+    def sequence_blocks(self) -> int:
+        return math.ceil(self.sequence_tokens / CPU_BLOCK_SIZE)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return max(1, self.cache_tokens // (self.sequence_blocks * CPU_BLOCK_SIZE))
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return max(self.sequence_tokens, self.max_num_seqs * self.prompt_tokens)
+
+    def problem(self) -> str | None:
+        """Why a step's sequences do not fit one wave, or None."""
+        if self.step_sequences <= self.max_num_seqs:
+            return None
+        needed = self.step_sequences * self.sequence_blocks * CPU_BLOCK_SIZE * self.token_bytes / GIB
+        return (f"a step gives each engine {self.step_sequences} sequences of up to {self.sequence_tokens} tokens, "
+                f"which need {needed:.3g} GiB of KV cache to run at once; generator.cpu_kv_cache_gib holds "
+                f"{self.max_num_seqs}: raise it to {needed:.3g}, or give each engine fewer "
+                "(generator.num_workers, algorithm.prompts_per_step)")
+
+    def describe(self) -> str:
+        return (f"each CPU engine: blocks of {CPU_BLOCK_SIZE} tokens (a group's answers share their prompt's), up "
+                f"to {self.max_num_seqs} sequences of {self.sequence_tokens} tokens at once (its KV cache holds "
+                f"{self.cache_tokens:,} tokens; a step gives it {self.step_sequences}), prefills of up to "
+                f"{self.max_num_batched_tokens:,} tokens")
+
+
+def cpu_engine_batch(cfg: Config, model_path: str, max_model_len: int | None = None) -> CpuEngineBatch | None:
+    """The batch of a CPU engine of `cfg` for the policy at `model_path` (its KV cache sized
+    by its shape), or None where its shape is unknown (vLLM's defaults then)."""
+    shape = model_shape(cfg, path=model_path)
+    if shape is None:
+        return None
+    per_engine = math.ceil(cfg.algorithm.prompts_per_step / cfg.generator.num_workers)
+    token_bytes = shape.kv_bytes_per_token(compute_bytes(cfg))
+    return CpuEngineBatch(
+        cache_tokens=int(cfg.generator.cpu_kv_cache_gib * GIB) // token_bytes, token_bytes=token_bytes,
+        sequence_tokens=max_model_len or cfg.data.max_prompt_tokens + cfg.generator.max_response_tokens,
+        prompt_tokens=cfg.data.max_prompt_tokens, step_sequences=per_engine * cfg.algorithm.group_size)
+
+
+def check_engine_batch(cfg: Config, model_path: str) -> None:
+    """Refuse, before any actor starts, a CPU run whose step's sequences do not fit one wave
+    of an engine (`CpuEngineBatch.problem`)."""
+    batch = cpu_engine_batch(cfg, model_path) if cfg.placement.device == "cpu" else None
+    problem = batch and batch.problem()
+    if problem:
+        raise InputError(problem)
+
+
 def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: list[int] | None = None,
                 max_model_len: int | None = None) -> dict:
     """vLLM engine arguments for the policy at `model_path`, sized by the generator config
@@ -115,6 +197,10 @@ def engine_args(cfg: Config, model_path: str, seed: int | None = None, bundles: 
         # whole GiB): the engine zeroes all of it as it starts, about 4 s per GiB on a busy
         # 2-core machine, and the tiny policy's whole batch needs a few dozen MiB.
         kwargs["kv_cache_memory_bytes"] = int(gen.cpu_kv_cache_gib * 2**30)
+        kwargs.update(block_size=CPU_BLOCK_SIZE, enable_prefix_caching=True)
+        batch = cpu_engine_batch(cfg, model_path, kwargs["max_model_len"])
+        if batch is not None:
+            kwargs.update(max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=batch.max_num_batched_tokens)
     if cfg.placement.device == "gpu":
         kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = gen.tensor_parallel_size
@@ -134,7 +220,10 @@ def engine_description(cfg: Config) -> str:
     """How the engines run, for `--dry-run`: which of vLLM's model runners and schedulers,
     and whether the suite runs them so."""
     if cfg.placement.device == "cpu":
-        return "vLLM engines: the V1 model runner, synchronous scheduling (vLLM's CPU platform; the CPU suite runs them)"
+        batch = cpu_engine_batch(cfg, cfg.model.path)
+        waves = f"\n{batch.describe()}" + (f"\ndoes not fit: {batch.problem()}" if batch.problem() else "") if batch else ""
+        return ("vLLM engines: the V1 model runner, synchronous scheduling (vLLM's CPU platform; the CPU suite runs "
+                f"them){waves}")
     invariant = ("batch-invariant kernels (an answer depends on its seed alone; cost not measured)"
                  if cfg.generator.batch_invariant else
                  "answers depend on what else is batched, not on the seed alone (generator.batch_invariant: they would)")
@@ -243,9 +332,12 @@ def sample_as_finished(
     kind = RequestOutputKind.DELTA if partial else RequestOutputKind.FINAL_ONLY
 
     def params(count: int, seed: int | None, done: int = 0) -> SamplingParams:
+        # The engine neither detokenises each new token nor builds a log-prob entry per token:
+        # each answer's text is decoded once, when it is done, and its log-probs come as one
+        # flat list (`logprobs=0`: the sampled token's alone at each position).
         return SamplingParams(n=count, temperature=temperature, top_p=top_p, max_tokens=max_tokens - done, seed=seed,
                               min_tokens=min(max(0, min_tokens - done), max_tokens - done), logprobs=0,
-                              output_kind=kind)
+                              flat_logprobs=True, detokenize=False, output_kind=kind)
 
     # Each request is named by its prompt's position (the engine reports a finished request
     # under the name it was given), a continued answer by its group's position and its own.
@@ -268,7 +360,7 @@ def sample_as_finished(
                     f"{REQUEST_PREFIX}{position}-{a}", tokens_input(group.prompt + answer.response_ids.tolist()),
                     params(1, seed, answer.response_length), lora_request=adapter))
     continued = range(len(prompt_ids), len(groups))  # (each finishes in this call: its answers span one sync)
-    tokenizer = llm.get_tokenizer() if carried else None
+    tokenizer = llm.get_tokenizer()
     part_size = max(1, -(-len(groups) // max(1, parts)))
     positions = [p for p, group in enumerate(groups) if group.done()]  # (carried whole: nothing to continue)
     done = set(positions)
@@ -280,7 +372,7 @@ def sample_as_finished(
                 position, _, answer = output.request_id.removeprefix(REQUEST_PREFIX).partition("-")
                 group = groups[int(position)]
                 if not partial:
-                    group.answers = _rollouts(group.prompt, output, version)
+                    group.answers = _rollouts(group.prompt, output, version, tokenizer)
                 else:
                     for completion in output.outputs:
                         group.add(int(answer) if answer else completion.index, completion, version, tokenizer)
@@ -296,7 +388,7 @@ def sample_as_finished(
                 stopped = [p for p in range(len(groups)) if p not in done]
                 engine.abort_request([r for p in stopped for r in requests.get(p, ())], internal=True)
                 done.update(stopped)
-                yield stopped, [groups[p].paused(version) for p in stopped]
+                yield stopped, [groups[p].paused(version, tokenizer) for p in stopped]
                 return
     finally:  # stopped early (an error, a caller that stopped reading): no request outlives the call
         left = [p for p in range(len(groups)) if p not in done]
@@ -314,52 +406,58 @@ class _Answers:
         self.prompt_array = np.asarray(prompt, np.int32)  # (the answers share it)
         self.answers = answers
         self.before: dict[int, Rollout] = {}
-        self.tokens: dict[int, tuple[list[int], list[float], list[str]]] = {}
+        self.tokens: dict[int, tuple[list[int], list[float]]] = {}
 
     def add(self, a: int, completion, version: int, tokenizer) -> None:
-        ids, logprobs, text = self.tokens.setdefault(a, ([], [], []))
+        ids, logprobs = self.tokens.setdefault(a, ([], []))
         ids.extend(completion.token_ids)
-        # logprobs=0 returns exactly the sampled token's log-prob at each position.
-        logprobs.extend(step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids))
-        text.append(completion.text)
+        logprobs.extend(sampled_logprobs(completion))
         if completion.finish_reason is not None:
             self.answers[a] = self._answer(a, completion.finish_reason, version, tokenizer)
 
     def done(self) -> bool:
         return all(answer is not None for answer in self.answers)
 
-    def paused(self, version: int) -> list[Rollout]:
+    def paused(self, version: int, tokenizer) -> list[Rollout]:
         """Every answer: those done, and the others `PAUSED` with their tokens so far."""
-        return [answer if answer is not None else self._answer(a, PAUSED, version, None)
+        return [answer if answer is not None else self._answer(a, PAUSED, version, tokenizer)
                 for a, answer in enumerate(self.answers)]
 
     def _answer(self, a: int, reason: str, version: int, tokenizer) -> Rollout:
-        ids, logprobs, text = self.tokens.get(a, ([], [], []))
+        ids, logprobs = self.tokens.get(a, ([], []))
         before = self.before.get(a)
         if before is None:
-            return Rollout(prompt_ids=self.prompt_array, response_ids=ids, logprobs=logprobs, text="".join(text),
-                           finish_reason=reason, version=version)
+            return Rollout(prompt_ids=self.prompt_array, response_ids=ids, logprobs=logprobs,
+                           text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason, version=version)
         response = np.concatenate([before.response_ids, np.asarray(ids, np.int32)])
-        # The whole answer decoded again: the engine's text starts after a prompt that held the
-        # answer's first tokens, whose last characters may have been cut between two tokens.
-        whole = tokenizer.decode(response.tolist(), skip_special_tokens=True) if tokenizer is not None else ""
+        # The whole answer decoded: its first tokens were part of the continued request's prompt.
         return Rollout(prompt_ids=before.prompt_ids, response_ids=response,
                        logprobs=np.concatenate([before.logprobs, np.asarray(logprobs, np.float32)]),
-                       text=whole if reason != PAUSED else before.text + "".join(text), finish_reason=reason,
+                       text=tokenizer.decode(response.tolist(), skip_special_tokens=True), finish_reason=reason,
                        version=min(before.version, version),
                        token_versions=np.concatenate([before.versions(), np.full(len(ids), version, np.int32)]))
 
 
-def _rollouts(ids: list[int], output, version: int) -> list[Rollout]:
+def sampled_logprobs(completion) -> list[float]:
+    """The sampled tokens' log-probs of an engine's output (`flat_logprobs`, `logprobs=0`: one
+    entry per position, the sampled token's)."""
+    flat = completion.logprobs
+    if flat is None and not completion.token_ids:
+        return []
+    if len(flat.logprobs) != len(completion.token_ids) or flat.token_ids != list(completion.token_ids):
+        raise RuntimeError("vLLM returned log-probs of other tokens than the sampled ones (logprobs=0 asked)")
+    return flat.logprobs
+
+
+def _rollouts(ids: list[int], output, version: int, tokenizer) -> list[Rollout]:
     """A finished request's answers to the prompt `ids`, with their sampled tokens' log-probs
-    (arrays; the answers share the prompt's)."""
+    (arrays; the answers share the prompt's) and their text, decoded once."""
     prompt = np.asarray(ids, np.int32)
     rollouts = []
     for completion in output.outputs:
         response = np.fromiter(completion.token_ids, np.int32, len(completion.token_ids))
-        # logprobs=0 returns exactly the sampled token's log-prob at each position.
-        logprobs = np.fromiter((step[token].logprob for step, token in zip(completion.logprobs, response.tolist())),
-                               np.float32)
-        rollouts.append(Rollout(prompt_ids=prompt, response_ids=response, logprobs=logprobs, text=completion.text,
+        rollouts.append(Rollout(prompt_ids=prompt, response_ids=response,
+                                logprobs=np.asarray(sampled_logprobs(completion), np.float32),
+                                text=tokenizer.decode(completion.token_ids, skip_special_tokens=True),
                                 finish_reason=completion.finish_reason or "stop", version=version))
     return rollouts

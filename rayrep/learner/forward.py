@@ -10,6 +10,7 @@ come from `rayrep.learner.logprobs.token_logprobs`, in fp32 chunks of positions.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -19,7 +20,8 @@ from rayrep.learner.logprobs import token_logprobs
 from rayrep.learner.sharding import Sharding, compute_dtype
 from rayrep.types import TrainBatch
 
-__all__ = ["Entropy", "PolicyForward", "micro_batches", "mini_batches", "rows_per_rank", "token_budget_batches"]
+__all__ = ["Entropy", "Pass", "PolicyForward", "mini_batches", "questions_by_length", "rows_per_rank",
+           "token_budget_batches"]
 
 Entropy = Literal["none", "detached", "grad"]
 """Whether a forward pass also returns per-token entropies, and whether they keep a graph."""
@@ -41,9 +43,28 @@ def rows_per_rank(prompt_index: torch.Tensor, prompts: range, world_size: int) -
     return ranks
 
 
-def micro_batches(rows: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """`rows` in `count` near-equal chunks (some empty when rows are fewer than count)."""
-    return list(torch.tensor_split(rows, count))
+def questions_by_length(rows: torch.Tensor, prompt_index: torch.Tensor, lengths: torch.Tensor,
+                        count: int) -> list[torch.Tensor]:
+    """`rows` in `count` micro-batches of whole questions with near-equal numbers of rows (some
+    empty when the questions are fewer): the questions ordered by their longest row, so that
+    answers of like length share a micro-batch, whose padded width is then about theirs; a
+    question's answers stay together, sharing one pass over their prompt."""
+    by_question: dict[int, list[int]] = {}
+    for row, question in zip(rows.tolist(), prompt_index[rows].tolist()):
+        by_question.setdefault(question, []).append(row)
+    longest = {question: int(lengths[members].max()) for question, members in by_question.items()}
+    ordered = sorted(by_question, key=lambda question: -longest[question])  # stable: ties keep their order
+    groups = [by_question[question] for question in ordered]
+    ends = [0]
+    for members in groups:
+        ends.append(ends[-1] + len(members))
+    cuts, at = [], 0  # (indices into `ends`: the question boundaries)
+    for k in range(1, count):  # the boundary nearest each k/count of the rows
+        target = k * ends[-1] / count
+        at = min(range(at, len(ends)), key=lambda i: abs(ends[i] - target))
+        cuts.append(at)
+    flat = torch.tensor([row for members in groups for row in members], dtype=torch.long)
+    return [flat[ends[a]:ends[b]] for a, b in zip([0, *cuts], [*cuts, len(groups)])]
 
 
 def token_budget_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
@@ -62,6 +83,24 @@ def token_budget_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int)
     return chunks
 
 
+@dataclass(frozen=True)
+class Pass:
+    """A forward pass over a chunk of rows (`PolicyForward.__call__`)."""
+
+    logp: torch.Tensor
+    """[n, width] log-prob of every token under the current weights."""
+    entropy: torch.Tensor | None
+    """[n, width] entropies, or None."""
+    width: int
+    """The chunk's longest row."""
+    dummy: bool
+    """An empty chunk's stand-in row: it takes part in the collectives, nothing else."""
+    positions: int
+    """Positions the model ran (the shared prompts' pass and the rows' rest, or whole rows)."""
+    tokens: int
+    """Of those, the rows' own tokens: the rest is padding."""
+
+
 class PolicyForward:
     """Forward passes of one rank's sharded policy (`sharding.model`) over rows of a batch.
     Every rank makes the same calls (a rank short of rows runs dummy ones), since each pass
@@ -71,19 +110,16 @@ class PolicyForward:
         self.cfg, self.sharding, self.device = cfg, sharding, device
         self.rank, self.world_size = rank, world_size
 
-    def __call__(self, batch: TrainBatch, rows: torch.Tensor, entropy: Entropy):
-        """Log-prob (and entropy) of every token of `rows` under the current weights.
-
-        Returns ([n, W] log-probs, [n, W] entropies or None, W, dummy) with W the longest
-        row of the chunk. An empty chunk runs one dummy row (`dummy` True) so that every
-        rank takes part in the gradient collectives the same number of times.
-        """
+    def __call__(self, batch: TrainBatch, rows: torch.Tensor, entropy: Entropy) -> Pass:
+        """Log-prob (and entropy) of every token of `rows` under the current weights. An empty
+        chunk runs one dummy row (`Pass.dummy`) so that every rank takes part in the gradient
+        collectives the same number of times."""
         dummy = len(rows) == 0
         if dummy:
             rows = torch.zeros(1, dtype=torch.long)
         width = int(batch.lengths[rows].max())
         if self.shares_prompts(batch):
-            return (*self._shared_prompts(batch, rows, entropy, width), width, dummy)
+            return self._shared_prompts(batch, rows, entropy, width, dummy)
         ids = batch.input_ids[rows, :width].to(self.device)
         attention = (torch.arange(width)[None, :] < batch.lengths[rows, None]).to(self.device)
         logits = self.sharding.model(input_ids=ids, attention_mask=attention.long()).logits  # model.dtype
@@ -91,7 +127,7 @@ class PolicyForward:
         # Without a coefficient the entropy is only a metric, and no gradient flows through it.
         token_logp, token_entropy = token_logprobs(logits, ids, batch.temperature, entropy,
                                                    self.cfg.learner.logit_chunk_tokens)
-        return token_logp, token_entropy, width, dummy
+        return Pass(token_logp, token_entropy, width, dummy, len(rows) * width, int(batch.lengths[rows].sum()))
 
     def shares_prompts(self, batch: TrainBatch) -> bool:
         """Whether forward passes over `batch` compute each prompt once: asked of the whole
@@ -105,8 +141,8 @@ class PolicyForward:
         starts = batch.response_mask.to(torch.int8).argmax(1)
         return bool((starts >= 2).all()) and bool((batch.lengths > starts).all())
 
-    def _shared_prompts(self, batch: TrainBatch, rows: torch.Tensor, entropy: Entropy, width: int):
-        """`__call__`'s ([n, width] log-probs, entropies or None) with each distinct prompt of
+    def _shared_prompts(self, batch: TrainBatch, rows: torch.Tensor, entropy: Entropy, width: int, dummy: bool) -> Pass:
+        """`__call__`'s pass with each distinct prompt of
         `rows` computed once: a question's answers share their prompt, which is often most
         of a row (on the tiny task, 34 of 56 tokens, for G = 8 answers each).
 
@@ -159,21 +195,25 @@ class PolicyForward:
         def placed(values: torch.Tensor) -> torch.Tensor:
             return values.new_zeros(len(rows), width + suffix_width).scatter(1, index, values)[:, :width]
 
-        return placed(suffix_logp), (placed(suffix_entropy) if suffix_entropy is not None else None)
+        positions = len(distinct) * prefix_width + len(rows) * suffix_width
+        tokens = int(prefix_lengths.sum() + (ends - starts + 1).sum())
+        return Pass(placed(suffix_logp), placed(suffix_entropy) if suffix_entropy is not None else None, width, dummy,
+                    positions, tokens)
 
     def micro_chunks(self, batch: TrainBatch, shares: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's rows of a mini-batch in micro-batches; every rank gets the same count
         (a rank with fewer runs empty ones: dummy passes in the gradient collectives).
 
         `learner.micro_batch_tokens` > 0: chunks of rows of like length, at most that many
-        padded tokens each (`token_budget_batches`); else `micro_batch_size` rows each."""
+        padded tokens each (`token_budget_batches`); else about `micro_batch_size` rows each,
+        whole questions ordered by their longest answer (`questions_by_length`)."""
         budget = self.cfg.learner.micro_batch_tokens
         if budget:
             per_rank = [token_budget_batches(rows, batch.lengths, budget) for rows in shares]
             mine = per_rank[self.rank]
             return mine + [mine[0][:0] if mine else shares[self.rank]] * (max(1, *map(len, per_rank)) - len(mine))
         count = max(1, max(math.ceil(len(r) / self.cfg.learner.micro_batch_size) for r in shares))
-        return micro_batches(shares[self.rank], count)
+        return questions_by_length(shares[self.rank], batch.prompt_index, batch.lengths, count)
 
     @torch.no_grad()
     def old_logprobs(self, batch: TrainBatch, shares: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,9 +225,9 @@ class PolicyForward:
         position = 0
         self.sharding.model.eval()
         for chunk in chunks:
-            logp, _, width, dummy = self(batch, chunk, "none")
-            if not dummy:
-                out[position : position + len(chunk), :width] = logp.cpu()
+            run = self(batch, chunk, "none")
+            if not run.dummy:
+                out[position : position + len(chunk), :run.width] = run.logp.cpu()
                 position += len(chunk)
         self.sharding.model.train()
         return rows, out
@@ -202,9 +242,9 @@ class PolicyForward:
         self.sharding.model.eval()
         chunks = self.micro_chunks(batch, shares)
         for chunk in chunks:
-            _, entropy, width, dummy = self(batch, chunk, "detached")
-            if not dummy:
-                mask = batch.response_mask[chunk, :width].to(self.device)
-                means.append(((entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)).cpu())
+            run = self(batch, chunk, "detached")
+            if not run.dummy:
+                mask = batch.response_mask[chunk, :run.width].to(self.device)
+                means.append(((run.entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)).cpu())
         self.sharding.model.train()
         return torch.cat(chunks), torch.cat(means) if means else torch.zeros(0)

@@ -212,10 +212,10 @@ class LearnerWorker:
         chunks = self.forward.micro_chunks(batch, shares)
         entropy_mode: Entropy = "grad" if loss.entropy_coef else "detached"
         for index, chunk in enumerate(chunks):
-            logp, entropy, width, dummy = self.forward(batch, chunk, entropy_mode)
+            run = self.forward(batch, chunk, entropy_mode)
+            logp, entropy, width, dummy = run.logp, run.entropy, run.width, run.dummy
             if not dummy:  # positions the forward pass computed that hold no token
-                positions = len(chunk) * width
-                sums.add("padding_frac", positions - float(batch.lengths[chunk].sum()), positions)
+                sums.add("padding_frac", float(run.positions - run.tokens), float(run.positions))
             rows = chunk if not dummy else torch.zeros(1, dtype=torch.long)
             mask = batch.response_mask[rows, :width].to(self.device)
             if dummy:

@@ -21,6 +21,7 @@ from rayrep.buffer.answers import Origin
 from rayrep.buffer.replay import store_kind
 from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
+from rayrep.generator.engine import check_engine_batch
 from rayrep.heap import long_lived
 from rayrep.library_output import LIBRARY_LOG
 from rayrep.machine import describe_path, numeric_path
@@ -62,6 +63,7 @@ class Run:
         then the folder gets the config, and a resumed run its sampler position, evaluations
         and log up to its checkpoint."""
         policy = resolve_policy(cfg, log=log)
+        check_engine_batch(cfg, policy)  # a step's sequences in one wave of each CPU engine
         with long_lived():  # the prompt sets and their token ids: as long as the run
             tokenizer = AutoTokenizer.from_pretrained(policy)
             train_prompts, test_prompts = load_split(cfg.data, "train"), load_split(cfg.data, "test")
