@@ -27,7 +27,7 @@ from rayrep.cluster.memory import (FORWARD_PASS, GRADIENTS, LEARNER, MASTER_GATH
                                    WHOLE_TENSOR, memory_plan)
 from rayrep.cluster.residency import ABSENT, DEVICE, HOST, Holding, Residency
 from rayrep.config import Config
-from rayrep.heap import long_lived
+from rayrep.heap import keep_freed_memory, long_lived
 from rayrep.learner.forward import Entropy, PolicyForward, mini_batches, rows_per_rank
 from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.learner.mismatch import correct, correction_sums, mismatch_sums
@@ -55,6 +55,8 @@ class LearnerWorker:
             # its GPU's share of the node's cores, not the one CPU Ray accounts its bundle.
             threads = max(threads, (os.cpu_count() or 1) // cfg.placement.gpus_per_node)
         torch.set_num_threads(threads)
+        if cfg.placement.device == "cpu":  # an update's activations: no fresh pages for each (rayrep.heap)
+            keep_freed_memory()
         torch.manual_seed(cfg.run.seed)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         on_gpu = cfg.placement.device == "gpu"
