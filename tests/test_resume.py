@@ -120,9 +120,15 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # what the killed run logged after step 2 is gone
     # Partial rollouts: every step stopped answers (the driver died saving step 4 with its
     # answers paused; the learner in step 3, with step 3's); step 2 finished step 1's, and the
-    # steps that saved a checkpoint asked their stopped questions again instead of keeping them.
+    # steps that saved a checkpoint kept none of the groups they stopped: each was asked again
+    # (a question of the prompt set) or dropped (one of ExGRPO's replayed questions), both seen.
     assert all(resumed[step]["partial_answers_paused"] > 0 for step in (1, 2, 3, 4))
-    assert all(resumed[step]["partial_groups_asked_again"] > 0 for step in (2, 4))
+    for step in (2, 4):
+        given_back = [resumed[step].get(name, 0) for name in ("partial_groups_asked_again",
+                                                              "partial_replayed_groups_dropped")]
+        assert sum(given_back) == resumed[step]["partial_groups_carried"] > 0, (step, given_back)
+    assert all(sum(resumed[step].get(name, 0) for step in (2, 4)) > 0
+               for name in ("partial_groups_asked_again", "partial_replayed_groups_dropped"))
     # The resumed run repeats the uninterrupted one step for step: one run.seed repeats a run.
     for mine, theirs in zip(resumed, whole):
         assert without_recovery(mine) == without_recovery(theirs), mine["step"]
