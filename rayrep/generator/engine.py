@@ -442,9 +442,9 @@ def sampled_logprobs(completion) -> list[float]:
     """The sampled tokens' log-probs of an engine's output (`flat_logprobs`, `logprobs=0`: one
     entry per position, the sampled token's)."""
     flat = completion.logprobs
-    if flat is None and not completion.token_ids:
+    if not completion.token_ids:
         return []
-    if len(flat.logprobs) != len(completion.token_ids) or flat.token_ids != list(completion.token_ids):
+    if flat is None or len(flat.logprobs) != len(completion.token_ids) or flat.token_ids != list(completion.token_ids):
         raise RuntimeError("vLLM returned log-probs of other tokens than the sampled ones (logprobs=0 asked)")
     return flat.logprobs
 
