@@ -166,11 +166,14 @@ def test_a_replacement_joins_a_rebuilt_weight_group_and_samples_the_current_poli
         prompt_ids = questions(cfg, tiny_policy, 16)
         seeds = cfg.sampling_seeds("deaths", len(prompt_ids))
         if not turns:
-            busy = generators.generate(prompt_ids * 6, n=32, temperature=1.0, top_p=1.0, max_tokens=48)
+            # Three calls queued, each about as long as the timeout on a 2-core EPYC: the
+            # engines sample well past it on a machine a few times as fast.
+            busy = [generators.generate(prompt_ids * 6, n=32, temperature=1.0, top_p=1.0, max_tokens=48) for _ in range(3)]
             start = time.monotonic()
             assert train_once(runtime, seed=3)["policy_version"] == 1
-            assert time.monotonic() - start > cfg.sync.timeout_s  # it waited for the engines, and no timeout fired
-            assert len(generators.gather(busy)) == 16 * 6
+            waited = time.monotonic() - start
+            assert waited > cfg.sync.timeout_s, waited  # it waited for the engines, and no timeout fired
+            assert [len(generators.gather(call)) for call in busy] == [16 * 6] * 3
         base = sample(generators, prompt_ids, seeds)
         version = train_once(runtime)["policy_version"]
         trained = sample(generators, prompt_ids, seeds)

@@ -33,12 +33,19 @@ def server(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys_file.write_text(f"# the test's keys\n{KEYS[0]}\n\n  {KEYS[1]}  \n")
     out = SERVED["out"] = tmp_path_factory.mktemp("serve-out")
-    cfg = tiny_cfg.replace(**CAPS, **{"serve.port": free_port(), "serve.api_keys_file": str(keys_file),
-                                      "logging.out_dir": str(out)})
-    keys = load_api_keys(cfg.serve, environ={})
-    assert keys == KEYS
     try:
-        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+        for attempt in range(3):  # a port free a moment ago may be taken (by Ray's own workers) before the proxy binds it
+            cfg = tiny_cfg.replace(**CAPS, **{"serve.port": free_port(), "serve.api_keys_file": str(keys_file),
+                                              "logging.out_dir": str(out)})
+            try:
+                serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+                break
+            except RuntimeError as error:
+                serve.shutdown()
+                if "Failed to bind" not in str(error) or attempt == 2:
+                    raise
+        keys = load_api_keys(cfg.serve, environ={})
+        assert keys == KEYS
         serve.run(build_app(cfg, tiny_policy, "tiny", keys), name="policy", route_prefix="/")
         yield f"http://{cfg.serve.host}:{cfg.serve.port}"
     finally:
