@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rayrep.learner.loss import Totals, mini_batch_totals, policy_loss
+from rayrep.learner.sums import MetricSums
 from rayrep.types import AGGREGATIONS, TOKEN_SUM_AGGREGATIONS, LossSpec
 
 DEFAULT = LossSpec()
@@ -601,3 +602,39 @@ def test_behaviour_weights_need_the_behaviour_log_probs():
                     LossSpec(behaviour_cap=2.0))
     with pytest.raises(ValueError, match="behaviour_cap must be a number > 0"):
         LossSpec(behaviour_cap=0.0)
+
+
+def test_metrics_merged_over_micro_batches_and_ranks_equal_the_whole_mini_batchs():
+    """Each metric is merged as what it is: a mean with the count of the tokens it is a mean
+    over, an extreme by its direction. Fresh rows under decoupled PPO and ExGRPO's shaped
+    replayed rows, split so that the micro-batches hold different shares of PPO tokens: the
+    behaviour weights' mean and truncated share, means over PPO tokens, come out as the whole
+    mini-batch's (weighted by all tokens, as they once were, they did not)."""
+    logp, old_logp, advantages, mask, replay_mask = _mixed_batch()
+    torch.manual_seed(3)
+    behaviour = old_logp + torch.empty_like(old_logp, dtype=torch.float64).uniform_(-1.5, 1.5)
+    spec = LossSpec(behaviour_cap=2.0, replay_loss="shaped", replay_beta=0.1)
+    totals = mini_batch_totals(mask, spec.agg, micro_batch_size=2)
+
+    def call(rows):
+        _, metrics = policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows], spec,
+                                 replay_mask=replay_mask[rows], entropy=_entropy_of(logp[rows]), totals=totals,
+                                 behaviour_logp=behaviour[rows])
+        return metrics
+
+    whole = call(slice(0, 4))
+    ranks = []
+    for micro_batches in ([[0, 3], [2]], [[1]]):  # two ranks, the first with two micro-batches
+        sums = MetricSums()
+        for rows in micro_batches:
+            sums.add_loss_metrics(call(torch.tensor(rows)))
+        ranks.append(sums.state())  # as ranks send them
+    merged = MetricSums()
+    for state in ranks:
+        merged.merge(MetricSums(state))
+    result = merged.result()
+    ppo = mask.bool() & ~replay_mask[:, None]  # shaped replay: the fresh rows' tokens are the PPO ones
+    assert whole["behaviour_truncated_frac"] > 0 and 0 < ppo.sum() < mask.sum()  # the case at hand
+    assert set(result) == set(whole)
+    for name, value in whole.items():
+        assert result[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name

@@ -83,13 +83,14 @@ are used (right for one call over the whole mini-batch).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from rayrep.types import AGGREGATIONS, Aggregation, LossSpec
 
-__all__ = ["LOG_RATIO_LIMIT", "Totals", "mini_batch_totals", "policy_loss"]
+__all__ = ["LOG_RATIO_LIMIT", "LossMetrics", "Totals", "mini_batch_totals", "policy_loss"]
 
 LOG_RATIO_LIMIT = 20.0
 """|log pi_theta - log pi_old| is clamped to this before ``exp``.
@@ -150,7 +151,7 @@ def policy_loss(
     totals: Totals | None = None,
     behaviour_logp: torch.Tensor | None = None,
     correction_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, LossMetrics]:
     """Clipped policy-gradient loss with ExGRPO's shaping of replayed tokens and an
     optional entropy bonus, as `spec` says: the formulas, aggregations, decoupled PPO and the
     rule for micro-batches are in this module's docstring.
@@ -179,8 +180,8 @@ def policy_loss(
 
     Returns:
         ``(loss, metrics)``. ``loss`` is a 0-d float tensor (float32, or float64 when
-        ``logp`` is) connected to ``logp``'s graph, 0.0 when nothing is valid. ``metrics``
-        holds detached python floats (`_loss_metrics`, `_behaviour_metrics`).
+        ``logp`` is) connected to ``logp``'s graph, 0.0 when nothing is valid. ``metrics``:
+        a `LossMetrics` of detached python floats (`_loss_metrics`, `_behaviour_metrics`).
 
     Raises:
         ValueError: a shape mismatch, a mask that is not 0/1, totals smaller than this
@@ -222,7 +223,7 @@ def policy_loss(
         entropy=None if entropy is None else entropy.detach().to(compute_dtype),
     )
     if weights is not None:
-        metrics.update(_behaviour_metrics(weights, tokens.ppo, spec.behaviour_cap))
+        _behaviour_metrics(weights, tokens.ppo, spec.behaviour_cap, metrics)
     return loss, metrics
 
 
@@ -253,6 +254,33 @@ def _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entrop
             raise ValueError("entropy is required when spec.entropy_coef > 0")
         if logp.requires_grad and not entropy.requires_grad:
             raise ValueError("entropy must carry gradients when spec.entropy_coef > 0 (compute it with autograd)")
+
+
+@dataclass
+class LossMetrics(Mapping[str, float]):
+    """What one `policy_loss` call measured, each kept as what it is, so that micro-batches
+    and ranks add up exactly (`rayrep.learner.sums.MetricSums.add_loss_metrics`): a mean as
+    its (sum, count) over the tokens it is a mean of, an extreme by its direction, a count as
+    a number. Read as a mapping, it gives this call's values: a mean over no token is 0.0
+    (the ratio's and entropy's are absent then)."""
+
+    means: dict[str, tuple[float, float]] = field(default_factory=dict)
+    smallest: dict[str, float] = field(default_factory=dict)
+    largest: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+
+    def _values(self) -> dict[str, float]:
+        values = {name: total / count if count else 0.0 for name, (total, count) in self.means.items()}
+        return {**values, **self.smallest, **self.largest, **self.counts}
+
+    def __getitem__(self, name: str) -> float:
+        return self._values()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values())
+
+    def __len__(self) -> int:
+        return len(self._values())
 
 
 @dataclass(frozen=True)
@@ -377,17 +405,15 @@ def _checked_totals(totals: Totals | None, valid, spec: LossSpec) -> Totals:
     return totals
 
 
-def _behaviour_metrics(weights: _BehaviourWeights, ppo_tokens, cap: float) -> dict[str, float]:
-    """``behaviour_weight_mean`` (the weights applied, over PPO tokens), ``behaviour_weight_max``
-    (before the cap) and ``behaviour_truncated_frac`` (share of PPO tokens the cap cut)."""
-    count = int(ppo_tokens.sum())
-    if not count:
-        return {"behaviour_weight_mean": 0.0, "behaviour_weight_max": 0.0, "behaviour_truncated_frac": 0.0}
-    return {
-        "behaviour_weight_mean": float(weights.capped[ppo_tokens].sum()) / count,
-        "behaviour_weight_max": float(weights.raw[ppo_tokens].max()),
-        "behaviour_truncated_frac": float((weights.raw[ppo_tokens] > cap).sum()) / count,
-    }
+def _behaviour_metrics(weights: _BehaviourWeights, ppo_tokens, cap: float, metrics: LossMetrics) -> None:
+    """Adds ``behaviour_weight_mean`` (the weights applied) and ``behaviour_truncated_frac``
+    (the share the cap cut), both over PPO-objective tokens, and ``behaviour_weight_max``
+    (before the cap), to `metrics`."""
+    count = float(ppo_tokens.sum())
+    metrics.means["behaviour_weight_mean"] = (float(weights.capped[ppo_tokens].sum()), count)
+    metrics.means["behaviour_truncated_frac"] = (float((weights.raw[ppo_tokens] > cap).sum()), count)
+    if count:
+        metrics.largest["behaviour_weight_max"] = float(weights.raw[ppo_tokens].max())
 
 
 @torch.no_grad()
@@ -400,56 +426,49 @@ def _loss_metrics(
     clip_active: torch.Tensor,
     dual_active: torch.Tensor,
     entropy: torch.Tensor | None,
-) -> dict[str, float]:
-    """Diagnostics of one ``policy_loss`` call (all inputs [B, T]), as python floats:
+) -> LossMetrics:
+    """Diagnostics of one ``policy_loss`` call (all inputs [B, T]):
 
-    * ``fresh_tokens``, ``replay_tokens``: number of valid tokens of each kind;
-    * ``fresh_clip_frac``, ``replay_clip_frac``: share of that kind's tokens whose clipped
-      branch is the active one (zero gradient); 0.0 for unclipped or shaped tokens;
-    * ``dual_clip_frac``: share of all valid tokens bounded by the dual clip;
-    * ``fresh_ratio_{mean,min,max}``, ``replay_ratio_{mean,min,max}``: the ratio ``r`` over
-      that kind's tokens, present only when there is such a token;
-    * ``fresh_entropy``, ``replay_entropy``: mean entropy over that kind's tokens, when
-      ``entropy`` is given;
-    * ``approx_kl``: k3 estimate ``mean(r - 1 - log r)`` of KL(pi_old || pi_theta) over valid tokens;
-    * ``advantage_mean``: mean advantage per valid token.
+    * counts ``fresh_tokens``, ``replay_tokens``: valid tokens of each kind;
+    * means, each over the tokens it names: ``fresh_clip_frac``, ``replay_clip_frac`` (that
+      kind's tokens whose clipped branch is the active one, zero gradient; 0 for unclipped or
+      shaped tokens), ``dual_clip_frac`` (valid tokens bounded by the dual clip),
+      ``fresh_ratio_mean``, ``replay_ratio_mean`` (the ratio ``r``), ``fresh_entropy``,
+      ``replay_entropy`` (when ``entropy`` is given), ``approx_kl`` (k3 estimate
+      ``mean(r - 1 - log r)`` of KL(pi_old || pi_theta) over valid tokens),
+      ``advantage_mean`` (per valid token);
+    * extremes ``fresh_ratio_min``, ``fresh_ratio_max``, ``replay_ratio_min``, ``replay_ratio_max``.
 
-    Statistics over an empty set are 0.0 (or absent, for the ratio ones), never NaN.
+    The ratio's and entropy's statistics of a kind without tokens are left out.
     """
-    valid, fresh_tokens, replay_tokens = tokens.valid, tokens.fresh, tokens.replay
-    zero = ratio.new_zeros(())
-
-    def mean_over(values: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-        count = selected.sum()
-        return torch.where(count > 0, (values * selected).sum() / count.clamp(min=1), zero)
-
-    def extreme_over(values: torch.Tensor, selected: torch.Tensor, largest: bool) -> torch.Tensor:
-        # Fill the unselected with the neutral element instead of indexing with the
-        # mask, which would force a device sync per call; empty sets are dropped below.
-        if largest:
-            return values.masked_fill(~selected, -torch.inf).amax().nan_to_num(neginf=0.0)
-        return values.masked_fill(~selected, torch.inf).amin().nan_to_num(posinf=0.0)
-
-    stats: dict[str, torch.Tensor] = {
-        "fresh_tokens": fresh_tokens.sum().to(ratio.dtype),
-        "replay_tokens": replay_tokens.sum().to(ratio.dtype),
-        "fresh_clip_frac": mean_over(clip_active.to(ratio.dtype), fresh_tokens),
-        "replay_clip_frac": mean_over(clip_active.to(ratio.dtype), replay_tokens),
-        "dual_clip_frac": mean_over(dual_active.to(ratio.dtype), valid),
-        "approx_kl": mean_over(ratio - 1.0 - log_ratio, valid),
-        "advantage_mean": mean_over(token_advantages, valid),
+    valid, fresh, replay = tokens.valid, tokens.fresh, tokens.replay
+    means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {  # name: (values, the tokens it is a mean over)
+        "fresh_clip_frac": (clip_active, fresh),
+        "replay_clip_frac": (clip_active, replay),
+        "dual_clip_frac": (dual_active, valid),
+        "approx_kl": (ratio - 1.0 - log_ratio, valid),
+        "advantage_mean": (token_advantages, valid),
+        "fresh_ratio_mean": (ratio, fresh),
+        "replay_ratio_mean": (ratio, replay),
     }
-    for kind, selected in (("fresh", fresh_tokens), ("replay", replay_tokens)):
-        stats[f"{kind}_ratio_mean"] = mean_over(ratio, selected)
-        stats[f"{kind}_ratio_min"] = extreme_over(ratio, selected, largest=False)
-        stats[f"{kind}_ratio_max"] = extreme_over(ratio, selected, largest=True)
-        if entropy is not None:
-            stats[f"{kind}_entropy"] = mean_over(torch.where(selected, entropy, 0.0), selected)
-
-    # One device-to-host copy for all of them, not one sync per metric.
-    values = dict(zip(stats, torch.stack(list(stats.values())).tolist()))
-    for kind in ("fresh", "replay"):
-        if values[f"{kind}_tokens"] == 0:
-            for suffix in ("ratio_mean", "ratio_min", "ratio_max", "entropy"):
-                values.pop(f"{kind}_{suffix}", None)
-    return values
+    if entropy is not None:
+        means.update(fresh_entropy=(entropy, fresh), replay_entropy=(entropy, replay))
+    stats = []
+    for values, selected in means.values():
+        stats += [torch.where(selected, values.to(ratio.dtype), 0.0).sum(), selected.sum().to(ratio.dtype)]
+    for selected in (fresh, replay):
+        # The neutral element where unselected, instead of indexing with the mask, which
+        # would force a device sync per call; empty sets are left out below.
+        stats += [ratio.masked_fill(~selected, torch.inf).amin(), ratio.masked_fill(~selected, -torch.inf).amax()]
+    host = torch.stack(stats).tolist()  # one device-to-host copy for all of them, not one sync per metric
+    metrics = LossMetrics(means={name: (host[2 * i], host[2 * i + 1]) for i, name in enumerate(means)})
+    extremes = host[2 * len(means):]
+    for k, kind in enumerate(("fresh", "replay")):
+        count = metrics.means[f"{kind}_ratio_mean"][1]
+        metrics.counts[f"{kind}_tokens"] = count
+        if count:
+            metrics.smallest[f"{kind}_ratio_min"], metrics.largest[f"{kind}_ratio_max"] = extremes[2 * k: 2 * k + 2]
+        else:
+            for name in (f"{kind}_ratio_mean", f"{kind}_entropy"):
+                metrics.means.pop(name, None)
+    return metrics

@@ -242,7 +242,7 @@ class LearnerWorker:
             # Gradients are averaged over ranks; the loss is already a global mean.
             self.sharding.backward(value * self.world_size, last_micro_batch=index == len(chunks) - 1)
             if not dummy:
-                sums.add_policy_metrics(metrics)
+                sums.add_loss_metrics(metrics)
             # Each micro-batch's value is its share of the mini-batch loss: they sum to it.
             sums.count("loss_sum", float(value.detach()))
         grad_norm, stepped = self.sharding.step()
@@ -250,7 +250,7 @@ class LearnerWorker:
             sums.count("optimizer_steps")
             sums.count("skipped_steps", 0.0 if stepped else 1.0)
             sums.add("grad_norm", grad_norm, 1.0)
-            sums.extreme("grad_norm_max", grad_norm)
+            sums.largest("grad_norm_max", grad_norm)
 
     def _correct(self, batch: TrainBatch, rows: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, loss: LossSpec,
                  sums: MetricSums | None) -> tuple[torch.Tensor, torch.Tensor | None]:
