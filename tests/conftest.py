@@ -1,8 +1,34 @@
-"""Shared fixtures: the real embedded tiny policy (shipped in the package) and the default config."""
+"""Shared fixtures: the real embedded tiny policy (shipped in the package) and the default
+config; the session's Ray cluster and the runs several tests read; the suite's two tiers.
+
+Tiers: a test is `slow` when it needs the session's Ray cluster (any fixture built on
+`ray_session`: marked here, at collection) or is marked so itself (it starts a cluster, a
+vLLM engine, a job or a run of its own). `make test-fast` runs the rest (`pytest -m "not
+slow"`), about two minutes here; `make test` runs both. A test left unmarked that connects
+to Ray fails (`_fast_tests_start_no_cluster`)."""
 
 import pytest
 
 from rayrep.config import load_preset
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_cluster(request):
+    """A test of the fast tier may not leave a Ray connection behind: one that starts a
+    cluster belongs to the slow tier (`pytest.mark.slow`)."""
+    yield
+    if request.node.get_closest_marker("slow") is None:
+        import sys
+
+        ray = sys.modules.get("ray")
+        assert ray is None or not ray.is_initialized(), (
+            f"{request.node.nodeid} connected to Ray: mark it `pytest.mark.slow` (tests/conftest.py, tiers)")
 
 
 @pytest.fixture(scope="session")

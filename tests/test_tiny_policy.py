@@ -1,10 +1,9 @@
 """The embedded tiny policy: tokenizer, the build command, the shipped policies and their
-checks, and loading in transformers and vLLM."""
+checks, and loading in transformers (in vLLM: tests/test_vllm_internals.py)."""
 
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -220,73 +219,6 @@ def test_transformers_loads_and_generates(tiny_policy):
     # The warm start teaches the answer format; 12+30 is an easy one.
     assert answer.startswith("12+30=") and "\\boxed{" in answer, answer
     assert out[0, -1].item() == tokenizer.eos_token_id
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_cfg, tiny_policy):
-    """The tiny policy in a vLLM engine as the generators build it, in this process."""
-    from rayrep.generator.engine import make_engine
-
-    return make_engine(tiny_cfg, tiny_policy)
-
-
-def test_a_steps_answers_run_in_one_wave_and_each_group_prefills_its_prompt_once(tiny_engine, tiny_cfg):
-    """A step's 64 questions x 8 answers all start in the engine's first step (one wave, not
-    vLLM's CPU default of 256 sequences at a time), and the answers of a group reuse their
-    prompt's keys and values from the prefix cache but for its last, partial block (vLLM's
-    CPU default of 128-token blocks shares none of a 34-token prompt). Counted by the engine
-    itself: its steps, and each answer's cached prompt tokens."""
-    from vllm import SamplingParams
-    from vllm.inputs import tokens_input
-
-    from rayrep.data import encode_prompts, load_split
-    from rayrep.generator.engine import CPU_BLOCK_SIZE
-
-    algo = tiny_cfg.algorithm
-    prompts = load_split(tiny_cfg.data, "train")[: algo.prompts_per_step]
-    prompt_ids = encode_prompts(tiny_engine.get_tokenizer(), prompts, tiny_cfg.data.max_prompt_tokens)
-    engine, tokens = tiny_engine.llm_engine, 8
-    for position, ids in enumerate(prompt_ids):  # every answer exactly `tokens` long
-        engine.add_request(f"wave-{position}", tokens_input(ids), SamplingParams(
-            n=algo.group_size, max_tokens=tokens, min_tokens=tokens, seed=position, detokenize=False))
-    first = engine.step()  # each answer of a group reports itself, under its group's name
-    cached: dict[str, list[int]] = {}
-    for output in first:
-        cached.setdefault(output.request_id, []).append(output.num_cached_tokens)
-    steps = 1
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    # One wave: the first step gave every answer its first token, then one step per token.
-    assert len(first) == algo.prompts_per_step * algo.group_size and steps == tokens
-    # By hand: the first answer of a group computes its prompt; each other answer finds the
-    # prompt's whole blocks cached, all but the last token (which it must compute).
-    for position, ids in enumerate(prompt_ids):
-        shared = (len(ids) - 1) // CPU_BLOCK_SIZE * CPU_BLOCK_SIZE
-        assert sorted(cached[f"wave-{position}"]) == [0] + [shared] * (algo.group_size - 1), position
-        assert shared >= len(ids) - CPU_BLOCK_SIZE
-
-
-def test_vllm_logprobs_match_transformers(tiny_engine, tiny_policy, tiny_cfg):
-    """The same checkpoint in vLLM: sampled tokens' log-probs equal a transformers forward pass."""
-    from transformers import AutoModelForCausalLM
-
-    from rayrep.data import encode_prompts, load_split
-    from rayrep.generator.engine import sample
-
-    llm = tiny_engine
-    prompts = load_split(tiny_cfg.data, "test")[:8]
-    prompt_ids = encode_prompts(llm.get_tokenizer(), prompts, tiny_cfg.data.max_prompt_tokens)
-    groups = sample(llm, prompt_ids, n=2, temperature=1.0, top_p=1.0, max_tokens=48)
-    model = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
-    for group in groups:
-        for rollout in group:
-            assert len(rollout.logprobs) == len(rollout.response_ids) > 0
-            ids = torch.tensor([rollout.prompt_ids.tolist() + rollout.response_ids.tolist()])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(rollout.prompt_ids) - 1 : -1]
-            expected = torch.log_softmax(logits.float(), -1).gather(1, torch.from_numpy(rollout.response_ids.astype(np.int64))[:, None])[:, 0]
-            assert torch.allclose(torch.from_numpy(rollout.logprobs.copy()), expected, atol=1e-3), (rollout.text,)
 
 
 def test_tiny_policy_lands_in_the_target_band(ray_cluster, tiny_policy, tiny_cfg):

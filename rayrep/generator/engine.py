@@ -1,4 +1,5 @@
-"""Building a vLLM engine and sampling from it, through vLLM's public API only.
+"""Building a vLLM engine and sampling from it: vLLM's public API, and the request loop of
+`rayrep.generator.vllm_internals` (the one file that reaches inside vLLM).
 
 Shared by the generator worker actor and by the jobs that sample in-process (evaluation).
 """
@@ -9,6 +10,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +20,9 @@ from rayrep.heap import long_lived
 from rayrep.models import config_overrides
 from rayrep.models.adapter import adapter_rank, base_policy, is_adapter, vllm_max_lora_rank
 from rayrep.types import PAUSED, Rollout
+
+if TYPE_CHECKING:
+    from rayrep.generator.vllm_internals import Completion
 
 
 VLLM_SERIES = "0.32"
@@ -319,35 +324,27 @@ def sample_as_finished(
     tokens so far (the groups done in the same engine step all arrive: possibly more than
     `quota`). An engine steps the same requests the same way every time, so where it stops
     does not depend on timing. `adapter`: the LoRA adapter every request samples with (`sample`)."""
-    from vllm import SamplingParams
-    from vllm.inputs import tokens_input
-    from vllm.sampling_params import RequestOutputKind
+    from rayrep.generator.vllm_internals import RequestLoop
 
     counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
     seeds = [None] * (len(prompt_ids) + len(carried)) if seeds is None else list(seeds)
-    engine = llm.llm_engine
     # Whole answers, once all of a prompt's are done, unless answers may stop half way: then
     # each engine step's new tokens, kept here (`_Answers`).
     partial = quota is not None or bool(carried)
-    kind = RequestOutputKind.DELTA if partial else RequestOutputKind.FINAL_ONLY
+    engine = RequestLoop(llm, streamed=partial)
 
-    def params(count: int, seed: int | None, done: int = 0) -> SamplingParams:
-        # The engine neither detokenises each new token nor builds a log-prob entry per token:
-        # each answer's text is decoded once, when it is done, and its log-probs come as one
-        # flat list (`logprobs=0`: the sampled token's alone at each position).
-        return SamplingParams(n=count, temperature=temperature, top_p=top_p, max_tokens=max_tokens - done, seed=seed,
-                              min_tokens=min(max(0, min_tokens - done), max_tokens - done), logprobs=0,
-                              flat_logprobs=True, detokenize=False, output_kind=kind)
+    def add(name: str, ids: list[int], count: int, seed: int | None, done: int = 0) -> str:
+        return engine.add(name, ids, n=count, seed=seed, temperature=temperature, top_p=top_p,
+                          max_tokens=max_tokens - done, min_tokens=min(max(0, min_tokens - done), max_tokens - done),
+                          adapter=adapter)
 
-    # Each request is named by its prompt's position (the engine reports a finished request
-    # under the name it was given), a continued answer by its group's position and its own.
-    # The engine's own ids of each group's requests, to abort them by: aborted by the names
-    # given, vLLM 0.32 drops an n > 1 request's answers but keeps its parent's record.
+    # Each request is named by its prompt's position (the engine reports a request under the
+    # name it was given), a continued answer by its group's position and its own; the
+    # engine's own ids of each group's requests, to abort them by.
     requests: dict[int, list[str]] = {}
     groups = [_Answers(ids, [None] * count) for ids, count in zip(prompt_ids, counts)]
     for position, (ids, count, seed) in enumerate(zip(prompt_ids, counts, seeds)):
-        requests[position] = [engine.add_request(f"{REQUEST_PREFIX}{position}", tokens_input(ids), params(count, seed),
-                                                 lora_request=adapter)]
+        requests[position] = [add(f"{REQUEST_PREFIX}{position}", ids, count, seed)]
     for i, answers in enumerate(carried):
         position, group = len(prompt_ids) + i, _Answers(answers[0].prompt_ids.tolist(), list(answers))
         groups.append(group)
@@ -356,44 +353,43 @@ def sample_as_finished(
                 group.answers[a] = None
                 group.before[a] = answer
                 seed = None if seeds[position] is None else seeds[position] + a
-                requests.setdefault(position, []).append(engine.add_request(
-                    f"{REQUEST_PREFIX}{position}-{a}", tokens_input(group.prompt + answer.response_ids.tolist()),
-                    params(1, seed, answer.response_length), lora_request=adapter))
+                requests.setdefault(position, []).append(add(
+                    f"{REQUEST_PREFIX}{position}-{a}", group.prompt + answer.response_ids.tolist(), 1, seed,
+                    answer.response_length))
     continued = range(len(prompt_ids), len(groups))  # (each finishes in this call: its answers span one sync)
     tokenizer = llm.get_tokenizer()
     part_size = max(1, -(-len(groups) // max(1, parts)))
     positions = [p for p, group in enumerate(groups) if group.done()]  # (carried whole: nothing to continue)
     done = set(positions)
     try:
-        if positions and not engine.has_unfinished_requests():
+        if positions and not engine.busy():
             yield positions, [groups[p].answers for p in positions]
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                position, _, answer = output.request_id.removeprefix(REQUEST_PREFIX).partition("-")
+        while engine.busy():
+            for name, completions in engine.step():
+                position, _, answer = name.removeprefix(REQUEST_PREFIX).partition("-")
                 group = groups[int(position)]
                 if not partial:
-                    group.answers = _rollouts(group.prompt, output, version, tokenizer)
+                    group.answers = _rollouts(group.prompt, completions, version, tokenizer)
                 else:
-                    for completion in output.outputs:
+                    for completion in completions:
                         group.add(int(answer) if answer else completion.index, completion, version, tokenizer)
                 if group.done() and int(position) not in done:
                     done.add(int(position))
                     positions.append(int(position))
-            stopping = (quota is not None and len(done) >= quota and done.issuperset(continued)
-                        and engine.has_unfinished_requests())
-            if positions and (len(positions) >= part_size or stopping or not engine.has_unfinished_requests()):
+            stopping = quota is not None and len(done) >= quota and done.issuperset(continued) and engine.busy()
+            if positions and (len(positions) >= part_size or stopping or not engine.busy()):
                 yield positions, [groups[p].answers for p in positions]
                 positions = []
             if stopping:
                 stopped = [p for p in range(len(groups)) if p not in done]
-                engine.abort_request([r for p in stopped for r in requests.get(p, ())], internal=True)
+                engine.abort(r for p in stopped for r in requests.get(p, ()))
                 done.update(stopped)
                 yield stopped, [groups[p].paused(version, tokenizer) for p in stopped]
                 return
     finally:  # stopped early (an error, a caller that stopped reading): no request outlives the call
         left = [p for p in range(len(groups)) if p not in done]
-        if left and engine.has_unfinished_requests():
-            engine.abort_request([r for p in left for r in requests.get(p, ())], internal=True)
+        if left and engine.busy():
+            engine.abort(r for p in left for r in requests.get(p, ()))
 
 
 class _Answers:
@@ -408,10 +404,10 @@ class _Answers:
         self.before: dict[int, Rollout] = {}
         self.tokens: dict[int, tuple[list[int], list[float]]] = {}
 
-    def add(self, a: int, completion, version: int, tokenizer) -> None:
+    def add(self, a: int, completion: Completion, version: int, tokenizer) -> None:
         ids, logprobs = self.tokens.setdefault(a, ([], []))
         ids.extend(completion.token_ids)
-        logprobs.extend(sampled_logprobs(completion))
+        logprobs.extend(completion.logprobs)
         if completion.finish_reason is not None:
             self.answers[a] = self._answer(a, completion.finish_reason, version, tokenizer)
 
@@ -438,26 +434,15 @@ class _Answers:
                        token_versions=np.concatenate([before.versions(), np.full(len(ids), version, np.int32)]))
 
 
-def sampled_logprobs(completion) -> list[float]:
-    """The sampled tokens' log-probs of an engine's output (`flat_logprobs`, `logprobs=0`: one
-    entry per position, the sampled token's)."""
-    flat = completion.logprobs
-    if not completion.token_ids:
-        return []
-    if flat is None or len(flat.logprobs) != len(completion.token_ids) or flat.token_ids != list(completion.token_ids):
-        raise RuntimeError("vLLM returned log-probs of other tokens than the sampled ones (logprobs=0 asked)")
-    return flat.logprobs
-
-
-def _rollouts(ids: list[int], output, version: int, tokenizer) -> list[Rollout]:
+def _rollouts(ids: list[int], completions: list[Completion], version: int, tokenizer) -> list[Rollout]:
     """A finished request's answers to the prompt `ids`, with their sampled tokens' log-probs
     (arrays; the answers share the prompt's) and their text, decoded once."""
     prompt = np.asarray(ids, np.int32)
     rollouts = []
-    for completion in output.outputs:
+    for completion in completions:
         response = np.fromiter(completion.token_ids, np.int32, len(completion.token_ids))
         rollouts.append(Rollout(prompt_ids=prompt, response_ids=response,
-                                logprobs=np.asarray(sampled_logprobs(completion), np.float32),
+                                logprobs=np.asarray(completion.logprobs, np.float32),
                                 text=tokenizer.decode(completion.token_ids, skip_special_tokens=True),
                                 finish_reason=completion.finish_reason or "stop", version=version))
     return rollouts

@@ -18,7 +18,7 @@ from rayrep.heap import long_lived
 from rayrep.library_output import route_library_output
 from rayrep.models.adapter import is_adapter
 from rayrep.sync.collective import WeightManifest
-from rayrep.sync.vllm_ext import EXTENSION_CLASS
+from rayrep.generator.vllm_internals import EXTENSION_CLASS
 from rayrep.types import PAUSED, PartFacts, Rollout, RolloutPart, RolloutRef
 
 
@@ -195,12 +195,13 @@ class GeneratorWorker:
         import shutil
 
         from rayrep.generator.engine import adapter_request
+        from rayrep.generator.vllm_internals import remove_adapter
 
         self.adapters_taken += 1
         old, self.adapter = self.adapter, adapter_request(folder, f"policy-{self.adapters_taken}", self.adapters_taken)
         if old is not None:
             if self.llm is not None:
-                self.llm.llm_engine.remove_lora(old.lora_int_id)
+                remove_adapter(self.llm, old)
             if self.adapter_dir is not None and old.lora_path.startswith(self.adapter_dir):
                 shutil.rmtree(old.lora_path, ignore_errors=True)
 

@@ -42,7 +42,7 @@ from rayrep.models.adapter import is_adapter
 from rayrep.run.layout import STATE_FILE, RunFolder
 from rayrep.serve import openai_api as oai
 from rayrep.serve import keys, metrics
-from rayrep.sync.vllm_ext import EXTENSION_CLASS
+from rayrep.generator.vllm_internals import EXTENSION_CLASS
 
 api = FastAPI(title="rayrep policy server", docs_url=None, redoc_url=None)
 

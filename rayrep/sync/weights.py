@@ -5,7 +5,7 @@ through the run's weight transport (`rayrep.sync.transport`, chosen by
 `rayrep.cluster.placement.weight_transport`): a broadcast from learner rank 0 over a group of
 its own (gloo on CPU, NCCL on GPU) whose other members are the generator workers, or,
 colocated, handles from each learner rank to the engine worker beside it. Generators load
-everything in one `reload_weights` (`rayrep.sync.vllm_ext`) and move to the new policy
+everything in one `reload_weights` (`rayrep.generator.vllm_internals`) and move to the new policy
 version. This module is the runtime's side; both ends run in the actors
 (`LearnerWorker.broadcast_weights`, `GeneratorWorker.receive_weights`), and what it asks of
 each group is `Senders` and `Receivers`, so that it imports neither.

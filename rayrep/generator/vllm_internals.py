@@ -1,18 +1,23 @@
-"""The one place rayrep reaches inside vLLM: a worker extension for weight sync.
+"""The one place rayrep reaches inside vLLM (0.32): what `LLM`'s public calls do not offer.
 
-vLLM mixes this class into its worker (`LLM(worker_extension_cls=...)`) and exposes its
-methods through the public `LLM.collective_rpc`. Everything it touches of vLLM's worker is
-the worker's public `reload_weights` and the model config; an upgrade of vLLM that
-changes those touches this file only. A training run's generators receive weights through
-it; a server following a run loads each new checkpoint folder through it.
+- `RequestLoop`: an engine's requests added, stepped and aborted by hand, as `LLM.generate`
+  steps them, so that a prompt's answers are read as soon as they are done and a call can
+  stop part way (`LLM.generate` and `LLM.enqueue` return when every request is done).
+  Its answers come as `Completion`s, so that nothing else reads vLLM's output types.
+- `WeightSyncExtension`: methods vLLM mixes into its worker (`LLM(worker_extension_cls=...)`),
+  called through the public `LLM.collective_rpc`: weights arrive through them.
+- `remove_adapter`, and two filters of vLLM's log notices.
+
+Each vLLM behaviour this file relies on has a test in `tests/test_vllm_internals.py`, so
+that a vLLM upgrade that changes one fails there, naming it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -140,3 +145,77 @@ class WeightSyncExtension:
 
 EXTENSION_CLASS = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
 """What an engine is given as its `worker_extension_cls`."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One answer of a request, as an engine step reports it: all of it (`RequestLoop` not
+    streamed), or the tokens it added in that step (streamed)."""
+
+    index: int
+    """Which of the request's `n` answers."""
+    token_ids: Sequence[int]
+    logprobs: list[float]
+    """The sampled tokens' log-probs, one per token of `token_ids`."""
+    finish_reason: str | None
+    """None while the answer goes on (streamed)."""
+
+
+class RequestLoop:
+    """An engine's requests stepped by hand, as `LLM.generate` steps its batch: requests added
+    under names of the caller's choosing, the engine stepped while any is left, and each
+    step's finished requests (streamed: each step's new tokens of every request) reported
+    under the name it was given. Sampling neither detokenises each token nor builds a log-prob
+    entry per token: the sampled token's log-prob alone, as one flat list."""
+
+    def __init__(self, llm, streamed: bool):
+        from vllm.sampling_params import RequestOutputKind
+
+        self._engine = llm.llm_engine
+        self._kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
+
+    def add(self, name: str, prompt_ids: list[int], *, n: int, seed: int | None, temperature: float, top_p: float,
+            max_tokens: int, min_tokens: int = 0, adapter=None) -> str:
+        """Queue `n` answers to the prompt `prompt_ids`; returns the engine's own id of the
+        request (which `abort` takes)."""
+        from vllm import SamplingParams
+        from vllm.inputs import tokens_input
+
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                                min_tokens=min_tokens, logprobs=0, flat_logprobs=True, detokenize=False,
+                                output_kind=self._kind)
+        return self._engine.add_request(name, tokens_input(prompt_ids), params, lora_request=adapter)
+
+    def busy(self) -> bool:
+        """Any request left."""
+        return self._engine.has_unfinished_requests()
+
+    def step(self) -> Iterator[tuple[str, list[Completion]]]:
+        """One engine step: (the name a request was added under, its answers) of each request
+        it reports."""
+        for output in self._engine.step():
+            yield output.request_id, [Completion(c.index, c.token_ids, sampled_logprobs(c), c.finish_reason)
+                                      for c in output.outputs]
+
+    def abort(self, ids: Iterable[str]) -> None:
+        """Stop the requests of these engine ids (`add`'s), their answers dropped. By the
+        engine's ids, not the names given: aborted by its name, vLLM 0.32 drops an n > 1
+        request's answers but keeps its parent's record, and the engine stays busy."""
+        self._engine.abort_request(list(ids), internal=True)
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """The sampled tokens' log-probs of an engine's output (`flat_logprobs`, `logprobs=0`: one
+    entry per position, the sampled token's)."""
+    flat = completion.logprobs
+    if not completion.token_ids:
+        return []
+    if flat is None or len(flat.logprobs) != len(completion.token_ids) or flat.token_ids != list(completion.token_ids):
+        raise RuntimeError("vLLM returned log-probs of other tokens than the sampled ones (logprobs=0 asked)")
+    return flat.logprobs
+
+
+def remove_adapter(llm, adapter) -> None:
+    """Drop a LoRA adapter (a `LoRARequest` sampled with before) from the engine: `LLM` has
+    no public call for it."""
+    llm.llm_engine.remove_lora(adapter.lora_int_id)
