@@ -5,7 +5,7 @@ device-memory ledger that holds a run's transitions to the plan."""
 import pytest
 from conftest import job_here
 
-from rayrep.cluster.memory import (ENGINE, ENGINE_RUNTIME, GIB, KNOWN_SHAPES, KV_CACHE, LEARNER, MASTER_GATHERED,
+from rayrep.cluster.memory import (ENGINE, RunPhase, ENGINE_RUNTIME, GIB, KNOWN_SHAPES, KV_CACHE, LEARNER, MASTER_GATHERED,
                                    OPTIMIZER, PARAMETERS, RECEIVED, RESERVED_BYTES, SEND_BUFFERS, UPDATE, WEIGHTS,
                                    WHOLE_TENSOR,
                                    DeviceLedger, MemoryLedgerError, ModelShape, check_memory, memory_plan, model_shape)
@@ -196,25 +196,25 @@ def test_the_ledger_refuses_a_holder_beyond_its_phase_and_a_gpu_beyond_its_size(
     ledger = DeviceLedger(plan, gpus, strict=True)
     awake = plan.phase("generate").held[ENGINE]
     state = {p: plan.sizes[LEARNER][p] for p in (PARAMETERS, OPTIMIZER)}
-    ledger.observe("generate", [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, {})])
+    ledger.observe(RunPhase.GENERATE, [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, {})])
     # A resumed learner that brings its state to the GPU beside an awake engine (it should load into host memory):
     with pytest.raises(MemoryLedgerError, match=r"resume phase: learner rank 0 held 10\.64 GiB \(parameters 3\.55 GiB, "
                                                 r"optimizer state 7\.09 GiB\), and the plan gives a learner 0\.00 GiB"):
-        ledger.observe("resume", [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, state)])
+        ledger.observe(RunPhase.RESUME, [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, state)])
     # The allocator's cache of an update, kept through the sync beside the engine's woken weights:
     update_peak = {**state, **{p: plan.sizes[LEARNER][p] for p in UPDATE}}
     with pytest.raises(MemoryLedgerError, match="sync phase: learner rank 0 held 39.16 GiB"):
-        ledger.observe("sync", [holding("learner rank 0", LEARNER, {ALLOCATOR_CACHE: 0, **update_peak}),
+        ledger.observe(RunPhase.SYNC, [holding("learner rank 0", LEARNER, {ALLOCATOR_CACHE: 0, **update_peak}),
                                 holding("generator 0", ENGINE, plan.phase("sync").held[ENGINE])])
     # Two awake engines' worth on one GPU: over its 80 GiB (and the second is no holder of its phase either)
     ledger.gpus_of["generator 1"] = (0,)
     with pytest.raises(MemoryLedgerError, match=r"GPU 0 held 139\.00 GiB, more than its 80\.00 GiB"):
-        ledger.observe("generate", [holding("generator 0", ENGINE, awake), holding("generator 1", ENGINE, awake)])
+        ledger.observe(RunPhase.GENERATE, [holding("generator 0", ENGINE, awake), holding("generator 1", ENGINE, awake)])
     # Not strict (a GPU run): logged once per phase and holder, and the run goes on; its figures per phase
     logged = []
     lenient = DeviceLedger(plan, gpus, strict=False, log=logged.append)
     for _ in range(2):
-        lenient.observe("resume", [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, state)])
+        lenient.observe(RunPhase.RESUME, [holding("generator 0", ENGINE, awake), holding("learner rank 0", LEARNER, state)])
     # (the learner beyond its plan, and its GPU beyond 80 GiB: two breaches, each logged once)
     assert len(logged) == 2 and "learner rank 0 held 10.64 GiB" in logged[0] and "GPU 0 held 81.64 GiB" in logged[1]
     figures = lenient.take_figures()
@@ -226,6 +226,6 @@ def test_the_ledger_refuses_a_holder_beyond_its_phase_and_a_gpu_beyond_its_size(
     learner.measured_peak, learner.device_used = 12 * GIB, 75 * GIB
     engine = holding("generator 0", ENGINE, awake)
     engine.device_used = 74 * GIB
-    lenient.observe("resume", [engine, learner])
+    lenient.observe(RunPhase.RESUME, [engine, learner])
     figures = lenient.take_figures()
     assert (figures["memory_resume_learner_reserved_gib"], figures["memory_resume_device_gib"]) == (12.0, 75.0)

@@ -51,6 +51,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from rayrep.cluster.placement import generator_count, weight_transport
 from rayrep.cluster.residency import Holding
@@ -166,11 +167,32 @@ class ModelShape:
 # ---------------------------------------------------------------------------- the plan
 
 
+class RunPhase(StrEnum):
+    """The phases of a run, one name each for the memory plan's timeline, the transitions the
+    runtime reports to the ledger (`rayrep.runtime.system`) and the metrics named after them
+    (`metric`)."""
+
+    LEARNER_SET_UP = "learner set-up"
+    ENGINE_START_UP = "engine start-up"
+    RESUME = "resume"
+    GENERATE = "generate"
+    HAND_OVER = "hand-over"
+    UPDATE = "update"
+    SYNC = "sync"
+    REPLACEMENT = "replacement"
+    SAVE = "save"
+
+    @property
+    def metric(self) -> str:
+        """The prefix of the phase's memory figures: `memory_hand_over` and so on."""
+        return "memory_" + self.value.replace(" ", "_").replace("-", "_")
+
+
 @dataclass(frozen=True)
 class Phase:
     """One phase of the run's timeline: what each holder may hold on one GPU then, by part."""
 
-    name: str
+    name: RunPhase
     what: str
     held: dict[str, dict[str, int]]
     """Holder (`LEARNER`, `ENGINE`) -> part -> bytes on one GPU."""
@@ -200,7 +222,7 @@ class MemoryPlan:
     sync_bytes: int = 0
     """What one weight sync sends: the policy in the compute dtype, or a LoRA run's adapter."""
 
-    def phase(self, name: str) -> Phase:
+    def phase(self, name: RunPhase) -> Phase:
         for phase in self.phases:
             if phase.name == name:
                 return phase
@@ -331,9 +353,9 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
 
     awake = of(engine, *ENGINE_AWAKE)
     if not trains:
-        return (Phase("engine start-up", "the engines load the policy and take their share of the GPU",
+        return (Phase(RunPhase.ENGINE_START_UP, "the engines load the policy and take their share of the GPU",
                       {ENGINE: awake}),
-                Phase("generate", "the engines sample", {ENGINE: awake}))
+                Phase(RunPhase.GENERATE, "the engines sample", {ENGINE: awake}))
     state = of(learner, *LEARNER_STATE)
     update = {**state, **of(learner, *UPDATE)}
     send = of(learner, WHOLE_TENSOR, SEND_BUFFERS)
@@ -345,41 +367,41 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
         # A learner's GPU is its own: its allocator keeps the update's peak from one update to the next.
         kept = max(update, {**state, **send}, key=lambda parts: sum(parts.values()))
         return (
-            Phase("learner set-up", "the learners load the policy and keep their shards on their GPUs",
+            Phase(RunPhase.LEARNER_SET_UP, "the learners load the policy and keep their shards on their GPUs",
                   {LEARNER: set_up}),
-            Phase("engine start-up", "the engines load the policy on GPUs of their own",
+            Phase(RunPhase.ENGINE_START_UP, "the engines load the policy on GPUs of their own",
                   {LEARNER: state, ENGINE: awake}),
-            Phase("resume", "a resumed run's learners load their checkpoint", {LEARNER: state, ENGINE: awake}),
-            Phase("update", "the learners train (ExGRPO's entropy pass first); the engines may sample ahead",
+            Phase(RunPhase.RESUME, "a resumed run's learners load their checkpoint", {LEARNER: state, ENGINE: awake}),
+            Phase(RunPhase.UPDATE, "the learners train (ExGRPO's entropy pass first); the engines may sample ahead",
                   {LEARNER: update, ENGINE: awake}),
-            Phase("sync", "each tensor gathered whole and broadcast (in the room the update's peak left in the "
+            Phase(RunPhase.SYNC, "each tensor gathered whole and broadcast (in the room the update's peak left in the "
                   "learner's allocator); the engines load it beside their KV cache",
                   {LEARNER: kept, ENGINE: {**awake, RECEIVED: engine[RECEIVED]}}),
-            Phase("replacement", "a generator that died starts again, then a sync reaches it",
+            Phase(RunPhase.REPLACEMENT, "a generator that died starts again, then a sync reaches it",
                   {LEARNER: kept, ENGINE: awake}),
-            Phase("save", "a checkpoint: the policy gathered (DeepSpeed: each fp32 master whole, on the GPU), "
+            Phase(RunPhase.SAVE, "a checkpoint: the policy gathered (DeepSpeed: each fp32 master whole, on the GPU), "
                   "the learners' shards written", {LEARNER: kept, ENGINE: awake}),
         )
     asleep = of(engine, ENGINE_RUNTIME)
     return (
-        Phase("learner set-up", "each learner rank loads the policy in host memory and keeps its shard on its GPU, "
+        Phase(RunPhase.LEARNER_SET_UP, "each learner rank loads the policy in host memory and keeps its shard on its GPU, "
               "then moves it to host memory; the engines start after", {LEARNER: set_up}),
-        Phase("engine start-up", "the engines load the policy and take their share of the GPU "
+        Phase(RunPhase.ENGINE_START_UP, "the engines load the policy and take their share of the GPU "
               "(generator.gpu_memory_utilization)", {LEARNER: resident, ENGINE: awake}),
-        Phase("resume", "a resumed run's learners load their checkpoint into host memory beside the awake engines",
+        Phase(RunPhase.RESUME, "a resumed run's learners load their checkpoint into host memory beside the awake engines",
               {LEARNER: resident, ENGINE: awake}),
-        Phase("generate", "the engines sample (rollouts, evaluations); the learners' state is in host memory",
+        Phase(RunPhase.GENERATE, "the engines sample (rollouts, evaluations); the learners' state is in host memory",
               {LEARNER: resident, ENGINE: awake}),
-        Phase("hand-over", "the engines sleep (level 2: weights and KV cache dropped; with LoRA level 1, the "
+        Phase(RunPhase.HAND_OVER, "the engines sleep (level 2: weights and KV cache dropped; with LoRA level 1, the "
               "weights kept in host memory); the learners' state comes back", {LEARNER: state, ENGINE: asleep}),
-        Phase("update", "the learners train (ExGRPO's entropy pass first), then release the allocator's cache",
+        Phase(RunPhase.UPDATE, "the learners train (ExGRPO's entropy pass first), then release the allocator's cache",
               {LEARNER: update, ENGINE: asleep}),
-        Phase("sync", "the optimizer state leaves; each tensor is gathered whole and handed over in buckets; the "
+        Phase(RunPhase.SYNC, "the optimizer state leaves; each tensor is gathered whole and handed over in buckets; the "
               "engines wake their weights and load them; then the parameters leave and the KV cache wakes",
               {LEARNER: {**(state if resident else of(learner, PARAMETERS)), **send}, ENGINE: receiving}),
-        Phase("replacement", "a generator that died starts again (awake) while the learners' state is in host "
+        Phase(RunPhase.REPLACEMENT, "a generator that died starts again (awake) while the learners' state is in host "
               "memory; it sleeps, and a sync reaches it", {LEARNER: resident, ENGINE: awake}),
-        Phase("save", "a checkpoint, beside the awake engines: FSDP2 casts its shards in host memory; DeepSpeed "
+        Phase(RunPhase.SAVE, "a checkpoint, beside the awake engines: FSDP2 casts its shards in host memory; DeepSpeed "
               "gathers each fp32 master whole on the GPU", {LEARNER: saving, ENGINE: awake}),
     )
 
@@ -393,7 +415,7 @@ def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple
     P, lora = shape.parameters, cfg.learner.lora_rank
     # from_pretrained's fp32 model (a LoRA run's frozen base: in the compute dtype), and this rank's shard beside it
     loading = (P * compute_bytes(cfg) if lora else 4 * P) * (W + 1) // W
-    host = {"learner set-up": (ranks * loading, f"{ranks} learner rank(s), each loading the policy in "
+    host = {RunPhase.LEARNER_SET_UP: (ranks * loading, f"{ranks} learner rank(s), each loading the policy in "
                                                  f"{cfg.model.dtype if lora else 'fp32'}: "
                                                  f"{loading / 1e9:.1f} GB")}
     if place.mode == "colocated" and cfg.learner.strategy == "fsdp2":
@@ -493,7 +515,7 @@ class MemoryLedgerError(RuntimeError):
 class Observation:
     """One transition of the run as the ledger saw it."""
 
-    phase: str
+    phase: RunPhase
     gpus: dict[int, int]
     """GPU index -> the most its holders held together since the last transition (reserved included)."""
     measured: dict[int, int]
@@ -523,7 +545,7 @@ class DeviceLedger:
         self.figures: dict[str, float] = {}
         self._logged: set[tuple[str, str]] = set()
 
-    def observe(self, phase: str, holdings: Iterable[Holding]) -> None:
+    def observe(self, phase: RunPhase, holdings: Iterable[Holding]) -> None:
         """The transition that ends `phase`: each holder's peak since the last one."""
         planned = self.plan.phase(phase)
         on_gpu: dict[int, list[Holding]] = defaultdict(list)
@@ -548,7 +570,7 @@ class DeviceLedger:
                     if all(h.device_used is not None for h in held)}
         self.observations.append(Observation(phase, totals, measured))
         learners = [h for h in holdings if h.role == LEARNER]
-        name = f"memory_{phase.replace(' ', '_').replace('-', '_')}"
+        name = phase.metric
         self._keep(f"{name}_gib", max(totals.values(), default=None))
         self._keep(f"{name}_learner_gib", max((h.peak for h in learners), default=None))
         # On GPUs, torch's figures beside the model's: the learner process's reserved peak,

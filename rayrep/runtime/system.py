@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rayrep.algos import algorithm_class
 from rayrep.buffer.replay import ReplayStore, open_replay_store, store_kind
-from rayrep.cluster.memory import DeviceLedger, check_memory, ledger_gpus, memory_plan
+from rayrep.cluster.memory import DeviceLedger, RunPhase, check_memory, ledger_gpus, memory_plan
 from rayrep.cluster.placement import Placement, Plan, make_plan
 from rayrep.config import Config
 from rayrep.generator.engine import check_vllm_version
@@ -27,6 +27,7 @@ from rayrep.library_output import library_log_env
 from rayrep.models import check_context
 from rayrep.sync.weights import WeightSync
 from rayrep.sync.collective import nccl_environment
+from rayrep.runtime.turns import OwnDevices, SharedGpus
 from rayrep.verifier.group import VerifierGroup
 
 
@@ -77,8 +78,8 @@ class Runtime:
     is ready, and a generator that dies during a weight sync is replaced here.
 
     Colocated, a learner rank and an engine worker share each GPU and take turns
-    (`placement.takes_turns`): the hand-overs below are the only places that move memory
-    between them, in the order the memory plan's timeline gives (`rayrep.cluster.memory`).
+    (`placement.takes_turns`): what moves at each hand-over below is `turns`' to say
+    (`rayrep.runtime.turns`), in the order the memory plan's timeline gives (`rayrep.cluster.memory`).
     Where the run models its GPUs, every transition is reported to the device-memory ledger
     (`observe`), which refuses (CPU runs emulating GPUs) or logs (GPU runs) a GPU that would
     overflow or a holder beyond its plan."""
@@ -93,8 +94,8 @@ class Runtime:
     """The replay buffer of a run whose algorithm replays (its class's `replays`), else None."""
     ledger: DeviceLedger | None
     """Each GPU as the run fills it (a run that models its GPUs), else None."""
-    turn: str
-    """Whose turn it is on shared GPUs: "generators", "learners", or "sync" (the weights moving)."""
+    turns: OwnDevices
+    """What moves where at each hand-over: `SharedGpus` where colocated roles take turns."""
 
     @staticmethod
     def start(cfg: Config, model_path: str, train: bool = True, policy_version: int = 0,
@@ -122,7 +123,7 @@ class Runtime:
         memory = memory_plan(cfg, trains=train, local_only=False)
         self.ledger = (DeviceLedger(memory, ledger_gpus(cfg, train), strict=cfg.placement.emulate_gpus)
                        if memory is not None else None)
-        self.turn = "generators"
+        self.turns = OwnDevices()
         self.generators = self.verifiers = self.learners = self.sync = self.buffer = None
         try:
             self._start_roles(cfg, model_path, train, policy_version, generator_path)
@@ -143,10 +144,11 @@ class Runtime:
         if train:
             self.learners = LearnerGroup(cfg, model_path, self.placement)
         if turns:
-            self.observe("learner set-up")
+            self.turns = SharedGpus(self.generators, self.learners, self.observe, self.keeps_engine_weights)
+            self.observe(RunPhase.LEARNER_SET_UP)
             self.generators.start_engines()
         self.generators.wait_until_idle()
-        self.observe("engine start-up")
+        self.observe(RunPhase.ENGINE_START_UP)
         if train:
             self.sync = WeightSync(cfg, self.learners, self.generators, policy_version)
             if algorithm_class(cfg).replays:
@@ -163,7 +165,7 @@ class Runtime:
         the adapter alone, so the base weights they dropped would never come back."""
         return bool(self.cfg.learner.lora_rank)
 
-    def observe(self, phase: str) -> None:
+    def observe(self, phase: RunPhase) -> None:
         """The device-memory ledger's view of the transition that ends `phase` (where the run
         models its GPUs): what every live learner rank and engine held since the last one."""
         if self.ledger is None:
@@ -178,24 +180,15 @@ class Runtime:
         self.ledger.observe(phase, holdings)
 
     def hand_over_to_learners(self) -> None:
-        """Where colocated roles take turns: the engines sleep, dropping their weights (the
-        weight sync after the update overwrites them all; a LoRA run's engines keep them in host
-        memory), then the learners bring their state back. Elsewhere (disaggregated, CPU)
-        nothing to do, and no call made: a call would wait behind the generators' work in
-        flight (asynchronous rollouts)."""
-        if not self.cfg.placement.takes_turns:
-            return
-        self.generators.sleep(keep_weights=self.keeps_engine_weights)
-        self.observe("generate")
-        self.learners.onload()
-        self.observe("hand-over")
-        self.turn = "learners"
+        """Where colocated roles take turns: the engines sleep, then the learners bring their
+        state back (`rayrep.runtime.turns`). Elsewhere nothing moves, and no call is made."""
+        self.turns.to_learners()
 
     def restore_learners(self, folder: str, shared: dict) -> None:
         """A resumed run's learner state, loaded where it lies (host memory while the engines
         hold shared GPUs)."""
         self.learners.load_state(folder, shared)
-        self.observe("resume")
+        self.observe(RunPhase.RESUME)
 
     def save_learners(self, folder: str, state: bool) -> dict | None:
         """The policy as a Hugging Face checkpoint in `folder`, and (`state`) the learners'
@@ -204,9 +197,8 @@ class Runtime:
         released after it (DeepSpeed gathers each fp32 master on the GPU)."""
         self.learners.save(folder)
         shared = self.learners.save_state(str(Path(folder) / "learner")) if state else None
-        if self.cfg.placement.takes_turns:
-            self.learners.offload()
-        self.observe("save")
+        self.turns.after_save()
+        self.observe(RunPhase.SAVE)
         return shared
 
     def sync_weights(self) -> dict[str, float]:
@@ -214,21 +206,17 @@ class Runtime:
         that died in it is replaced (`sync_generator_replaced`), and the weights sent again.
         Where the roles take turns, the optimizer state leaves the GPU first: the sync needs the
         parameters alone, and the room for the engines' weights."""
-        self.observe("update")
-        if self.cfg.placement.takes_turns:
-            self.learners.offload(parameters=False)
-            self.observe("update")
-            self.turn = "sync"
+        self.observe(RunPhase.UPDATE)
+        self.turns.to_sync()
         try:
             pushed = self.sync.push()
         except (RayActorError, RayTaskError) as error:
             start = time.perf_counter()
-            if self.cfg.placement.takes_turns:  # a new engine starts awake on its GPU: the learners' state leaves first
-                self.learners.offload()
-            self.observe("sync")
+            self.turns.after_failed_sync()
+            self.observe(RunPhase.SYNC)
             replaced = self.generators.supervisor.replace_dead(error)  # then `bring_to_policy` sends again
             return {**self.sync.timing(time.perf_counter() - start), "sync_generator_replaced": replaced}
-        self.observe("sync")
+        self.observe(RunPhase.SYNC)
         return pushed
 
     def bring_to_policy(self, replaced: list[int]) -> None:
@@ -238,25 +226,18 @@ class Runtime:
         again if it was their turn."""
         if self.sync is None:
             return
-        self.observe("replacement")
-        if self.cfg.placement.takes_turns:
-            self.generators.sleep(keep_weights=self.keeps_engine_weights)
-            self.observe("replacement")
+        self.observe(RunPhase.REPLACEMENT)
+        self.turns.before_rebuild()
         self.sync.rebuild()
-        self.observe("sync")
-        if self.cfg.placement.takes_turns and self.turn == "generators":
-            self.generators.wake_up()
+        self.observe(RunPhase.SYNC)
+        self.turns.after_replacement()
 
     def hand_over_to_generators(self) -> dict[str, float]:
         """After the weight sync (which woke the engines' weights): where the roles take turns,
         the learners' parameters leave the GPU and the engines take their KV cache back.
         Returns the device-memory ledger's figures since the last call (a run that models its
         GPUs: the most each phase held on a GPU, in GiB)."""
-        if self.cfg.placement.takes_turns:
-            self.learners.offload()
-            self.observe("sync")
-            self.generators.wake_up()
-            self.turn = "generators"
+        self.turns.to_generators()
         return self.ledger.take_figures() if self.ledger is not None else {}
 
     def shutdown(self) -> None:
