@@ -1,6 +1,6 @@
 """One training run of any algorithm, without the baseline comparison of the pipelines.
 
-    python jobs/train.py --algorithm.name exgrpo --algorithm.std_normalize false
+    python jobs/train.py --algorithm.name exgrpo                   # (its advantage without the std: set by choosing it)
     python jobs/train.py --algorithm.name rlep --algorithm.rlep.pool runs/p/pool.parquet
     python jobs/train.py --resume runs/exgrpo-20261201-120000      # continue a stopped run
     python jobs/train.py --auto-resume                             # a learner that dies: continue from the last checkpoint

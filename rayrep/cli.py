@@ -109,6 +109,22 @@ def _apply_job_sets(parser, cfg: Config, argv: list[str]) -> Config:
     return cfg.replace(**{name: value for name, (value, _) in parser.get_default("sets").items() if value is not None})
 
 
+def _apply_algorithm_settings(cfg: Config, argv: list[str]) -> Config:
+    """What the chosen algorithm needs (its class's `settings`: ExGRPO's advantage without the
+    std scaling), over the preset's values; a value the user gives on the command line or in
+    a `--config` file stays, and the algorithm's own check refuses it if it cannot work."""
+    from rayrep.algos import algorithm_class  # (torch and Ray: once the command line holds)
+
+    _, user = cli_sources(argv)
+    needed = {}
+    for name, value in algorithm_class(cfg).settings.items():
+        try:
+            get_dotted(user, name)
+        except (KeyError, TypeError):
+            needed[name] = value
+    return cfg.replace(**needed) if needed else cfg
+
+
 def parse_job_args(parser, argv: list[str] | None = None):
     """(job flags, Config): the job's own flags, then the config from everything else.
 
@@ -125,6 +141,8 @@ def parse_job_args(parser, argv: list[str] | None = None):
             base = parser.get_default("base")(args, rest)
         cfg = parse_cli(rest, base=base)
         cfg = _apply_job_sets(parser, cfg, rest)
+        if base is None:  # (a resumed run's config.json is whole already)
+            cfg = _apply_algorithm_settings(cfg, rest)
         if getattr(args, "auto_resume", 0) < 0:
             raise ConfigError(f"--auto-resume {args.auto_resume}: the number of restarts cannot be negative")
         if getattr(args, "resume", None) == "" and not cfg.logging.run_name:

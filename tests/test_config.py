@@ -244,6 +244,26 @@ def test_a_job_refuses_a_setting_it_sets_itself(tmp_path, capsys):
         assert "algorithm.name = " in err and "sets it itself (" in err and "); leave it out" in err
 
 
+def test_choosing_an_algorithm_applies_what_it_needs_and_the_users_word_still_counts(tmp_path):
+    """ExGRPO's advantage has no std scaling: choosing it (command line, config file, or a
+    job that sets it) sets `algorithm.std_normalize` false over the preset's true; a value the
+    user gives stays (and ExGRPO's check refuses true, naming the field); others keep theirs."""
+    from rayrep.algos import check_inputs
+
+    user = tmp_path / "mine.toml"
+    user.write_text('[algorithm]\nname = "exgrpo"\n')
+    chosen = [["--algorithm.name", "exgrpo"], ["--config", str(user)],
+              ["--preset", "qwen2.5-math-7b-rlep", "--algorithm.name", "exgrpo"]]
+    for argv in chosen:
+        assert parse_job_args(job_parser("demo"), argv)[1].algorithm.std_normalize is False, argv
+    assert parse_job_args(job_parser("demo", sets={"algorithm.name": ("exgrpo", "the method")}), [])[1].algorithm.std_normalize is False
+    assert parse_job_args(job_parser("demo"), ["--algorithm.name", "rlep"])[1].algorithm.std_normalize is True
+    kept = parse_job_args(job_parser("demo"), ["--algorithm.name", "exgrpo", "--algorithm.std_normalize", "true"])[1]
+    assert kept.algorithm.std_normalize is True
+    with pytest.raises(ConfigError, match="algorithm.std_normalize must be false for exgrpo.*leave --algorithm.std_normalize out"):
+        check_inputs(kept, [], {})
+
+
 def test_a_recorded_config_without_a_field_added_since_counts_as_its_default():
     """A run recorded before a field existed stands for one with the field's default only where
     the field was added with the old behaviour as default (`option(added=True)`)."""

@@ -45,13 +45,14 @@ from rayrep.types import Group, LossSpec, Prompt, StepBatch, StepPlan
 def check_exgrpo_settings(cfg: Config) -> None:
     if cfg.algorithm.std_normalize:
         raise ConfigError("algorithm.std_normalize must be false for exgrpo: its advantage is r - mean(r) "
-                          "(jobs/exgrpo.py sets it)")
+                          "(choosing exgrpo sets it; leave --algorithm.std_normalize out)")
 
 
 class ExGRPO(GRPO):
     name = "exgrpo"
     label = "ExGRPO"
     replays = True
+    settings = {"algorithm.std_normalize": False}  # its advantage is r - mean(r)
     # Replayed answers keep their recorded behaviour log-probs: w = pi_theta / pi_recorded.
     replay_old_logprobs = "recorded"
 

@@ -34,6 +34,9 @@ class GRPO:
     name: ClassVar[str] = "grpo"
     label: ClassVar[str] = "GRPO/DAPO"
     replays: ClassVar[bool] = False
+    settings: ClassVar[dict[str, object]] = {}
+    """What choosing this algorithm sets (`section.field` -> value) over a preset's values,
+    unless the user's command line or config file sets it (`rayrep.cli`)."""
     """Whether the run keeps a replay buffer (its shards are placed and started with the other roles)."""
     pool_from_baseline: ClassVar[bool] = False
     """Whether the comparison pipeline samples an experience pool from the baseline's final
