@@ -4,7 +4,7 @@
 
 Each step is written out below in that order, with typed calls on the actor groups. What
 surrounds the loop lives elsewhere: a run's folder, resume, checkpoints, evaluations and
-supervision in `rayrep.run`; a step's rounds (dynamic-sampling refills, asynchronous
+restarts after a learner dies in `rayrep.run`; a step's rounds (dynamic-sampling refills, asynchronous
 look-ahead, stale drops) in `rayrep.rollouts`; the actors in `rayrep.runtime`.
 """
 
@@ -15,7 +15,7 @@ from rayrep.plots import write_plots
 from rayrep.rollouts import Rollouts
 from rayrep.run.lifecycle import Run, RunResult
 from rayrep.run.record import StepRecord
-from rayrep.run.supervision import restarting
+from rayrep.run.restarts import restarting
 
 
 def train(cfg: Config, log=print, resume: bool = False) -> RunResult:

@@ -455,7 +455,7 @@ class ReplayShard:
         }
 
     def pid(self) -> int:
-        """The process holding this shard (whether it still answers: `rayrep.cluster.placement.responds`)."""
+        """The process holding this shard (whether it still answers: `rayrep.cluster.supervisor.responds`)."""
         return os.getpid()
 
     # ------------------------------------------------------------------ snapshot

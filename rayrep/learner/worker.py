@@ -2,10 +2,11 @@
 
 W workers form one `torch.distributed` group (gloo on CPU, NCCL on GPU) and shard the
 policy with FSDP2 or DeepSpeed ZeRO-2 (`rayrep/learner/sharding.py`; a single fp32 rank
-trains the model itself, as plain PyTorch does). Every rank receives
-the whole `TrainBatch` (one object ref) and picks its own rows, so the split needs no
-communication and every rank knows the mini-batch's global token count, which makes
-token-mean exact across ranks and micro-batches.
+trains the model itself, as plain PyTorch does). Every rank receives the
+step's `BatchRecipe` (where each row's arrays are: the generators' parts and the buffer
+shards' draws, by reference), collates the whole `TrainBatch` itself and picks its own
+rows, so the split needs no communication and every rank knows the mini-batch's global
+token count, which makes token-mean exact across ranks and micro-batches.
 
 The worker knows nothing of the algorithm: rows, advantages, masks and a `LossSpec`. It owns
 the rank's state (where it is, its moves, its updates, its sync and saves); the forward passes

@@ -34,7 +34,7 @@ from rayrep.run.evaluation import Evaluations, known_start_evaluation
 from rayrep.run.layout import RunFolder
 from rayrep.run.log import MetricsLog, keep_metrics_until, step_fields
 from rayrep.run.record import StepRecord
-from rayrep.run.supervision import learner_death
+from rayrep.run.restarts import learner_death
 from rayrep.runtime.system import Runtime
 
 
