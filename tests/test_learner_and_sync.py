@@ -111,6 +111,23 @@ def one_rank_update(ray_cluster, tiny_cfg, tiny_policy):
     return one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 1, loss=CORRECTED)
 
 
+def test_each_sharding_strategy_has_its_code_and_says_what_it_can_do():
+    """`learner.strategy`'s choices, the code of each (`SHARDINGS`) and what each can do
+    (`SHARDING_STRATEGIES`, which the config, the memory plan, resume and the learner ask)
+    name the same strategies; DeepSpeed's state stays on the GPU and is not resumable."""
+    import typing
+
+    from rayrep.config import LearnerConfig
+    from rayrep.config.strategies import SHARDING_STRATEGIES
+    from rayrep.learner.sharding import SHARDINGS
+
+    choices = set(typing.get_args(typing.get_type_hints(LearnerConfig)["strategy"]))
+    assert choices == set(SHARDINGS) == set(SHARDING_STRATEGIES) == {"fsdp2", "deepspeed"}
+    deepspeed = LearnerConfig(strategy="deepspeed").sharding
+    assert not (deepspeed.state_moves or deepspeed.resumable or deepspeed.shards_parameters)
+    assert LearnerConfig().sharding.resumable
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
 def test_two_ranks_take_the_same_update_as_one(one_rank_update, tiny_cfg, tiny_policy, strategy):
     batch = synthetic_batch()

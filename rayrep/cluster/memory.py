@@ -309,7 +309,7 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
     largest = shape.largest_adapter_tensor(lora) if lora else shape.largest_tensor  # of what a sync sends
     # Buckets of at most `bucket` bytes, a bigger tensor alone; an adapter smaller than one bucket fills one.
     largest_bucket = min(bucket, T * c) if lora else max(bucket, largest * c)
-    fsdp = learner.strategy == "fsdp2"
+    fsdp = learner.sharding.shards_parameters
     learner_parts = {
         PARAMETERS: (frozen // W if fsdp else P * c) + 4 * T // W,  # DeepSpeed: the whole compute-dtype model too
         OPTIMIZER: 8 * T // W,
@@ -360,7 +360,7 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
     update = {**state, **of(learner, *UPDATE)}
     send = of(learner, WHOLE_TENSOR, SEND_BUFFERS)
     receiving = {**of(engine, WEIGHTS, ENGINE_RUNTIME, RECEIVED)}
-    resident = state if cfg.learner.strategy == "deepspeed" else {}  # DeepSpeed's state never leaves the GPU
+    resident = {} if cfg.learner.sharding.state_moves else state  # (DeepSpeed's state never leaves the GPU)
     saving = {**resident, **of(learner, MASTER_GATHERED)} if resident else {}
     set_up = resident or of(learner, PARAMETERS)
     if cfg.placement.mode != "colocated":
@@ -418,7 +418,7 @@ def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple
     host = {RunPhase.LEARNER_SET_UP: (ranks * loading, f"{ranks} learner rank(s), each loading the policy in "
                                                  f"{cfg.model.dtype if lora else 'fp32'}: "
                                                  f"{loading / 1e9:.1f} GB")}
-    if place.mode == "colocated" and cfg.learner.strategy == "fsdp2":
+    if place.mode == "colocated" and cfg.learner.sharding.state_moves:
         state = ((P * compute_bytes(cfg) if lora else 0) + 12 * trained_parameters(cfg, shape)) // W
         host["training"] = (ranks * state, f"{ranks} learner rank(s)' parameters and optimizer state while the "
                                            f"engines run: {state / 1e9:.1f} GB each")

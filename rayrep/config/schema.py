@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rayrep.config.fields import build, check_fields, option, set_dotted
+from rayrep.config.strategies import SHARDING_STRATEGIES, ShardingStrategy
 from rayrep.errors import ConfigError
 from rayrep.types import TOKEN_SUM_AGGREGATIONS, Aggregation
 
@@ -180,6 +181,11 @@ class LearnerConfig:
     lora_dropout: float = option(0.0, "dropout on the adapter's input in training (the engines sample without it)", min=0.0, max=0.999, added=True)
     lora_target_modules: tuple[str, ...] = option(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), "the linear layers that get an adapter (PEFT target_modules; attention and MLP alike: RL with an MLP-less adapter learns less)", added=True)
     lora_merge: bool = option(False, "at the end of a LoRA run, also write the final policy merged into the base as a Hugging Face checkpoint (final-merged/ beside final/)", added=True)
+
+    @property
+    def sharding(self) -> ShardingStrategy:
+        """What the sharding strategy can do (`rayrep.config.strategies`)."""
+        return SHARDING_STRATEGIES[self.strategy]
 
 
 @dataclass
@@ -384,10 +390,10 @@ def validate(cfg: Config) -> None:
         )
     if learner.loss_agg in TOKEN_SUM_AGGREGATIONS and learner.loss_norm_constant <= 0:
         raise ConfigError(f"learner.loss_norm_constant must be > 0 when learner.loss_agg is {learner.loss_agg!r}")
-    if learner.strategy == "deepspeed" and learner.skip_grad_norm_above:
+    if learner.skip_grad_norm_above and not learner.sharding.skips_large_gradients:
         raise ConfigError(
             f"learner.skip_grad_norm_above={learner.skip_grad_norm_above} is not supported with "
-            "learner.strategy='deepspeed' (DeepSpeed skips only non-finite steps); use fsdp2 or set it to 0"
+            f"learner.strategy={learner.strategy!r} (it skips only non-finite steps); use fsdp2 or set it to 0"
         )
     if not learner.lora_rank and learner.lora_merge:
         raise ConfigError("learner.lora_merge merges a LoRA adapter into its base: set learner.lora_rank (> 0) too")

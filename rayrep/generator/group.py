@@ -96,7 +96,9 @@ class GeneratorGroup:
         """`workers`: GeneratorWorker handles, worker i started by `start_worker(cfg, model_path,
         placement, i, version)`, as a dead one's replacement is (without `cfg`, nothing is
         replaced). `on_replaced(slots)`: brings replacements to the current policy."""
-        self.version = version
+        self.checkpoint_version = version
+        """The policy version of the checkpoint the engines load (a replacement's too, until the
+        runtime brings it to the current policy: `rayrep.runtime.system.Runtime.version`)."""
         start = (lambda slot: start_worker(cfg, model_path, placement, slot, version)) if cfg is not None else None
         self.supervisor = Supervisor("generator", workers, start,
                                      ready=lambda slot, worker: worker.policy_version.remote(),

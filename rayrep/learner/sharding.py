@@ -393,8 +393,13 @@ class DeepSpeedSharding:
         return state if rank == 0 else None
 
 
-def make_sharding(strategy: str, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device) -> Sharding:
-    if strategy == "fsdp2" and world_size == 1 and compute_dtype(cfg) == torch.float32:
+SHARDINGS: dict[str, type[Sharding]] = {"fsdp2": FSDP2Sharding, "deepspeed": DeepSpeedSharding}
+"""The code of each `learner.strategy` (what each can do: `rayrep.config.strategies`)."""
+
+
+def make_sharding(model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device) -> Sharding:
+    """`learner.strategy`'s sharding of `model`; one fp32 rank of a strategy that shards the
+    parameters trains the model itself, as plain PyTorch does (nothing to shard)."""
+    if cfg.learner.sharding.shards_parameters and world_size == 1 and compute_dtype(cfg) == torch.float32:
         return OneRank(model, cfg, world_size, device)
-    kinds: dict[str, type[Sharding]] = {"fsdp2": FSDP2Sharding, "deepspeed": DeepSpeedSharding}
-    return kinds[strategy](model, cfg, world_size, device)
+    return SHARDINGS[cfg.learner.strategy](model, cfg, world_size, device)

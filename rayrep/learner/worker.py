@@ -117,10 +117,10 @@ class LearnerWorker:
         """The LoRA adapter this group trains on the frozen base (`learner.lora_rank`), or None."""
         if self.lora is not None:
             model = with_lora(model, self.lora, compute_dtype(cfg))
-        self.sharding = make_sharding(cfg.learner.strategy, model, cfg, world_size, self.device)
+        self.sharding = make_sharding(model, cfg, world_size, self.device)
         self.sharding.model.train()
         self.forward = PolicyForward(cfg, self.sharding, self.device, rank, world_size)
-        if cfg.learner.strategy == "fsdp2":
+        if cfg.learner.sharding.shards_parameters:
             # This rank's shards as they are: the parameters (fp32, or a frozen LoRA base in the
             # compute dtype), and for those that train, two fp32 moments and an fp32 gradient.
             local = [p.to_local() if hasattr(p, "to_local") else p for p in self.sharding.model.parameters()]
@@ -128,7 +128,7 @@ class LearnerWorker:
             self.residency.sizes.update({PARAMETERS: sum(t.numel() * t.element_size() for t in local),
                                          OPTIMIZER: 2 * trained, GRADIENTS: trained})
         self.residency.move(PARAMETERS, DEVICE)
-        if cfg.learner.strategy == "deepspeed":  # its fp32 partitions exist from the start, on the GPU for good
+        if not cfg.learner.sharding.state_moves:  # (DeepSpeed's fp32 partitions exist from the start, on the GPU for good)
             self.residency.move(OPTIMIZER, DEVICE)
         self.offload()  # colocated: the engines start once the learners' state has left the GPU
 
@@ -328,7 +328,7 @@ class LearnerWorker:
         return moved
 
     def _move(self, parts: tuple[str, ...], to: str) -> list[str]:
-        if not (self.cfg.placement.takes_turns and self.cfg.learner.strategy == "fsdp2"):
+        if not (self.cfg.placement.takes_turns and self.cfg.learner.sharding.state_moves):
             return []
         target = self.device if to == DEVICE else torch.device("cpu")
         moved = []

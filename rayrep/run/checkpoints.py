@@ -28,6 +28,7 @@ from pathlib import Path
 from rayrep.algos.interface import Algorithm
 from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config
+from rayrep.config.strategies import SHARDING_STRATEGIES
 from rayrep.data import PromptSampler
 from rayrep.errors import InputError
 from rayrep.run.layout import STATE_FILE, RunFolder
@@ -183,7 +184,7 @@ def _sync(path: Path) -> None:
 def resumable(cfg: Config) -> bool:
     """Whether the learners' strategy keeps a checkpoint of its optimizer state (FSDP2 does;
     with DeepSpeed a run's checkpoints hold the policy weights and the driver's state only)."""
-    return cfg.learner.strategy == "fsdp2"
+    return cfg.learner.sharding.resumable
 
 
 def resume_point(cfg: Config, folder: RunFolder) -> tuple[Path, RunState]:
@@ -194,8 +195,9 @@ def resume_point(cfg: Config, folder: RunFolder) -> tuple[Path, RunState]:
         raise InputError(f"{folder.path}: no complete checkpoint to resume from (checkpoints/step-<N>)")
     state = read_run_state(checkpoint)
     if state.learner is None or not resumable(cfg):
+        keeping = " or ".join(repr(s.name) for s in SHARDING_STRATEGIES.values() if s.resumable)
         raise InputError(f"{checkpoint}: resuming needs the learners' optimizer state, which only "
-                         "learner.strategy='fsdp2' keeps (this run's or the checkpoint's is 'deepspeed')")
+                         f"learner.strategy={keeping} keeps (this run's or the checkpoint's does not)")
     if state.step > cfg.run.steps:
         raise InputError(f"{checkpoint} is at step {state.step}, beyond run.steps={cfg.run.steps}")
     saved_algorithm = state.config.get("algorithm", {}).get("name")

@@ -156,8 +156,9 @@ class Runtime:
 
     @property
     def version(self) -> int:
-        """The policy version the generators sample (the learners' is one ahead during an update)."""
-        return self.sync.version if self.sync is not None else self.generators.version
+        """The policy version the generators sample (the learners' is one ahead during an
+        update): the weight sync's count in training, else the checkpoint's."""
+        return self.sync.version if self.sync is not None else self.generators.checkpoint_version
 
     @property
     def keeps_engine_weights(self) -> bool:
