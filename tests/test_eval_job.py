@@ -167,6 +167,7 @@ def test_a_known_start_evaluation_is_taken_only_from_the_same_start(tmp_path, ti
 # the job end to end: tiny policy, a prompt file with two benchmarks of different k
 
 
+@pytest.mark.slow  # the evaluation job, its engines on a Ray cluster of its own
 def test_eval_job_on_a_prompt_file_with_two_benchmarks(tmp_path, tiny_policy, tiny_cfg):
     from rayrep.data import load_split
 

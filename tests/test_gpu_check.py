@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # bench/gpu_check.py in a process of its own, every section
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -21,6 +21,8 @@ from ray_nodes import RAY, start_ray_node, stop_ray_node
 
 from rayrep.cluster.placement import free_port
 
+pytestmark = pytest.mark.slow  # Ray clusters of their own and submitted jobs
+
 REPO = Path(__file__).resolve().parent.parent
 
 

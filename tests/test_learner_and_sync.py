@@ -173,6 +173,7 @@ def test_shared_prompts_take_the_same_update_as_whole_rows(one_rank_update, tiny
     assert (diff > 1e-5).float().mean() < 1e-3
 
 
+@pytest.mark.slow  # a torch.distributed group in processes of its own
 def test_fsdp2_reduce_scatters_every_micro_batch(tmp_path, tiny_cfg, tiny_policy):
     """After a micro-batch that is not a mini-batch's last, every parameter already holds its
     gradient shard: FSDP2 reduce-scattered it, and no rank keeps the model's unsharded fp32

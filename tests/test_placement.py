@@ -200,6 +200,7 @@ def test_a_growing_cluster_is_waited_for_with_progress_then_given_up(ray_cluster
     assert ray.available_resources().get("CPU", 0) == 4
 
 
+@pytest.mark.slow  # a job process that starts Ray
 def test_a_gpu_job_on_a_cpu_machine_fails_within_seconds(tmp_path):
     start = time.monotonic()
     done = subprocess.run([sys.executable, str(ROOT / "jobs" / "grpo.py"), "--placement.device", "gpu",

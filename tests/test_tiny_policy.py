@@ -49,6 +49,7 @@ def small_build(tmp_path_factory):
     return spec, out, build_policy(spec, out, log=lambda _: None, record={"preset": "test"})
 
 
+@pytest.mark.slow  # builds (trains) a policy
 def test_build_writes_a_complete_checkpoint_and_replaces_one_whole(small_build):
     spec, path, record = small_build
     files = set(os.listdir(path))
@@ -72,6 +73,7 @@ def test_build_writes_a_complete_checkpoint_and_replaces_one_whole(small_build):
     other.rmdir()
 
 
+@pytest.mark.slow  # builds (trains) a policy
 def test_the_build_file_records_the_weights_hash(small_build, tmp_path):
     """The hash covers every tensor's bytes: it matches a recomputation and changes with one weight."""
     from safetensors.torch import load_file, save_file
@@ -93,6 +95,7 @@ def cpu_has_avx2() -> bool:
         return " avx2" in info.read()
 
 
+@pytest.mark.slow  # builds (trains) a policy
 @pytest.mark.skipif(not cpu_has_avx2(), reason="the portable kernels are AVX2 ones")
 def test_the_build_pins_its_kernels_so_that_cpu_models_agree(small_build, tmp_path):
     """The build runs with AVX2 kernels whatever the CPU offers; MKL told to use only AVX2
@@ -168,6 +171,7 @@ def test_a_recipe_without_a_shipped_policy_is_refused_with_how_to_build_it(tmp_p
         shipped_policy(tiny_spec(load_preset("tiny-cpu")), root)
 
 
+@pytest.mark.slow  # builds (trains) a policy
 def test_the_build_command_builds_what_a_preset_describes(tmp_path, capsys):
     """`python -m rayrep.models.tiny build` (a few steps here): the recipe of the preset with
     the overrides given, recorded with the preset's name; the folder then serves as
@@ -233,6 +237,7 @@ def test_tiny_policy_lands_in_the_target_band(ray_cluster, tiny_policy, tiny_cfg
     assert metrics["verifier_timeouts"] == 0
 
 
+@pytest.mark.slow  # builds (trains) a policy
 def test_the_hard_preset_builds_on_its_own_levels_past_its_test_reserve(tmp_path):
     """tiny-cpu-hard: its levels and reserve reach the build recipe; no warm-start problem is
     among its 4,000 possible test questions; every worked solution fits the response
@@ -263,6 +268,7 @@ def test_the_hard_preset_builds_on_its_own_levels_past_its_test_reserve(tmp_path
     assert json.loads((path / "rayrep_build.json").read_text())["spec"]["levels"] == ["add3", "sub3", "mix4"]
 
 
+@pytest.mark.slow  # builds (trains) a policy
 def test_an_interrupted_build_leaves_no_build_process_behind(tmp_path):
     """A build whose caller stops (a test's time limit, Ctrl-C) kills its build process."""
     import psutil

@@ -14,6 +14,8 @@ from ray_nodes import RAY, start_ray_node, stop_ray_node, wait_for_head
 
 from rayrep.cluster.placement import free_port
 
+pytestmark = pytest.mark.slow  # a two-node Ray cluster of its own
+
 # Token authentication is off for these two nodes: what this test is about is placement and
 # the weight sync across nodes (the job-submit test runs with authentication on).
 NO_AUTH = dict(os.environ, RAY_AUTH_MODE="disabled")
