@@ -25,7 +25,7 @@ run: $(STAMP)
 
 test: $(STAMP) $(HARNESS_STAMP) $(DEEPSPEED_OPS)
 	$(VENV)/bin/lint-imports
-	$(WITH_KERNELS)$(PY) -m pytest --durations=25 tests
+	$(WITH_KERNELS)$(PY) -m pytest --durations=40 tests
 
 # The tests that need no Ray cluster, vLLM engine, training run or job of their own (about two
 # minutes here): the tier to run while working. tests/conftest.py says which tests are `slow`.
