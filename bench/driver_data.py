@@ -129,7 +129,7 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
 
     from rayrep.algos.grpo import GRPO
     from rayrep.config import load_preset
-    from rayrep.types import Group, PartFacts, Prompt, RolloutRef
+    from rayrep.types import Group, GroupAnswer, PartFacts, Prompt, RolloutRef
 
     spec = SHAPES[shape]
     cfg = load_preset(spec["preset"])
@@ -160,7 +160,8 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
                     rollouts = ray.get(result)
                 figures["in_seconds"] = time.process_time() - begin
                 begin = time.process_time()
-                groups = [Group(p, tuple(r), ok, replayed) for p, r, ok in zip(prompts, rollouts, correct)]
+                groups = [Group(p, tuple(GroupAnswer(*answer) for answer in zip(r, ok, replayed)))
+                          for p, r, ok in zip(prompts, rollouts, correct)]
                 built = GRPO(cfg).build(groups, step=1)
                 sending = built.recipe if kind == "refs" else built.batch
                 figures["build_seconds"] = time.process_time() - begin

@@ -161,10 +161,8 @@ class Rollouts:
             verdicts = checking.result()
         record.count(verdicts.statuses, prefix="verifier_")
         if not self.cfg.run.partial_rollouts:
-            fresh = [
-                Group(prompt, tuple(sampled), tuple(marks), (False,) * len(sampled))
-                for prompt, sampled, marks in zip(questions, rollouts, verdicts.correct)
-            ]
+            fresh = [Group.sampled(prompt, sampled, marks)
+                     for prompt, sampled, marks in zip(questions, rollouts, verdicts.correct)]
             return started.plan.complete(fresh)
         return self.take_done(plans, rollouts, verdicts.correct, len(started.plan.prompts),
                               sum(r.response_length for c in started.carried for r in c.answers), record)
@@ -180,7 +178,7 @@ class Rollouts:
         marks = dict(zip(done, correct))
         taken = sorted(done, key=lambda i: (i < carried_from, i))[:self.cfg.algorithm.prompts_per_step]
         groups = [group for i in taken for group in plans[i].complete(
-            [Group(plans[i].prompts[0], tuple(rollouts[i]), tuple(marks[i]), (False,) * len(rollouts[i]))])]
+            [Group.sampled(plans[i].prompts[0], rollouts[i], marks[i])])]
         carried = [Carried(plans[i], tuple(rollouts[i])) for i in range(len(plans)) if i not in set(taken)]
         # (Added to any that no round took yet: with asynchronous rollouts two or more steps
         # ahead, the round after this one was started before this one's groups were carried.)

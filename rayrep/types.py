@@ -198,73 +198,98 @@ class TokenSequences(Protocol):
 
 
 class GroupAnswer(NamedTuple):
-    """One answer of a group, as a record: what `Group.answers` and its filters give."""
+    """One answer of a group: its rollout, and what the driver decided of it."""
 
     rollout: AnyRollout
     correct: bool
-    replayed: bool
-    reward: float | None
-    """None until the algorithm has scored the group."""
+    """The verifier's verdict (a replayed success is correct by construction)."""
+    replayed: bool = False
+    """Drawn from the replay buffer rather than sampled this step."""
+    reward: float | None = None
+    """None until the algorithm has scored the group (verdict plus shaping)."""
+    advantage: float | None = None
+    """The advantage it was stored with (answer-level replay: a group of replayed answers
+    alone); None: taken over the group's rewards."""
 
 
 @dataclass(frozen=True)
 class Group:
-    """One question's rollouts for one training step: fresh ones, then any replayed ones.
-    Stored per field (what the learner's batch is built from); read per answer through
-    `answers`, `fresh` and `replays`."""
+    """One question's answers for one training step, as records: fresh ones, then any
+    replayed ones. Read per answer (`answers`, `fresh`, `replays`) or per field, in order
+    (`rollouts`, `correct`, ...: what the learner's batch and the advantages are built from)."""
 
     prompt: Prompt
-    rollouts: tuple[AnyRollout, ...]
-    correct: tuple[bool, ...]
-    """Per rollout: the verifier's verdict (a replayed success is correct by construction)."""
-    replayed: tuple[bool, ...]
-    """Per rollout: drawn from the replay buffer rather than sampled this step."""
-    rewards: tuple[float, ...] = ()
-    """Per rollout, once the algorithm has scored the group (verdict plus shaping); empty before."""
+    answers: tuple[GroupAnswer, ...]
     pending_replays: int = 0
     """Stored successes planned for the group and not chosen yet (`StepPlan.choose`): they
     join it before it trains, and count as correct answers meanwhile."""
-    advantages: tuple[float, ...] = ()
-    """Per rollout, where each keeps the advantage it was stored with (answer-level replay:
-    a group of replayed answers alone); empty: taken over the group's rewards."""
+
+    @classmethod
+    def sampled(cls, prompt: Prompt, rollouts: Sequence[AnyRollout], correct: Sequence[bool]) -> "Group":
+        """The answers sampled for `prompt` this step, with their verdicts."""
+        return cls(prompt, tuple(GroupAnswer(r, bool(ok)) for r, ok in zip(rollouts, correct, strict=True)))
 
     @property
     def size(self) -> int:
-        return len(self.rollouts)
+        return len(self.answers)
 
-    def answers(self) -> list[GroupAnswer]:
-        """Every answer, fresh ones first, as records."""
-        rewards = self.rewards or (None,) * len(self.rollouts)
-        return [GroupAnswer(*fields) for fields in zip(self.rollouts, self.correct, self.replayed, rewards)]
+    @property
+    def rollouts(self) -> tuple[AnyRollout, ...]:
+        return tuple(a.rollout for a in self.answers)
+
+    @property
+    def correct(self) -> tuple[bool, ...]:
+        return tuple(a.correct for a in self.answers)
+
+    @property
+    def replayed(self) -> tuple[bool, ...]:
+        return tuple(a.replayed for a in self.answers)
+
+    @property
+    def rewards(self) -> tuple[float, ...]:
+        """Each answer's reward, once the algorithm has scored the group; empty before."""
+        return tuple(a.reward for a in self.answers) if self.scored else ()
+
+    @property
+    def scored(self) -> bool:
+        return bool(self.answers) and all(a.reward is not None for a in self.answers)
+
+    @property
+    def advantages(self) -> tuple[float, ...]:
+        """Each answer's stored advantage, where every answer keeps one (answer-level replay);
+        empty: taken over the group's rewards."""
+        stored = [a.advantage for a in self.answers]
+        return tuple(stored) if stored and None not in stored else ()
+
+    def with_rewards(self, rewards: Sequence[float]) -> "Group":
+        """The group scored: each answer with its reward."""
+        return dataclasses.replace(self, answers=tuple(
+            a._replace(reward=float(r)) for a, r in zip(self.answers, rewards, strict=True)))
 
     def fresh(self) -> list[GroupAnswer]:
         """The answers sampled for this step."""
-        return [answer for answer in self.answers() if not answer.replayed]
+        return [answer for answer in self.answers if not answer.replayed]
 
     def replays(self) -> list[GroupAnswer]:
         """The answers drawn from the replay buffer."""
-        return [answer for answer in self.answers() if answer.replayed]
+        return [answer for answer in self.answers if answer.replayed]
 
     @property
     def replay_count(self) -> int:
-        return sum(self.replayed)
+        return sum(a.replayed for a in self.answers)
 
     @property
     def informative(self) -> bool:
         """Some rollouts right and some wrong (a pending replay is a right one): the group
         carries a learning signal."""
-        return 0 < sum(self.correct) + self.pending_replays < len(self.correct) + self.pending_replays
+        right = sum(a.correct for a in self.answers) + self.pending_replays
+        return 0 < right < self.size + self.pending_replays
 
     def with_replays(self, replays: Sequence[AnyRollout]) -> "Group":
         """This group with stored successes appended (replays are correct by construction),
         none pending any more."""
-        return dataclasses.replace(
-            self,
-            rollouts=self.rollouts + tuple(replays),
-            correct=self.correct + (True,) * len(replays),
-            replayed=self.replayed + (True,) * len(replays),
-            pending_replays=0,
-        )
+        joined = tuple(GroupAnswer(r, True, replayed=True) for r in replays)
+        return dataclasses.replace(self, answers=self.answers + joined, pending_replays=0)
 
 
 @dataclass(frozen=True)

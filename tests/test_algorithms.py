@@ -34,7 +34,7 @@ def rollout(response, logprob=-0.5):
 
 
 def fresh_group(p, responses, marks):
-    return Group(p, tuple(rollout(r) for r in responses), tuple(marks), (False,) * len(marks))
+    return Group.sampled(p, [rollout(r) for r in responses], marks)
 
 
 def sampler_of(prompts) -> PromptSampler:

@@ -326,7 +326,7 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     # The stored answer of each is chosen after generation, when the learners hold the GPUs:
     # meanwhile a group counts it as a success (all-wrong fresh rollouts plus it: informative).
     assert set(plan.choose) == set(replayed) and not plan.replays
-    fresh = [Group(p, (Rollout(algo.prompt_ids[p.uid], [7] * 3, [-1.0] * 3, "", "stop"),) * n, (False,) * n, (False,) * n)
+    fresh = [Group.sampled(p, (Rollout(algo.prompt_ids[p.uid], [7] * 3, [-1.0] * 3, "", "stop"),) * n, (False,) * n)
              for p, n in plan.requests]
     groups = plan.complete(fresh)
     assert [g.pending_replays for g in groups] == [int(p.uid in replayed) for p, _ in plan.requests]
@@ -340,7 +340,7 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     assert metrics["exgrpo_replayed_again"] == 0
     others = [q for q in stored if q.uid not in replayed][:2]
     again = [g for g in groups if g.pending_replays][:2] + [
-        dataclasses.replace(Group(q, fresh[0].rollouts[:K - 1], (False,) * (K - 1), (False,) * (K - 1)), pending_replays=1)
+        dataclasses.replace(Group.sampled(q, fresh[0].rollouts[:K - 1], (False,) * (K - 1)), pending_replays=1)
         for q in others]
     restored = ExGRPO(cfg, prompts, algo.prompt_ids, algo.buffer, learners, sampler)
     restored.load_state(algo.state())

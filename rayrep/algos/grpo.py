@@ -11,7 +11,6 @@ matter of rounds: `rayrep.rollouts.keep_informative`.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -117,7 +116,7 @@ class GRPO:
         advantages = group_advantages(
             [r for g in trained for r in g.rewards], index, std_normalize=algo.std_normalize, eps=algo.advantage_eps
         )
-        rows = [answer for g in trained for answer in g.answers()]
+        rows = [answer for g in trained for answer in g.answers]
         recompute_replays = self.replay_old_logprobs == "recompute"
         # The rows by reference: the learners read their arrays where the generators and the
         # buffer shards left them (`BatchRecipe.collate`).
@@ -142,7 +141,7 @@ class GRPO:
             max_len=self.cfg.generator.max_response_tokens, overlong_buffer=verifier.overlong_buffer,
             overlong_factor=verifier.overlong_factor,
         )
-        return dataclasses.replace(group, rewards=tuple(values))
+        return group.with_rewards(values)
 
     def loss_spec(self, groups: Sequence[Group]) -> LossSpec:
         """The loss of a step with these groups (ExGRPO switches to its mixed-policy loss)."""

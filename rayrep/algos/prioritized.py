@@ -40,7 +40,7 @@ from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
-from rayrep.types import Group, Prompt, StepBatch
+from rayrep.types import Group, GroupAnswer, Prompt, StepBatch
 
 DEFAULT_BEHAVIOUR_CAP = 2.0
 """The decoupled correction's cap where `learner.behaviour_cap` sets none (the study's RLEP-IS arm's)."""
@@ -105,9 +105,8 @@ class Prioritized(GRPO):
         for uid, answer in drawn:
             by_question.setdefault(uid, []).append(answer)
         replayed = [
-            Group(self.prompts[uid], tuple(a.rollout(self.prompt_ids[uid]) for a in answers),
-                  tuple(a.verdict == "correct" for a in answers), (True,) * len(answers),
-                  advantages=tuple(a.advantage for a in answers))
+            Group(self.prompts[uid], tuple(GroupAnswer(a.rollout(self.prompt_ids[uid]), a.verdict == "correct",
+                                                       replayed=True, advantage=a.advantage) for a in answers))
             for uid, answers in by_question.items()
         ]
         answers = [a for _, a in drawn]
@@ -132,7 +131,7 @@ class Prioritized(GRPO):
             return batch
         recipe, places = batch.recipe, len(batch.groups)
         rows = [(j * places // len(stored), answer, advantage)
-                for j, g in enumerate(stored) for answer, advantage in zip(g.answers(), g.advantages)]
+                for j, g in enumerate(stored) for answer, advantage in zip(g.answers, g.advantages)]
         recompute = self.replay_old_logprobs == "recompute"
         recipe = dataclasses.replace(
             recipe,

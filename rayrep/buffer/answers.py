@@ -96,7 +96,7 @@ class Answer:
         """Every answer sampled for a scored group this step, right or wrong, as answers that
         enter the buffer at `step`, each with the advantage it was trained with where
         `advantages` gives them (one per fresh answer, in order)."""
-        if not group.rewards:
+        if not group.scored:
             raise ValueError(f"question {group.prompt.uid!r}: its group is not scored yet (no rewards to store)")
         fresh = group.fresh()
         values = advantages if advantages is not None else [math.nan] * len(fresh)
