@@ -544,27 +544,42 @@ class TrainBatch:
         )
 
 
+class BatchRow(NamedTuple):
+    """One row of the learners' batch: an answer, by reference, and what the driver decided
+    for it."""
+
+    rollout: AnyRollout
+    question: int
+    """The row's question, as its place among the batch's questions (`TrainBatch.prompt_index`:
+    a question's rows share its prompt, and a mini-batch takes whole questions)."""
+    advantage: float
+    recompute_old: bool
+    """Its "old" log-probs are the learner's before the update, not the recorded ones."""
+    replayed: bool
+
+
 @dataclass(frozen=True)
 class BatchRecipe:
-    """What the learners' batch is made of, without its arrays: the rows' rollouts (by
-    reference, as the driver holds them) and what the driver decided per row. Each learner
-    rank reads the rows' arrays from the object store and collates the batch itself
+    """What the learners' batch is made of, without its arrays: one record per row, its
+    rollout by reference (as the driver holds it) and what the driver decided for it. Each
+    learner rank reads the rows' arrays from the object store and collates the batch itself
     (`collate`), so that no token goes through the driver."""
 
-    rollouts: tuple[AnyRollout, ...]
-    prompt_index: tuple[int, ...]
-    advantages: tuple[float, ...]
-    recompute_old: tuple[bool, ...]
-    replayed: tuple[bool, ...]
+    rows: tuple[BatchRow, ...]
     temperature: float = 1.0
+
+    @property
+    def advantages(self) -> tuple[float, ...]:
+        return tuple(row.advantage for row in self.rows)
 
     def collate(self) -> TrainBatch:
         """The batch: every row's arrays read (`answer_arrays`), then `TrainBatch.of_sequences`."""
-        arrays = answer_arrays(self.rollouts)
+        arrays = answer_arrays([row.rollout for row in self.rows])
         return TrainBatch.of_sequences(
-            [prompt for prompt, _, _ in arrays], [response for _, response, _ in arrays], self.prompt_index,
-            logprobs=[logprobs for _, _, logprobs in arrays], advantages=self.advantages,
-            recompute_old=self.recompute_old, replayed=self.replayed, temperature=self.temperature)
+            [prompt for prompt, _, _ in arrays], [response for _, response, _ in arrays],
+            [row.question for row in self.rows], logprobs=[logprobs for _, _, logprobs in arrays],
+            advantages=self.advantages, recompute_old=[row.recompute_old for row in self.rows],
+            replayed=[row.replayed for row in self.rows], temperature=self.temperature)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import DrawLimit, Origin
 from rayrep.config import Config, CorrectionConfig, derive_seed
 from rayrep.data import PromptSampler
-from rayrep.types import (TOKEN_SUM_AGGREGATIONS, BatchRecipe, Group, LossSpec, MismatchCorrection, StepBatch,
+from rayrep.types import (TOKEN_SUM_AGGREGATIONS, BatchRecipe, BatchRow, Group, LossSpec, MismatchCorrection, StepBatch,
                           StepPlan)
 from rayrep.verifier.reward import rewards
 
@@ -121,10 +121,9 @@ class GRPO:
         # The rows by reference: the learners read their arrays where the generators and the
         # buffer shards left them (`BatchRecipe.collate`).
         recipe = BatchRecipe(
-            tuple(a.rollout for a in rows), tuple(index), tuple(advantages.tolist()),
-            tuple(recompute_replays or not a.replayed for a in rows), tuple(a.replayed for a in rows),
-            temperature=self.cfg.generator.temperature,
-        )
+            tuple(BatchRow(a.rollout, question, advantage, recompute_replays or not a.replayed, a.replayed)
+                  for a, question, advantage in zip(rows, index, advantages.tolist())),
+            temperature=self.cfg.generator.temperature)
         return StepBatch(recipe, self.loss_spec(trained), tuple(trained), tuple(left_out),
                          self.step_metrics(trained, left_out))
 

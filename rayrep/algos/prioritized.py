@@ -40,7 +40,7 @@ from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
-from rayrep.types import Group, GroupAnswer, Prompt, StepBatch
+from rayrep.types import BatchRow, Group, GroupAnswer, Prompt, StepBatch
 
 DEFAULT_BEHAVIOUR_CAP = 2.0
 """The decoupled correction's cap where `learner.behaviour_cap` sets none (the study's RLEP-IS arm's)."""
@@ -133,16 +133,10 @@ class Prioritized(GRPO):
         rows = [(j * places // len(stored), answer, advantage)
                 for j, g in enumerate(stored) for answer, advantage in zip(g.answers, g.advantages)]
         recompute = self.replay_old_logprobs == "recompute"
-        recipe = dataclasses.replace(
-            recipe,
-            rollouts=recipe.rollouts + tuple(a.rollout for _, a, _ in rows),
-            prompt_index=recipe.prompt_index + tuple(place for place, _, _ in rows),
-            advantages=recipe.advantages + tuple(float(advantage) for _, _, advantage in rows),
-            recompute_old=recipe.recompute_old + (recompute,) * len(rows),
-            replayed=recipe.replayed + (True,) * len(rows),
-        )
+        recipe = dataclasses.replace(recipe, rows=recipe.rows + tuple(
+            BatchRow(a.rollout, place, float(advantage), recompute, True) for place, a, advantage in rows))
         metrics = dict(batch.metrics)
-        metrics["replay_share"] = len(rows) / max(1, len(recipe.rollouts))
+        metrics["replay_share"] = len(rows) / max(1, len(recipe.rows))
         metrics["replayed_questions"] = len(stored)
         return StepBatch(recipe, batch.loss, batch.groups + tuple(stored), batch.dropped, metrics)
 
@@ -152,7 +146,7 @@ class Prioritized(GRPO):
         `max_age` versions at the next policy) leave it."""
         items, start, newest = [], 0, 0
         for group in batch.groups:
-            advantages = batch.recipe.advantages[start : start + group.size]
+            advantages = [row.advantage for row in batch.recipe.rows[start : start + group.size]]
             start += group.size
             if group.advantages:  # replayed answers: stored already
                 continue
