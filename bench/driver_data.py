@@ -129,7 +129,7 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
 
     from rayrep.algos.grpo import GRPO
     from rayrep.config import load_preset
-    from rayrep.types import Group, GroupAnswer, PartFacts, Prompt, RolloutRef
+    from rayrep.types import AnswerFacts, Group, GroupAnswer, PartFacts, Prompt, RolloutRef
 
     spec = SHAPES[shape]
     cfg = load_preset(spec["preset"])
@@ -141,8 +141,7 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
     ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         shares = make_answers(shape, lists=kind == "lists")
-        facts = PartFacts(list(range(len(shares))), [[(r.response_length, r.finish_reason, r.version, 0)
-                                                      for r in per_question] for per_question in shares])
+        facts = PartFacts(list(range(len(shares))), [[AnswerFacts.of(r) for r in per_question] for per_question in shares])
         result, facts_ref = ray.put(shares), ray.put(facts)
         bytes_in = serialized_bytes(facts if kind == "refs" else shares)
         del shares
@@ -154,7 +153,7 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
                 begin = time.process_time()
                 if kind == "refs":  # the facts; the part stays where it is
                     read = ray.get(facts_ref)
-                    rollouts = [[RolloutRef(result, (p, a), *answer) for a, answer in enumerate(per_question)]
+                    rollouts = [[RolloutRef.at(result, (p, a), answer) for a, answer in enumerate(per_question)]
                                 for p, per_question in enumerate(read.answers)]
                 else:
                     rollouts = ray.get(result)

@@ -141,14 +141,29 @@ PAUSED = "paused"
 log-probs so far kept, to be continued in a later call (partial rollouts)."""
 
 
+class AnswerFacts(NamedTuple):
+    """What the driver decides on of an answer whose arrays stay where they were made (the
+    fields of a `RolloutRef` besides where it is)."""
+
+    response_length: int
+    finish_reason: str = "stop"
+    version: int = 0
+    """The policy version of its oldest token."""
+    earlier_tokens: int = 0
+    """Tokens sampled by an older policy than its last (`Rollout.earlier_tokens`)."""
+
+    @classmethod
+    def of(cls, rollout: Rollout) -> "AnswerFacts":
+        return cls(rollout.response_length, rollout.finish_reason, rollout.version, rollout.earlier_tokens)
+
+
 class PartFacts(NamedTuple):
     """What the driver reads of a generator's `RolloutPart`, which it sends on by reference."""
 
     positions: list[int]
     """The part's prompts: their positions in the generate call's prompts."""
-    answers: list[list[tuple[int, str, int, int]]]
-    """Per prompt, each answer's (response length, finish reason, policy version of its oldest
-    token, tokens sampled by an older policy than its last: `Rollout.earlier_tokens`)."""
+    answers: list[list[AnswerFacts]]
+    """Per prompt, each answer's facts."""
     lost_answers: int = 0
     """Answers of carried groups whose tokens were lost with their node, sampled again from
     their questions (partial rollouts; counted in a call's first part)."""
@@ -168,6 +183,10 @@ class RolloutRef:
     finish_reason: str = "stop"
     version: int = 0
     earlier_tokens: int = 0
+
+    @classmethod
+    def at(cls, source: object, key: object, facts: AnswerFacts) -> "RolloutRef":
+        return cls(source, key, **facts._asdict())
 
 
 AnyRollout = typing.Union[Rollout, RolloutRef]
@@ -494,6 +513,11 @@ class TrainBatch:
     @property
     def num_prompts(self) -> int:
         return int(self.prompt_index.max()) + 1 if len(self.prompt_index) else 0
+
+    def collate(self) -> "TrainBatch":
+        """The batch itself: what a `BatchRecipe` collates to (the learners collate whichever
+        they are given)."""
+        return self
 
     @classmethod
     def of_sequences(

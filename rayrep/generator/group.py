@@ -233,7 +233,7 @@ class GeneratorGroup:
             answered.extend(facts.positions)
             if facts.lost_answers:
                 counts["lost_carried_answers"] += facts.lost_answers
-            rollouts = [[RolloutRef(ref, (p, a), *answer) for a, answer in enumerate(answers)]
+            rollouts = [[RolloutRef.at(ref, (p, a), answer) for a, answer in enumerate(answers)]
                         for p, answers in enumerate(facts.answers)]
             take(PendingRollouts([share.indices[p] for p in facts.positions], ref), rollouts)
         if self.supervisor.replaced > replaced_before:

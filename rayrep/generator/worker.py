@@ -19,7 +19,7 @@ from rayrep.library_output import route_library_output
 from rayrep.models.adapter import is_adapter
 from rayrep.sync.collective import WeightManifest
 from rayrep.generator.vllm_internals import EXTENSION_CLASS
-from rayrep.types import PAUSED, PartFacts, Rollout, RolloutPart, RolloutRef
+from rayrep.types import PAUSED, AnswerFacts, PartFacts, Rollout, RolloutPart, RolloutRef
 
 
 SLEEP_TAGS = {WEIGHTS: "weights", KV_CACHE: "kv_cache"}
@@ -105,8 +105,7 @@ class GeneratorWorker:
                                                       max_tokens=max_tokens, seeds=seeds, version=self.version,
                                                       parts=parts, min_tokens=self.cfg.generator.min_response_tokens,
                                                       carried=groups, quota=quota, adapter=self.adapter):
-            yield PartFacts(positions, [[(r.response_length, r.finish_reason, r.version, r.earlier_tokens) for r in answers]
-                                        for answers in rollouts], lost)
+            yield PartFacts(positions, [[AnswerFacts.of(r) for r in answers] for answers in rollouts], lost)
             yield RolloutPart(rollouts)
             lost = 0
 

@@ -47,10 +47,12 @@ class LearnerGroup:
             means.append(values)
         return means
 
-    def update(self, batch: BatchRecipe | TrainBatch | ray.ObjectRef, loss: LossSpec) -> dict[str, float]:
-        """Run the mini-batch updates of one rollout batch; returns merged metrics. A
-        `BatchRecipe` goes to the ranks as one small object; each reads the rows' arrays."""
-        ref = as_ref(batch)
+    def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec) -> dict[str, float]:
+        """Run the mini-batch updates of one rollout batch; returns merged metrics. The batch
+        goes to the ranks as one object in the store, and each collates it (`collate`): a
+        `BatchRecipe`, the training loop's, is small, and each rank reads the rows' arrays
+        from where they are; a `TrainBatch` (tests, tools) is its own collation."""
+        ref = ray.put(batch)
         merged = MetricSums()
         for state in ray.get([w.update.remote(ref, loss) for w in self.workers]):
             merged.merge(MetricSums(state))

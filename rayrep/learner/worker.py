@@ -156,8 +156,7 @@ class LearnerWorker:
         with the first step). Where the roles take turns, the allocator's cache is released at
         the end: it would keep the update's peak through the weight sync that follows."""
         self._require_state("an update")
-        if isinstance(batch, BatchRecipe):
-            batch = batch.collate()
+        batch = batch.collate()
         with self.residency.working_on(UPDATE):
             sums = self._update(batch, loss)
         if self.sharding.optimizer.state and self.residency.at(OPTIMIZER) == ABSENT:
