@@ -61,6 +61,8 @@ class Round:
     shares: list[Share]
     plan_seconds: float
     carried: list[Carried] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    """What starting it counted (carried groups too old to continue, dropped)."""
 
 
 class Rollouts:
@@ -72,8 +74,6 @@ class Rollouts:
         """Later steps' rounds, sampling already (asynchronous rollouts)."""
         self.carried: list[Carried] = []
         """Groups stopped by the last round, to continue in the next (partial rollouts)."""
-        self.counts: Counter = Counter()
-        """What starting rounds counted, for the step that finishes them."""
 
     def collect(self, step: int, record: StepRecord) -> tuple[list[Group], list[Group]]:
         """Step `step`'s verified groups: (those to train on, those verified but left out by
@@ -94,12 +94,10 @@ class Rollouts:
             # its buffer (ExGRPO's `choose`) are drawn again from there, or not, in later steps.
             drawn = [c for c in self.carried if not c.plan.choose]
             self.sampler.give_back([c.plan.prompts[0].uid for c in drawn])
-            self.counts["partial_groups_asked_again"] += len(drawn)
+            record.count({"partial_groups_asked_again": len(drawn)})
             if len(drawn) < len(self.carried):
-                self.counts["partial_replayed_groups_dropped"] += len(self.carried) - len(drawn)
+                record.count({"partial_replayed_groups_dropped": len(self.carried) - len(drawn)})
             self.carried = []
-        record.count(self.counts)
-        self.counts = Counter()
         return groups, dropped
 
     def start_ahead(self, step: int) -> None:
@@ -116,7 +114,8 @@ class Rollouts:
         decide it). Returns at once."""
         start = time.perf_counter()
         wanted = self.cfg.algorithm.prompts_per_step
-        carried, questions = self.carry_on(), wanted
+        counts = Counter()
+        carried, questions = self.carry_on(counts), wanted
         if self.cfg.run.partial_rollouts:
             questions = max(0, math.ceil(wanted * (1 + self.cfg.run.partial_rollouts)) - len(carried))
             exclude |= {c.plan.prompts[0].uid for c in carried}
@@ -130,15 +129,15 @@ class Rollouts:
             parts=gen.answer_parts, carried=[(self.prompt_ids[c.plan.prompts[0].uid], c.answers) for c in carried],
             quota=wanted if self.cfg.run.partial_rollouts else None,
         )
-        return Round(plan, shares, plan_seconds, carried)
+        return Round(plan, shares, plan_seconds, carried, counts)
 
-    def carry_on(self) -> list[Carried]:
+    def carry_on(self, counts: Counter) -> list[Carried]:
         """The groups the last round stopped, taken for the next (partial rollouts), less those
-        whose oldest token is already too old to train on (dropped, counted)."""
+        whose oldest token is already too old to train on (dropped, counted in `counts`)."""
         carried, self.carried = self.carried, []
         kept = [c for c in carried if self.runtime.version - c.oldest <= max_lag(self.cfg)]
         if len(kept) < len(carried):
-            self.counts["partial_stale_groups_dropped"] += len(carried) - len(kept)
+            counts["partial_stale_groups_dropped"] += len(carried) - len(kept)
         return kept
 
     def finish(self, started: Round, record: StepRecord) -> list[Group]:
@@ -148,9 +147,8 @@ class Rollouts:
         the wait for the last answers (with asynchronous rollouts: what the update did not
         hide), `verify` the wait for the verdicts after them (what scoring did not overlap)."""
         record.times["plan"] = record.times.get("plan", 0.0) + started.plan_seconds
-        record.count({"sampling_rounds": 1})
-        plans = [started.plan] if not self.cfg.run.partial_rollouts else \
-            started.plan.split() + [c.plan for c in started.carried]
+        record.count({"sampling_rounds": 1, **started.counts})
+        plans = started.plan.split() + [c.plan for c in started.carried]  # one per group, in call order
         questions = [p for plan in plans for p in plan.prompts]
         checking = self.runtime.verifiers.checking([p.ground_truth for p in questions])
         with record.timed("generate"):
@@ -160,29 +158,32 @@ class Rollouts:
         with record.timed("verify"):
             verdicts = checking.result()
         record.count(verdicts.statuses, prefix="verifier_")
-        if not self.cfg.run.partial_rollouts:
-            fresh = [Group.sampled(prompt, sampled, marks)
-                     for prompt, sampled, marks in zip(questions, rollouts, verdicts.correct)]
-            return started.plan.complete(fresh)
-        return self.take_done(plans, rollouts, verdicts.correct, len(started.plan.prompts),
-                              sum(r.response_length for c in started.carried for r in c.answers), record)
+        return self.take(plans, rollouts, verdicts.correct, len(started.plan.prompts),
+                         sum(r.response_length for c in started.carried for r in c.answers), record)
 
-    def take_done(self, plans: list[StepPlan], rollouts: list[list[AnyRollout]], correct: list[list[bool]],
-                  carried_from: int, tokens_before: int, record: StepRecord) -> list[Group]:
-        """Partial rollouts: of a round's groups (one plan each, in call order, those from
-        `carried_from` on carried, holding `tokens_before` tokens as the round began; the
-        verdicts of those done, in that order), the step's B, the carried ones first (their
-        tokens are the oldest); the others are carried to the next round: those stopped, and
-        any done beyond B. Counts the tokens the round generated (`partial_round_tokens`)."""
+    def take(self, plans: list[StepPlan], rollouts: list[list[AnyRollout]], correct: list[list[bool]],
+             carried_from: int, tokens_before: int, record: StepRecord) -> list[Group]:
+        """The step's groups of a round's (one plan each, in call order, those from
+        `carried_from` on carried over from the last round, holding `tokens_before` tokens as
+        the round began; the verdicts of those done, in that order), each with its planned
+        replays. Without partial rollouts every group is done, and the step takes them all.
+        With them, it takes B, the carried ones first (their tokens are the oldest); the others
+        are carried to the next round: those stopped, and any done beyond B; and the tokens
+        the round generated are counted (`partial_round_tokens`)."""
+        partial = self.cfg.run.partial_rollouts
         done = [i for i, answers in enumerate(rollouts) if not any(r.finish_reason == PAUSED for r in answers)]
         marks = dict(zip(done, correct))
-        taken = sorted(done, key=lambda i: (i < carried_from, i))[:self.cfg.algorithm.prompts_per_step]
+        taken = sorted(done, key=lambda i: (i < carried_from, i))  # (without carried groups: call order)
+        if partial:
+            taken = taken[:self.cfg.algorithm.prompts_per_step]
         groups = [group for i in taken for group in plans[i].complete(
             [Group.sampled(plans[i].prompts[0], rollouts[i], marks[i])])]
         carried = [Carried(plans[i], tuple(rollouts[i])) for i in range(len(plans)) if i not in set(taken)]
         # (Added to any that no round took yet: with asynchronous rollouts two or more steps
         # ahead, the round after this one was started before this one's groups were carried.)
         self.carried += carried
+        if not partial:
+            return groups
         paused = [r for c in carried for r in c.answers if r.finish_reason == PAUSED]
         record.count({"partial_round_tokens": sum(r.response_length for answers in rollouts for r in answers)
                       - tokens_before,

@@ -32,7 +32,7 @@ from rayrep.heap import keep_freed_memory, long_lived
 from rayrep.learner.forward import Entropy, PolicyForward, mini_batches, rows_per_rank
 from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.learner.mismatch import correct, correction_sums, mismatch_sums
-from rayrep.learner.sharding import compute_dtype, with_lora
+from rayrep.learner.sharding import Sharding, compute_dtype, with_lora
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
 from rayrep.models.adapter import file_key, lora_config, write_adapter
@@ -68,6 +68,15 @@ class LearnerWorker:
                                    plan.sizes[LEARNER] if plan else None, self.device)
         """Where this rank's parameters and optimizer state are (and, where the run models
         its GPUs, what it holds on its GPU): every operation below checks it first."""
+        # The policy, once `setup` has loaded and sharded it:
+        self.sharding: Sharding | None = None
+        self.forward: PolicyForward | None = None
+        self.lora = None
+        """The LoRA adapter this group trains on the frozen base (`learner.lora_rank`), or None."""
+        self.tied_embedding: str | None = None
+        """The input embedding's name where the output head shares it (a sync sends it once)."""
+        self.config_overrides: dict = {}
+        """What the run's config changes of the policy's own (`rayrep.models.config_overrides`)."""
 
     def pid(self) -> int:
         """The process holding this rank (whether it still answers: `LearnerGroup.dead`)."""
@@ -114,7 +123,6 @@ class LearnerWorker:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied_embedding = TIED_EMBEDDING if model.config.tie_word_embeddings else None
         self.lora = lora_config(cfg, model_path) if lora else None
-        """The LoRA adapter this group trains on the frozen base (`learner.lora_rank`), or None."""
         if self.lora is not None:
             model = with_lora(model, self.lora, compute_dtype(cfg))
         self.sharding = make_sharding(model, cfg, world_size, self.device)
