@@ -18,16 +18,22 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+def _connected_to_ray() -> bool:
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 @pytest.fixture(autouse=True)
 def _fast_tests_start_no_cluster(request):
-    """A test of the fast tier may not leave a Ray connection behind: one that starts a
-    cluster belongs to the slow tier (`pytest.mark.slow`)."""
+    """A test of the fast tier may not connect to Ray (in the whole suite, the session's
+    cluster may be up before it, from a slow test: that one is not its doing). One that
+    starts a cluster belongs to the slow tier (`pytest.mark.slow`)."""
+    before = _connected_to_ray()
     yield
-    if request.node.get_closest_marker("slow") is None:
-        import sys
-
-        ray = sys.modules.get("ray")
-        assert ray is None or not ray.is_initialized(), (
+    if request.node.get_closest_marker("slow") is None and not before:
+        assert not _connected_to_ray(), (
             f"{request.node.nodeid} connected to Ray: mark it `pytest.mark.slow` (tests/conftest.py, tiers)")
 
 
