@@ -364,6 +364,23 @@ TOKEN_SUM_AGGREGATIONS = ("seq-mean-token-sum", "seq-mean-token-sum-norm")
 """The aggregations that divide token sums by `norm_constant`."""
 
 
+class SpecError(ValueError):
+    """A rule of the loss's settings broken (`LossSpec`, `MismatchCorrection`): each rule is
+    written once, as a text with a `{field}` for each field it ties, and named here the way
+    the spec names them; the config names the same rule by its own fields and values
+    (`named`: `learner.dual_clip=0.5 must be a number > 1.0, or off`)."""
+
+    def __init__(self, owner: str, rule: str, values: Mapping[str, object]):
+        self.owner, self.rule, self.values = owner, rule, dict(values)
+        super().__init__(self.named({field: f"{owner}.{field.replace('__', '.')}" for field in self.values}))
+
+    def named(self, names: Mapping[str, str], values: Mapping[str, object] | None = None) -> str:
+        """The rule's text with each field as `name=value` (`names`, `values`: by field;
+        default, the spec's values)."""
+        values = self.values if values is None else values
+        return self.rule.format(**{field: f"{names[field]}={values[field]!r}" for field in self.values})
+
+
 @dataclass(frozen=True)
 class MismatchCorrection:
     """How the loss corrects the fresh answers for the training-inference mismatch: the
@@ -396,18 +413,20 @@ class MismatchCorrection:
         return self.reject != "none" or self.veto is not None
 
     def __post_init__(self):
+        def broken(rule: str, *fields: str) -> SpecError:
+            return SpecError("MismatchCorrection", rule, {f: getattr(self, f) for f in fields})
+
         if self.weights not in ("none", "token", "sequence"):
-            raise ValueError(f"MismatchCorrection.weights must be 'none', 'token' or 'sequence', got {self.weights!r}")
+            raise broken("{weights} must be 'none', 'token' or 'sequence'", "weights")
         if self.reject not in ("none", "token", "sequence", "geometric"):
-            raise ValueError("MismatchCorrection.reject must be 'none', 'token', 'sequence' or 'geometric', "
-                             f"got {self.reject!r}")
+            raise broken("{reject} must be 'none', 'token', 'sequence' or 'geometric'", "reject")
         if not self.weight_cap > 0:
-            raise ValueError(f"MismatchCorrection.weight_cap must be > 0, got {self.weight_cap!r}")
+            raise broken("{weight_cap} must be > 0", "weight_cap")
         if not 0 < self.reject_lower < self.reject_upper or not self.reject_upper > 1:
-            raise ValueError(f"MismatchCorrection: the band [{self.reject_lower!r}, {self.reject_upper!r}] must hold "
-                             "1, with reject_lower > 0")
+            raise broken("the rejection band [{reject_lower}, {reject_upper}] must hold 1, its lower end above 0",
+                         "reject_lower", "reject_upper")
         if self.veto is not None and not 0 < self.veto < 1:
-            raise ValueError(f"MismatchCorrection.veto must be in (0, 1), got {self.veto!r}")
+            raise broken("{veto} must be in (0, 1), or off", "veto")
 
 
 @dataclass(frozen=True)
@@ -450,37 +469,42 @@ class LossSpec:
     the other."""
 
     def __post_init__(self):
-        def number(name: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
-            value = getattr(self, name)
+        values = {**vars(self), "correction__weights": getattr(self.correction, "weights", "none")}
+
+        def broken(rule: str, *fields: str) -> SpecError:
+            return SpecError("LossSpec", rule, {f: values[f] for f in fields})
+
+        def number(name: str, low: float, high: float = math.inf, low_open: bool = False, off: str = "") -> None:
+            value = values[name]
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
             if ok:
                 ok = (value > low if low_open else value >= low) and value < high
             if not ok:
                 bound = f"{'>' if low_open else '>='} {low}" + (f" and < {high}" if high != math.inf else "")
-                raise ValueError(f"LossSpec.{name} must be a number {bound}, got {value!r}")
+                raise broken(f"{{{name}}} must be a number {bound}{off}", name)
 
         number("clip_low", 0.0, 1.0)
         number("clip_high", 0.0)
         if self.dual_clip is not None:
-            number("dual_clip", 1.0, low_open=True)
+            number("dual_clip", 1.0, low_open=True, off=", or off")
         number("replay_beta", 0.0, low_open=True)
         number("entropy_coef", 0.0)
         if self.behaviour_cap is not None:
-            number("behaviour_cap", 0.0, low_open=True)
+            number("behaviour_cap", 0.0, low_open=True, off=", or off")
         if self.correction is not None and self.correction.weights != "none" and self.behaviour_cap is not None:
-            raise ValueError("LossSpec: behaviour_cap and the mismatch correction's weights both weigh the fresh "
-                             "tokens by pi_old / pi_engine: set one of them")
+            raise broken("{correction__weights} and {behaviour_cap} both weigh the fresh tokens by pi_old / pi_engine: "
+                         "set one of them", "correction__weights", "behaviour_cap")
         if self.replay_loss not in ("ppo", "shaped"):
-            raise ValueError(f"LossSpec.replay_loss must be 'ppo' or 'shaped', got {self.replay_loss!r}")
+            raise broken("{replay_loss} must be 'ppo' or 'shaped'", "replay_loss")
         if self.agg not in AGGREGATIONS:
-            raise ValueError(f"LossSpec.agg must be one of {AGGREGATIONS}, got {self.agg!r}")
+            raise broken(f"{{agg}} must be one of {AGGREGATIONS}", "agg")
         if self.agg in TOKEN_SUM_AGGREGATIONS:
             if self.norm_constant is None:
-                raise ValueError(f"LossSpec.norm_constant is required with agg={self.agg!r}")
+                raise broken("{norm_constant} is required with {agg}", "norm_constant", "agg")
             number("norm_constant", 0.0, low_open=True)
         elif self.norm_constant is not None:
-            raise ValueError(f"LossSpec.norm_constant only applies to {' and '.join(TOKEN_SUM_AGGREGATIONS)}, "
-                             f"not agg={self.agg!r}")
+            raise broken(f"{{norm_constant}} only applies to {' and '.join(TOKEN_SUM_AGGREGATIONS)}, not {{agg}}",
+                         "norm_constant", "agg")
 
 
 @dataclass

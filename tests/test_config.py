@@ -106,12 +106,12 @@ def test_later_sources_override_earlier(tmp_path):
         (["--generator.enforce_eager", "maybe"], "generator.enforce_eager: expected true or false, got 'maybe'"),
         (["--learner.lr"], "--learner.lr needs a value"),
         (["stray"], "unexpected argument 'stray'"),
-        (["--learner.loss_agg", "seq-mean-token-sum"], "learner.loss_norm_constant must be > 0"),
-        (["--learner.dual_clip", "0.5"], "learner.dual_clip: 0.5 must be > 1"),
+        (["--learner.loss_agg", "seq-mean-token-sum"], "learner.loss_norm_constant=0.0 must be a number > 0.0"),
+        (["--learner.dual_clip", "0.5"], "learner.dual_clip=0.5 must be a number > 1.0, or off"),
         (["--learner.correction.weights", "token", "--learner.behaviour_cap", "2"],
-         "learner.correction.weights='token' and learner.behaviour_cap=2.0 both weigh fresh tokens"),
+         "learner.correction.weights='token' and learner.behaviour_cap=2.0 both weigh the fresh tokens"),
         (["--learner.correction.reject", "token", "--learner.correction.reject_lower", "3"],
-         "learner.correction.reject_lower=3.0 must be below learner.correction.reject_upper=2.0"),
+         "the rejection band [learner.correction.reject_lower=3.0, learner.correction.reject_upper=2.0] must hold 1"),
         (["--learner.correction.reject", "band"], "learner.correction.reject"),
         (["--run.partial_rollouts", "0.5", "--algorithm.dynamic_sampling", "true"],
          "run.partial_rollouts with algorithm.dynamic_sampling: not built"),
@@ -263,6 +263,33 @@ def test_choosing_an_algorithm_applies_what_it_needs_and_the_users_word_still_co
     assert kept.algorithm.std_normalize is True
     with pytest.raises(ConfigError, match="algorithm.std_normalize must be false for exgrpo.*leave --algorithm.std_normalize out"):
         check_inputs(kept, [], {})
+
+
+@pytest.mark.parametrize("argv, spec", [
+    (["--learner.dual_clip", "0.5"], {"dual_clip": 0.5}),
+    (["--learner.loss_agg", "seq-mean-token-sum", "--learner.loss_norm_constant", "0"],
+     {"agg": "seq-mean-token-sum", "norm_constant": 0.0}),
+    (["--learner.correction.weights", "token", "--learner.behaviour_cap", "2"],
+     {"behaviour_cap": 2.0, "correction": {"weights": "token"}}),
+    (["--learner.correction.reject", "token", "--learner.correction.reject_lower", "3"],
+     {"correction": {"reject": "token", "reject_lower": 3.0}}),
+])
+def test_a_loss_rule_is_stated_once_the_config_naming_its_own_fields(argv, spec):
+    """The loss's rules live in its spec (`LossSpec`, `MismatchCorrection`): the config
+    refuses what the spec refuses, in the spec's words, naming the config's fields."""
+    from rayrep.config.schema import LOSS_SETTINGS
+    from rayrep.types import LossSpec, MismatchCorrection
+
+    with pytest.raises(ConfigError) as from_config:
+        parse_cli(argv)
+    correction = spec.pop("correction", None)
+    with pytest.raises(ValueError) as from_spec:
+        LossSpec(**spec, correction=MismatchCorrection(**correction) if correction else None)
+    expected = str(from_spec.value)
+    for field, name in LOSS_SETTINGS.items():  # the spec's names, as the config says them
+        owner = "MismatchCorrection" if name.startswith("learner.correction.") and "__" not in field else "LossSpec"
+        expected = expected.replace(f"{owner}.{field.replace('__', '.')}=", f"{name}=")
+    assert str(from_config.value) == expected
 
 
 def test_a_recorded_config_without_a_field_added_since_counts_as_its_default():

@@ -274,11 +274,11 @@ def test_the_exgrpo_preset_gives_the_public_runs_gradient_for_the_same_batch():
 def test_aggregation_errors_fail_when_the_spec_is_built():
     with pytest.raises(ValueError, match="'seq-mean'"):
         LossSpec(agg="seq-mean")
-    with pytest.raises(ValueError, match="norm_constant is required"):
+    with pytest.raises(ValueError, match="norm_constant=None is required"):
         LossSpec(agg="seq-mean-token-sum")
-    with pytest.raises(ValueError, match="norm_constant only applies"):
+    with pytest.raises(ValueError, match="norm_constant=8192 only applies"):
         LossSpec(norm_constant=8192)
-    with pytest.raises(ValueError, match="norm_constant is required"):
+    with pytest.raises(ValueError, match="norm_constant=None is required"):
         LossSpec(agg="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="norm_constant"):
         LossSpec(agg="seq-mean-token-sum", norm_constant=0)
@@ -600,7 +600,7 @@ def test_behaviour_weights_need_the_behaviour_log_probs():
     with pytest.raises(ValueError, match="behaviour_logp is required"):
         policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool),
                     LossSpec(behaviour_cap=2.0))
-    with pytest.raises(ValueError, match="behaviour_cap must be a number > 0"):
+    with pytest.raises(ValueError, match="behaviour_cap=0.0 must be a number > 0"):
         LossSpec(behaviour_cap=0.0)
 
 

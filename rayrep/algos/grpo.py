@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from rayrep.algos.advantages import group_advantages
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.buffer.answers import DrawLimit, Origin
-from rayrep.config import Config, CorrectionConfig, derive_seed
+from rayrep.config import Config, derive_seed
 from rayrep.data import PromptSampler
-from rayrep.types import (TOKEN_SUM_AGGREGATIONS, BatchRecipe, BatchRow, Group, LossSpec, MismatchCorrection, StepBatch,
-                          StepPlan)
+from rayrep.types import BatchRecipe, BatchRow, Group, LossSpec, StepBatch, StepPlan
 from rayrep.verifier.reward import rewards
 
 if TYPE_CHECKING:
@@ -49,18 +48,7 @@ class GRPO:
         stores in a replay buffer carry)."""
         self.cfg = cfg
         self.origin = origin
-        learner = cfg.learner
-        # Built (and so checked) now, before any actor starts.
-        self.loss = LossSpec(
-            clip_low=learner.clip_low,
-            clip_high=learner.clip_high,
-            dual_clip=learner.dual_clip or None,
-            agg=learner.loss_agg,
-            norm_constant=learner.loss_norm_constant if learner.loss_agg in TOKEN_SUM_AGGREGATIONS else None,
-            entropy_coef=learner.entropy_coef,
-            behaviour_cap=learner.behaviour_cap or None,
-            correction=mismatch_correction(learner.correction),
-        )
+        self.loss = cfg.learner.loss_spec()
 
     @classmethod
     def check_inputs(cls, cfg: Config, inputs: AlgorithmInputs) -> AlgorithmInputs:
@@ -189,12 +177,3 @@ def mini_batch_order(groups: Sequence[Group], data_seed: int, step: int) -> list
     # r of the n positions, evenly spaced, the first among them.
     return [replayed.pop() if -(-(i + 1) * r // n) > -(-i * r // n) else fresh.pop() for i in range(n)]
 
-
-def mismatch_correction(section: CorrectionConfig) -> MismatchCorrection | None:
-    """The loss's mismatch correction that `learner.correction` asks for; None: none."""
-    if section.weights == "none" and section.reject == "none" and not section.veto:
-        return None
-    return MismatchCorrection(weights=section.weights, weight_cap=section.weight_cap, reject=section.reject,
-                              reject_upper=section.reject_upper,
-                              reject_lower=section.reject_lower or 1.0 / section.reject_upper,
-                              veto=section.veto or None)

@@ -10,10 +10,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rayrep.config.fields import build, check_fields, option, set_dotted
+from rayrep.config.fields import build, check_fields, get_dotted, option, set_dotted
 from rayrep.config.strategies import SHARDING_STRATEGIES, ShardingStrategy
 from rayrep.errors import ConfigError
-from rayrep.types import TOKEN_SUM_AGGREGATIONS, Aggregation
+from rayrep.types import TOKEN_SUM_AGGREGATIONS, Aggregation, LossSpec, MismatchCorrection, SpecError
 
 
 @dataclass
@@ -27,6 +27,14 @@ class DataConfig:
     arithmetic_test_reserve: int = option(2000, "problems at the start of the embedded task's sequence kept for test splits (the largest test split; the tiny policy is warm-started past them)", min=1)
     max_prompt_tokens: int = option(1024, "prompts longer than this are rejected when the prompt set is loaded", min=1)
     shuffle_seed: int = option(-1, "seed of the order in which training questions are visited; -1: derived from run.seed", min=-1)
+
+    def check(self, cfg: Config) -> None:
+        if not self.test_files and self.arithmetic_test_size > self.arithmetic_test_reserve:
+            # Past the reserve, test problems would be among those the tiny policy was warm-started on.
+            raise ConfigError(
+                f"data.arithmetic_test_size={self.arithmetic_test_size} exceeds data.arithmetic_test_reserve="
+                f"{self.arithmetic_test_reserve}: raise the reserve (the train split and the tiny policy's warm start "
+                f"then begin after it)")
 
 
 @dataclass
@@ -63,6 +71,33 @@ class GeneratorConfig:
     batch_invariant: bool = option(False, "GPU engines use vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT), so that an answer depends on its seed alone, not on what else the engine batched with it: a resumed run and a replaced generator then repeat on GPUs what they repeat on CPUs; its cost has not been measured here", added=True)
     seed: int = option(-1, "base seed of the generators' sampling (worker i uses seed + i); -1: derived from run.seed", min=-1)
 
+    def check(self, cfg: Config) -> None:
+        _samples_by_source(self.eval_samples_by_source)
+        place, learners = cfg.placement, cfg.learner.num_workers
+        if place.device == "gpu" and place.gpus_per_node % self.tensor_parallel_size:
+            raise ConfigError(f"generator.tensor_parallel_size={self.tensor_parallel_size} must divide "
+                              f"placement.gpus_per_node={place.gpus_per_node}: an engine's GPUs are on one node")
+        if place.device == "cpu" and self.tensor_parallel_size > 1:
+            raise ConfigError(f"generator.tensor_parallel_size={self.tensor_parallel_size}: CPU engines run on one "
+                              "device (1)")
+        if place.mode == "disaggregated" and not self.num_workers:
+            raise ConfigError("generator.num_workers must be set (> 0) with placement.mode='disaggregated': "
+                              "the generators get GPUs of their own")
+        if place.mode == "colocated" and not self.num_workers and learners % self.tensor_parallel_size:
+            raise ConfigError(f"generator.tensor_parallel_size={self.tensor_parallel_size} must divide "
+                              f"learner.num_workers={learners} (one engine per group of the learners' GPUs)")
+        engine_gpus = (self.num_workers or learners // self.tensor_parallel_size) * self.tensor_parallel_size
+        if place.mode == "colocated" and place.device == "gpu" and engine_gpus > learners:
+            # Their GPUs' learner rank would hand them weights, and there is none: a broadcast from
+            # rank 0 instead would put rank 0 and engine worker 0 on one GPU in one NCCL group.
+            raise ConfigError(f"generator.num_workers={self.num_workers} x tensor_parallel_size="
+                              f"{self.tensor_parallel_size} engine GPUs exceed learner.num_workers={learners}: "
+                              "colocated, each engine GPU shares a learner's; use placement.mode='disaggregated' "
+                              "for more engines")
+        if self.batch_invariant and place.device != "gpu":
+            raise ConfigError("generator.batch_invariant is for GPU engines: a CPU engine gives each answer from its "
+                              "seed alone already (placement.device='cpu')")
+
 
 @dataclass
 class VerifierConfig:
@@ -72,6 +107,11 @@ class VerifierConfig:
     reward_style: Literal["binary", "dapo"] = option("dapo", "binary: 1 correct / 0 wrong; dapo: +1 / -1")
     overlong_buffer: int = option(512, "DAPO overlong shaping: the penalty ramps over the last this-many tokens", min=0)
     overlong_factor: float = option(1.0, "DAPO overlong shaping: the penalty at the maximum length (0 disables shaping)", min=0.0)
+
+    def check(self, cfg: Config) -> None:
+        if self.overlong_buffer > cfg.generator.max_response_tokens:
+            raise ConfigError(f"verifier.overlong_buffer={self.overlong_buffer} exceeds "
+                              f"generator.max_response_tokens={cfg.generator.max_response_tokens}")
 
 
 @dataclass
@@ -84,6 +124,11 @@ class ReplayConfig:
     max_version_lag: int = option(-1, "draw only stored answers sampled at most this many policy versions before the drawing run's (-1: any age); those left out are counted (replay_held_back)", min=-1, added=True)
     others_only: bool = option(False, "draw only answers other runs stored (a shared pool), never this run's own; those left out are counted (replay_held_back)", added=True)
     retire_scope: Literal["pool", "run"] = option("pool", "ExGRPO on a shared pool: a question one run retires is retired for every run (pool) or only never drawn again by that run (run)", added=True)
+
+    def check(self, cfg: Config) -> None:
+        if not self.pool and (self.others_only or self.retire_scope == "run"):
+            raise ConfigError(f"replay.others_only={self.others_only}, replay.retire_scope={self.retire_scope!r}: "
+                              "these are for a shared pool (replay.pool); a run's own buffer holds only its answers")
 
 
 @dataclass
@@ -150,6 +195,14 @@ class CorrectionConfig:
     reject_lower: float = option(0.0, "lower end of the rejection band; 0: 1 / reject_upper (verl rollout_rs_threshold_lower)", min=0.0, added=True)
     veto: float = option(0.0, "take a fresh answer out of the loss whole if any token's ratio is below this (verl rollout_token_veto_threshold, e.g. 1e-4); 0: off", min=0.0, max=0.999999, added=True)
 
+    def correction(self) -> MismatchCorrection | None:
+        """The loss's mismatch correction this section asks for; None: none."""
+        if self.weights == "none" and self.reject == "none" and not self.veto:
+            return None
+        return MismatchCorrection(weights=self.weights, weight_cap=self.weight_cap, reject=self.reject,
+                                  reject_upper=self.reject_upper, reject_lower=self.reject_lower or 1.0 / self.reject_upper,
+                                  veto=self.veto or None)
+
 
 @dataclass
 class LearnerConfig:
@@ -182,10 +235,41 @@ class LearnerConfig:
     lora_target_modules: tuple[str, ...] = option(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), "the linear layers that get an adapter (PEFT target_modules; attention and MLP alike: RL with an MLP-less adapter learns less)", added=True)
     lora_merge: bool = option(False, "at the end of a LoRA run, also write the final policy merged into the base as a Hugging Face checkpoint (final-merged/ beside final/)", added=True)
 
+    def loss_spec(self) -> LossSpec:
+        """The loss these settings ask for (an algorithm may change its replay terms)."""
+        return LossSpec(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip or None,
+            agg=self.loss_agg,
+            norm_constant=self.loss_norm_constant if self.loss_agg in TOKEN_SUM_AGGREGATIONS else None,
+            entropy_coef=self.entropy_coef,
+            behaviour_cap=self.behaviour_cap or None,
+            correction=self.correction.correction(),
+        )
+
     @property
     def sharding(self) -> ShardingStrategy:
         """What the sharding strategy can do (`rayrep.config.strategies`)."""
         return SHARDING_STRATEGIES[self.strategy]
+
+    def check(self, cfg: Config) -> None:
+        if cfg.algorithm.prompts_per_step % self.mini_batch_prompts:
+            raise ConfigError(f"learner.mini_batch_prompts={self.mini_batch_prompts} must divide "
+                              f"algorithm.prompts_per_step={cfg.algorithm.prompts_per_step}")
+        if self.mini_batch_prompts % self.num_workers:
+            raise ConfigError(f"learner.num_workers={self.num_workers} must divide "
+                              f"learner.mini_batch_prompts={self.mini_batch_prompts} (each rank takes whole groups)")
+        _check_loss(cfg)
+        if self.skip_grad_norm_above and not self.sharding.skips_large_gradients:
+            raise ConfigError(
+                f"learner.skip_grad_norm_above={self.skip_grad_norm_above} is not supported with "
+                f"learner.strategy={self.strategy!r} (it skips only non-finite steps); use fsdp2 or set it to 0")
+        if not self.lora_rank and self.lora_merge:
+            raise ConfigError("learner.lora_merge merges a LoRA adapter into its base: set learner.lora_rank (> 0) too")
+        if self.lora_rank and not self.lora_target_modules:
+            raise ConfigError(f"learner.lora_rank={self.lora_rank} needs learner.lora_target_modules "
+                              "(the layers that get an adapter)")
 
 
 @dataclass
@@ -220,6 +304,10 @@ class PlacementConfig:
     def collective_backend(self) -> Literal["gloo", "nccl"]:
         """The torch.distributed backend of every group (learners, weight sync): the one place it is chosen."""
         return "nccl" if self.device == "gpu" else "gloo"
+
+    def check(self, cfg: Config) -> None:
+        if self.emulate_gpus and self.device != "cpu":
+            raise ConfigError("placement.emulate_gpus is for CPU runs (placement.device='cpu'); a GPU run has its GPUs")
 
 
 @dataclass
@@ -259,6 +347,10 @@ class ServeConfig:
     max_request_bytes: int = option(1_000_000, "larger request bodies get a 413", min=1024)
     follow_every_s: float = option(5.0, "with jobs/serve.py --follow: how often each replica looks for a newer checkpoint of the run", min=0.1)
 
+    def check(self, cfg: Config) -> None:
+        if self.max_replicas < self.min_replicas:
+            raise ConfigError(f"serve.max_replicas={self.max_replicas} is below serve.min_replicas={self.min_replicas}")
+
 
 @dataclass
 class RunConfig:
@@ -270,6 +362,14 @@ class RunConfig:
     start_eval: str = option("", "a run folder whose step-0 evaluation is this run's, not evaluated again: that run started from the same policy with the same model, data, generator, verifier and seed settings (checked), so it drew the same answers (the seeded study's arms share their baseline's)")
     max_policy_lag: int = option(0, "asynchronous rollouts: the generators sample this many steps ahead while the learners update, so answers are up to this many policy versions old (older fresh ones are dropped and counted); 0: synchronous", min=0)
     partial_rollouts: float = option(0.0, "partial rollouts: each step samples this share more groups than it trains on (algorithm.prompts_per_step) and trains on the first done; the others stop, keep their tokens so far (each token its policy version and log-prob) and finish in the next step's round, under the newer weights; a step that saves a checkpoint asks its stopped questions again later instead; a group whose oldest token is more than max(1, 2 x run.max_policy_lag) versions old is dropped, counted (stopped N steps ahead, it continues N steps later); dynamic sampling not with it; 0: off", min=0.0, added=True)
+
+    def check(self, cfg: Config) -> None:
+        if self.max_policy_lag and cfg.placement.takes_turns:
+            raise ConfigError(f"run.max_policy_lag={self.max_policy_lag} needs generators that keep their GPUs while "
+                              "the learners update: placement.mode='disaggregated' (colocated GPUs take turns)")
+        if self.partial_rollouts and cfg.algorithm.dynamic_sampling:
+            raise ConfigError("run.partial_rollouts with algorithm.dynamic_sampling: not built (a refill round would "
+                              "stop answers of its own); use one or the other")
 
 
 @dataclass
@@ -347,89 +447,31 @@ def derive_seed(run_seed: int, role: str, index: int = 0) -> int:
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
-def validate(cfg: Config) -> None:
-    """Types and ranges of every field, then the rules that tie fields of different components."""
-    check_fields(cfg)
-    _samples_by_source(cfg.generator.eval_samples_by_source)
-    algo, learner = cfg.algorithm, cfg.learner
-    if algo.prompts_per_step % learner.mini_batch_prompts:
-        raise ConfigError(
-            f"learner.mini_batch_prompts={learner.mini_batch_prompts} must divide "
-            f"algorithm.prompts_per_step={algo.prompts_per_step}"
-        )
-    correction = learner.correction
-    if correction.weights != "none" and learner.behaviour_cap:
-        raise ConfigError(f"learner.correction.weights={correction.weights!r} and learner.behaviour_cap="
-                          f"{learner.behaviour_cap} both weigh fresh tokens by pi_learner / pi_engine: set one of them")
-    if correction.reject != "none" and not 0 <= correction.reject_lower < correction.reject_upper:
-        raise ConfigError(f"learner.correction.reject_lower={correction.reject_lower} must be below "
-                          f"learner.correction.reject_upper={correction.reject_upper}")
-    gen, place = cfg.generator, cfg.placement
-    if place.device == "gpu" and place.gpus_per_node % gen.tensor_parallel_size:
-        raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size} must divide "
-                          f"placement.gpus_per_node={place.gpus_per_node}: an engine's GPUs are on one node")
-    if place.device == "cpu" and gen.tensor_parallel_size > 1:
-        raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size}: CPU engines run on one device (1)")
-    if place.mode == "disaggregated" and not gen.num_workers:
-        raise ConfigError("generator.num_workers must be set (> 0) with placement.mode='disaggregated': "
-                          "the generators get GPUs of their own")
-    if place.mode == "colocated" and not gen.num_workers and learner.num_workers % gen.tensor_parallel_size:
-        raise ConfigError(f"generator.tensor_parallel_size={gen.tensor_parallel_size} must divide "
-                          f"learner.num_workers={learner.num_workers} (one engine per group of the learners' GPUs)")
-    engine_gpus = (gen.num_workers or learner.num_workers // gen.tensor_parallel_size) * gen.tensor_parallel_size
-    if place.mode == "colocated" and place.device == "gpu" and engine_gpus > learner.num_workers:
-        # Their GPUs' learner rank would hand them weights, and there is none: a broadcast from
-        # rank 0 instead would put rank 0 and engine worker 0 on one GPU in one NCCL group.
-        raise ConfigError(f"generator.num_workers={gen.num_workers} x tensor_parallel_size={gen.tensor_parallel_size} "
-                          f"engine GPUs exceed learner.num_workers={learner.num_workers}: colocated, each engine GPU "
-                          "shares a learner's; use placement.mode='disaggregated' for more engines")
-    if learner.mini_batch_prompts % learner.num_workers:
-        raise ConfigError(
-            f"learner.num_workers={learner.num_workers} must divide "
-            f"learner.mini_batch_prompts={learner.mini_batch_prompts} (each rank takes whole groups)"
-        )
-    if learner.loss_agg in TOKEN_SUM_AGGREGATIONS and learner.loss_norm_constant <= 0:
-        raise ConfigError(f"learner.loss_norm_constant must be > 0 when learner.loss_agg is {learner.loss_agg!r}")
-    if learner.skip_grad_norm_above and not learner.sharding.skips_large_gradients:
-        raise ConfigError(
-            f"learner.skip_grad_norm_above={learner.skip_grad_norm_above} is not supported with "
-            f"learner.strategy={learner.strategy!r} (it skips only non-finite steps); use fsdp2 or set it to 0"
-        )
-    if not learner.lora_rank and learner.lora_merge:
-        raise ConfigError("learner.lora_merge merges a LoRA adapter into its base: set learner.lora_rank (> 0) too")
-    if learner.lora_rank and not learner.lora_target_modules:
-        raise ConfigError(f"learner.lora_rank={learner.lora_rank} needs learner.lora_target_modules "
-                          "(the layers that get an adapter)")
-    if learner.dual_clip and learner.dual_clip <= 1:
-        raise ConfigError(f"learner.dual_clip: {learner.dual_clip!r} must be > 1 (or 0 to disable)")
-    if gen.batch_invariant and place.device != "gpu":
-        raise ConfigError("generator.batch_invariant is for GPU engines: a CPU engine gives each answer from its seed "
-                          "alone already (placement.device='cpu')")
-    if place.emulate_gpus and place.device != "cpu":
-        raise ConfigError("placement.emulate_gpus is for CPU runs (placement.device='cpu'); a GPU run has its GPUs")
-    if cfg.run.max_policy_lag and place.takes_turns:
-        raise ConfigError(f"run.max_policy_lag={cfg.run.max_policy_lag} needs generators that keep their GPUs while "
-                          "the learners update: placement.mode='disaggregated' (colocated GPUs take turns)")
-    if cfg.run.partial_rollouts and cfg.algorithm.dynamic_sampling:
-        raise ConfigError("run.partial_rollouts with algorithm.dynamic_sampling: not built (a refill round would "
-                          "stop answers of its own); use one or the other")
-    if cfg.serve.max_replicas < cfg.serve.min_replicas:
-        raise ConfigError(f"serve.max_replicas={cfg.serve.max_replicas} is below serve.min_replicas={cfg.serve.min_replicas}")
-    if cfg.verifier.overlong_buffer > cfg.generator.max_response_tokens:
-        raise ConfigError(
-            f"verifier.overlong_buffer={cfg.verifier.overlong_buffer} exceeds "
-            f"generator.max_response_tokens={cfg.generator.max_response_tokens}"
-        )
-    replay = cfg.replay
-    if not replay.pool and (replay.others_only or replay.retire_scope == "run"):
-        raise ConfigError(f"replay.others_only={replay.others_only}, replay.retire_scope={replay.retire_scope!r}: "
-                          "these are for a shared pool (replay.pool); a run's own buffer holds only its answers")
-    data = cfg.data
-    if not data.test_files and data.arithmetic_test_size > data.arithmetic_test_reserve:
-        # Past the reserve, test problems would be among those the tiny policy was warm-started on.
-        raise ConfigError(
-            f"data.arithmetic_test_size={data.arithmetic_test_size} exceeds data.arithmetic_test_reserve="
-            f"{data.arithmetic_test_reserve}: raise the reserve (the train split and the tiny policy's warm start "
-            f"then begin after it)"
-        )
+LOSS_SETTINGS = {
+    "clip_low": "learner.clip_low", "clip_high": "learner.clip_high", "dual_clip": "learner.dual_clip",
+    "agg": "learner.loss_agg", "norm_constant": "learner.loss_norm_constant", "entropy_coef": "learner.entropy_coef",
+    "behaviour_cap": "learner.behaviour_cap", "correction__weights": "learner.correction.weights",
+    "weights": "learner.correction.weights", "weight_cap": "learner.correction.weight_cap",
+    "reject": "learner.correction.reject", "reject_upper": "learner.correction.reject_upper",
+    "reject_lower": "learner.correction.reject_lower", "veto": "learner.correction.veto",
+}
+"""The config field each field of the loss's spec (`LossSpec`, `MismatchCorrection`) comes from."""
 
+
+def _check_loss(cfg: Config) -> None:
+    """The loss's rules, as the spec states them (`rayrep.types.SpecError`), named by the
+    config's fields and values."""
+    try:
+        cfg.learner.loss_spec()
+    except SpecError as error:
+        names = {field: LOSS_SETTINGS[field] for field in error.values}
+        values = {field: get_dotted(cfg, name) for field, name in names.items()}
+        raise ConfigError(error.named(names, values)) from None
+
+
+def validate(cfg: Config) -> None:
+    """Types and ranges of every field, then each section's rules (`check`): a rule that ties
+    fields of several sections is the section's whose knob it limits."""
+    check_fields(cfg)
+    for section in (cfg.learner, cfg.generator, cfg.placement, cfg.run, cfg.serve, cfg.verifier, cfg.replay, cfg.data):
+        section.check(cfg)
