@@ -196,7 +196,7 @@ class Rollouts:
         against `version`, the policy the update started from."""
         stats = rollout_stats(step_batch.seen, record.times["generate"])
         if self.cfg.run.partial_rollouts:  # what the step's rounds generated, not what its answers hold
-            stats["generated_tokens"] = record.counts.pop("partial_round_tokens", 0)
+            stats["generated_tokens"] = record.counts["partial_round_tokens"]
             stats["tokens_per_second"] = stats["generated_tokens"] / max(record.times["generate"], 1e-9)
         return {**stats, **policy_lag_stats(step_batch.groups, version)}
 

@@ -25,9 +25,9 @@ from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
 from rayrep.library_output import library_log_env
 from rayrep.models import check_context
+from rayrep.runtime.turns import OwnDevices, SharedGpus
 from rayrep.sync.weights import WeightSync
 from rayrep.sync.collective import nccl_environment
-from rayrep.runtime.turns import OwnDevices, SharedGpus
 from rayrep.verifier.group import VerifierGroup
 
 
