@@ -342,6 +342,7 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     again = [g for g in groups if g.pending_replays][:2] + [
         dataclasses.replace(Group.sampled(q, fresh[0].rollouts[:K - 1], (False,) * (K - 1)), pending_replays=1)
         for q in others]
+    algo.after_update(1, algo.build(joined, step=1))  # (it keeps the step's replayed questions)
     restored = ExGRPO(cfg, prompts, algo.prompt_ids, algo.buffer, learners, sampler)
     restored.load_state(algo.state())
     assert restored.join_replays(again)[1]["exgrpo_replayed_again"] == 0.5

@@ -125,8 +125,6 @@ class ExGRPO(GRPO):
         # stored answer, that the last replaying step replayed too).
         replayed = frozenset(chosen)
         again = len(self.replayed_last & replayed) / len(replayed) if replayed else 0.0
-        if replayed:  # a step whose sampled questions all left the buffer replayed nothing
-            self.replayed_last = replayed
         metrics = {"time_select": time.perf_counter() - start, "exgrpo_selected_entropy": entropy,
                    "exgrpo_replays_gone": float(len(uids) - len(chosen)), "exgrpo_replayed_again": again}
         # How many of the chosen answers other runs sampled: of a shared pool's; of a run's own
@@ -198,6 +196,9 @@ class ExGRPO(GRPO):
         fresh_marks = [a.correct for g in seen for a in g.fresh()]
         if not self.collecting and sum(fresh_marks) / max(1, len(fresh_marks)) > exgrpo.start_pass_rate:
             self.collecting = True  # one-way; the next step collects, the one after replays
+        replayed = frozenset(g.prompt.uid for g in batch.groups if g.replay_count)
+        if replayed:  # a step whose sampled questions all left the buffer replayed nothing
+            self.replayed_last = replayed  # (`join_replays` counts the next step's replayed again)
         metrics["exgrpo_collecting"] = float(self.collecting)
         metrics["exgrpo_epoch_questions"] = float(self.sampler.active)  # the training set this epoch
         return metrics
