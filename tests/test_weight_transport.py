@@ -122,6 +122,10 @@ def test_a_sender_whose_engine_worker_dies_fails_at_once_naming_it():
 
 
 def test_the_transport_is_chosen_in_one_place_and_the_plan_names_it():
+    from rayrep.cluster.placement import TRANSPORT_DESCRIPTIONS
+    from rayrep.sync.transport import TRANSPORTS
+
+    assert set(TRANSPORT_DESCRIPTIONS) == set(TRANSPORTS)  # each transport's code and its description, by one name
     tiny = load_preset("tiny-cpu")
     assert weight_transport(tiny) == "handles"  # colocated: one engine beside one learner
     assert "shared-memory handles" in make_plan(tiny).describe()

@@ -142,11 +142,16 @@ def weight_transport(cfg: Config) -> str:
     return "handles" if cfg.placement.mode == "colocated" and engine_workers <= cfg.learner.num_workers else "broadcast"
 
 
+TRANSPORT_DESCRIPTIONS = {
+    "handles": "{handles} handles: learner rank j hands engine worker j, on the same {device}, each bucket",
+    "broadcast": "{backend} broadcast from learner rank 0 to every engine worker",
+}
+"""What each weight transport (`rayrep.sync.transport.TRANSPORTS`, by name) does, as a plan prints it."""
+
+
 def describe_transport(transport: str, gpu: bool) -> str:
-    if transport == "handles":
-        return (f"{'CUDA IPC' if gpu else 'shared-memory'} handles: learner rank j hands engine worker j, "
-                f"on the same {'GPU' if gpu else 'node'}, each bucket")
-    return f"{'NCCL' if gpu else 'gloo'} broadcast from learner rank 0 to every engine worker"
+    return TRANSPORT_DESCRIPTIONS[transport].format(handles="CUDA IPC" if gpu else "shared-memory",
+                                                    device="GPU" if gpu else "node", backend="NCCL" if gpu else "gloo")
 
 
 def make_plan(cfg: Config, learners: bool = True, replay_shards: int = 0) -> Plan:
