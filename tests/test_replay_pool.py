@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import ray
 
+from conftest import kill_and_wait
 from rayrep.buffer.answers import Answer, DrawLimit, origin_id
 from rayrep.buffer.files import BufferFileError, read_pool, write_pool
 from rayrep.buffer.pool import read_source, start_pool, stop_pool
@@ -161,7 +163,11 @@ def test_a_pool_started_again_from_its_folder_is_the_pool_it_was(pool):
     after_writes = content(again)
     assert sum(map(len, after_writes["answers"].values())) == 23 + 10  # the first write's 3 each evicted
     for shard in pool_shards(name)[0]:
-        ray.kill(shard, no_restart=True)
+        kill_and_wait(shard)  # (a kill lands a moment after the call: its name is taken until then)
+    deadline = time.monotonic() + 30
+    while pool_exists(name):  # the name is free once Ray has recorded the death
+        assert time.monotonic() < deadline, "a killed pool's name is still taken"
+        time.sleep(0.1)
     start_pool(name, home, 2)
     assert content(AttachedPool(name, writer="run")) == after_writes
     with pytest.raises(Exception, match="has 2 shards, not 3"):
