@@ -93,12 +93,12 @@ def _help_config(argv: list[str]) -> tuple[Config, str]:
         return load_preset(), f"preset {DEFAULT_PRESET}"
 
 
-def _apply_job_sets(parser, cfg: Config, argv: list[str]) -> Config:
+def _apply_job_sets(parser, cfg: Config, user: dict) -> Config:
     """The fields the job sets itself (`job_parser(sets=...)`), set; a value the user gives
     one of them on the command line or in a `--config` file, other than the job's own, is
     refused rather than silently replaced. (A preset's or a resumed run's value is not the
-    user's word: `jobs/grpo.py --preset qwen2.5-math-7b-rlep` is that preset's baseline.)"""
-    _, user = cli_sources(argv)
+    user's word: `jobs/grpo.py --preset qwen2.5-math-7b-rlep` is that preset's baseline.)
+    `user`: what the command line and its config files set (`cli_sources`)."""
     for name, (value, how) in parser.get_default("sets").items():
         try:
             given = get_dotted(user, name)
@@ -109,13 +109,12 @@ def _apply_job_sets(parser, cfg: Config, argv: list[str]) -> Config:
     return cfg.replace(**{name: value for name, (value, _) in parser.get_default("sets").items() if value is not None})
 
 
-def _apply_algorithm_settings(cfg: Config, argv: list[str]) -> Config:
+def _apply_algorithm_settings(cfg: Config, user: dict) -> Config:
     """What the chosen algorithm needs (its class's `settings`: ExGRPO's advantage without the
     std scaling), over the preset's values; a value the user gives on the command line or in
     a `--config` file stays, and the algorithm's own check refuses it if it cannot work."""
     from rayrep.algos import algorithm_class  # (torch and Ray: once the command line holds)
 
-    _, user = cli_sources(argv)
     needed = {}
     for name, value in algorithm_class(cfg).settings.items():
         try:
@@ -140,9 +139,10 @@ def parse_job_args(parser, argv: list[str] | None = None):
         if base is None and parser.get_default("base") is not None:
             base = parser.get_default("base")(args, rest)
         cfg = parse_cli(rest, base=base)
-        cfg = _apply_job_sets(parser, cfg, rest)
+        _, user = cli_sources(rest)  # the user's own word, which the job's and the algorithm's settings respect
+        cfg = _apply_job_sets(parser, cfg, user)
         if base is None:  # (a resumed run's config.json is whole already)
-            cfg = _apply_algorithm_settings(cfg, rest)
+            cfg = _apply_algorithm_settings(cfg, user)
         if getattr(args, "auto_resume", 0) < 0:
             raise ConfigError(f"--auto-resume {args.auto_resume}: the number of restarts cannot be negative")
         if getattr(args, "resume", None) == "" and not cfg.logging.run_name:
