@@ -53,6 +53,9 @@ import numpy as np
 import psutil
 import ray
 
+from rayrep.algos.sampling.exgrpo import sample_questions
+from rayrep.algos.sampling.prioritized import race_answers
+from rayrep.algos.sampling.rlep import draw_answers
 from rayrep.buffer.answers import Answer
 from rayrep.buffer.pool import start_pool, stop_pool
 from rayrep.buffer.replay import AttachedPool, ReplayBuffer
@@ -128,7 +131,7 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
     if pool:
         home = Path(tempfile.mkdtemp(prefix="bench-pool-"))
         name = f"bench-{shards}-{size}"
-        start_pool(name, home, shards, answers, seed)
+        start_pool(name, home, shards, answers)
         buffer = AttachedPool(name, writer="bench", seed=seed)
     else:
         buffer = ReplayBuffer(shards, answers, seed=seed)
@@ -155,15 +158,15 @@ def run(shards: int, size: int, answers: int, tokens: int, repeats: int, snapsho
 
     def rlep_draw(logprobs: bool):
         requests = iter(questions_per_call)
-        return lambda: buffer.sample_answers(next(requests), logprobs=logprobs)
+        return lambda: draw_answers(buffer, next(requests), logprobs=logprobs)
 
     # Answer-level replay's draw of as many answers, by priority over every stored answer
     # (versions 0-7, drawn at version 8, tau 4), left in the shards' results as training does.
     def prioritized_draw():
-        return buffer.race_answers(1024, 8, 4.0, -1)
+        return race_answers(buffer, 1024, 8, 4.0, -1)
 
     rlep, rlep_logprobs, prioritized = timed_alternately([rlep_draw(False), rlep_draw(True), prioritized_draw], repeats)
-    exgrpo = timed(lambda: buffer.sample_questions(64, K, "code"), repeats)
+    exgrpo = timed(lambda: sample_questions(buffer, 64, K, "code"), repeats)
     floor = timed(lambda: ray.get([shard.pid.remote() for shard in buffer.shards]), repeats) if shards else (0.0, 0.0)
     files = None
     if pool:

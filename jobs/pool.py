@@ -43,7 +43,6 @@ def main(argv: list[str]) -> dict:
     start.add_argument("--snapshot-dir", required=True, help="folder the pool keeps its snapshots and journals in")
     start.add_argument("--shards", type=int, default=2, help="shard actors (questions routed by a stable hash)")
     start.add_argument("--cap", type=int, default=0, help="stored answers kept per question, oldest evicted (0: all)")
-    start.add_argument("--seed", type=int, default=0, help="seed of the shards' draws")
     start.add_argument("--from", dest="source", help="fill it from a Parquet pool or a buffer snapshot folder")
     start.add_argument("--from-run", help="fill it from a run's folder (its buffer's last snapshot)")
     commands.add_parser("stop", help="snapshot the pool, then stop its shards")
@@ -92,7 +91,7 @@ def main(argv: list[str]) -> dict:
         texts = [read_text(cfg, policy, text, args.writer, log=lambda _: None) for text in args.text]
     connect()
     if args.command == "start":
-        shards = start_pool(args.name, args.snapshot_dir, args.shards, args.cap, args.seed)
+        shards = start_pool(args.name, args.snapshot_dir, args.shards, args.cap)
         result = {"name": args.name, "shards": len(shards), "snapshot_dir": os.path.abspath(args.snapshot_dir)}
         if sources:
             result["imported"] = import_into(AttachedPool(args.name, writer="import"), sources[0])

@@ -113,7 +113,7 @@ def _apply_algorithm_settings(cfg: Config, user: dict) -> Config:
     """What the chosen algorithm needs (its class's `settings`: ExGRPO's advantage without the
     std scaling), over the preset's values; a value the user gives on the command line or in
     a `--config` file stays, and the algorithm's own check refuses it if it cannot work."""
-    from rayrep.algos import algorithm_class  # (torch and Ray: once the command line holds)
+    from rayrep.algos.registry import algorithm_class  # (torch and Ray: once the command line holds)
 
     needed = {}
     for name, value in algorithm_class(cfg).settings.items():

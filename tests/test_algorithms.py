@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayrep.algos import check_inputs
+from rayrep.algos.registry import check_inputs
 from rayrep.algos.exgrpo import ExGRPO
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.rlep import RLEP, load_pool
@@ -469,7 +469,7 @@ def test_the_registry_is_the_one_place_that_knows_the_algorithms_by_name():
     import typing
     from pathlib import Path
 
-    from rayrep.algos import ALGORITHMS, algorithm_class
+    from rayrep.algos.registry import ALGORITHMS, algorithm_class
     from rayrep.config.schema import AlgorithmConfig
 
     assert set(typing.get_args(typing.get_type_hints(AlgorithmConfig)["name"])) == set(ALGORITHMS)

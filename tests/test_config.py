@@ -171,7 +171,7 @@ def test_shared_pool_settings_need_a_pool_and_one_source_of_replays():
     with pytest.raises(ConfigError, match="replay.retire_scope='run'.*these are for a shared pool"):
         cfg.replace(**{"replay.retire_scope": "run"})
     # RLEP's own input check, before any actor starts (another algorithm ignores algorithm.rlep.pool).
-    from rayrep.algos import check_inputs
+    from rayrep.algos.registry import check_inputs
 
     both = {"algorithm.rlep.pool": "p.parquet", "replay.pool": "shared"}
     with pytest.raises(ConfigError, match="algorithm.rlep.pool='p.parquet' and replay.pool='shared'.*jobs/pool.py import"):
@@ -249,7 +249,7 @@ def test_choosing_an_algorithm_applies_what_it_needs_and_the_users_word_still_co
     """ExGRPO's advantage has no std scaling: choosing it (command line, config file, or a
     job that sets it) sets `algorithm.std_normalize` false over the preset's true; a value the
     user gives stays (and ExGRPO's check refuses true, naming the field); others keep theirs."""
-    from rayrep.algos import check_inputs
+    from rayrep.algos.registry import check_inputs
 
     user = tmp_path / "mine.toml"
     user.write_text('[algorithm]\nname = "exgrpo"\n')

@@ -26,7 +26,10 @@ from rayrep.buffer.files import (
     write_pool,
 )
 from rayrep.buffer.answers import Answer, PackedAnswers
-from rayrep.buffer.replay import ReplayBuffer, bucket_weights, shard_of
+from rayrep.algos.sampling.exgrpo import bucket_weights, offer_questions, sample_questions
+from rayrep.algos.sampling.prioritized import priorities, race_answers
+from rayrep.algos.sampling.rlep import draw_answers
+from rayrep.buffer.replay import ReplayBuffer, shard_of
 from rayrep.buffer.shard import ReplayShard
 from rayrep.data.loaders import PromptFileError
 from rayrep.types import answer_arrays
@@ -149,7 +152,7 @@ def test_sample_answers_draws_distinct_stored_answers_never_placeholders():
     stored = {"ten": answers_of(1, 10), "two": answers_of(2, 2)}
     buffer.add([("ten", prompt(1), stored["ten"]), ("two", prompt(2), stored["two"])])
     for _ in range(50):
-        got = buffer.sample_answers([("ten", 4), ("two", 5), ("unknown", 2), ("ten-zero", 0)])
+        got = draw_answers(buffer, [("ten", 4), ("two", 5), ("unknown", 2), ("ten-zero", 0)])
         assert len(got["ten"]) == 4 and len(set(first_tokens(got["ten"]))) == 4
         # Fewer than asked: exactly what is stored, no padding.
         assert sorted(first_tokens(got["two"])) == [2000, 2001]
@@ -157,7 +160,7 @@ def test_sample_answers_draws_distinct_stored_answers_never_placeholders():
         for answer in got["ten"] + got["two"]:
             source = stored["ten" if answer.response_ids[0] < 2000 else "two"][answer.response_ids[0] % 1000]
             assert_same_answer(answer, source)
-    assert buffer.sample_answers([("ten", 0)]) == {"ten": []}
+    assert draw_answers(buffer, [("ten", 0)]) == {"ten": []}
 
 
 def test_sample_answers_is_uniform_without_replacement():
@@ -166,7 +169,7 @@ def test_sample_answers_is_uniform_without_replacement():
     buffer.add([("q", prompt(0), answers_of(0, n))])
     per_answer, per_subset = Counter(), Counter()
     for _ in range(draws):
-        picked = first_tokens(buffer.sample_answers([("q", m)])["q"])
+        picked = first_tokens(draw_answers(buffer, [("q", m)])["q"])
         assert len(set(picked)) == m
         per_answer.update(picked)
         per_subset[tuple(sorted(picked))] += 1
@@ -192,7 +195,7 @@ def test_sample_answers_across_ray_shards(buffers):
     assert {shard_of(f"q{q}", 2) for q in range(questions)} == {0, 1}  # both shards hold questions
     counts = Counter()
     for _ in range(draws):
-        got = buffer.sample_answers([(f"q{q}", m) for q in range(questions)] + [("nowhere", 2)])
+        got = draw_answers(buffer, [(f"q{q}", m) for q in range(questions)] + [("nowhere", 2)])
         assert got["nowhere"] == []
         for q in range(questions):
             picked = first_tokens(got[f"q{q}"])
@@ -209,7 +212,7 @@ def test_sample_answers_across_ray_shards(buffers):
     # Each z^2 has mean 1 (each draw includes an answer with probability p, independently
     # across draws); their sum over all 180 cells stays near 180.
     assert 0.6 * len(z_squared) < sum(z_squared) < 1.5 * len(z_squared), sum(z_squared)
-    few = buffer.sample_answers([("q0", 50)])["q0"]
+    few = draw_answers(buffer, [("q0", 50)])["q0"]
     assert sorted(first_tokens(few)) == list(range(n))
     for answer in few:
         assert_same_answer(answer, answers_of(0, n)[answer.response_ids[0]])
@@ -227,7 +230,7 @@ def test_a_draw_without_logprobs_is_the_same_draw_less_its_logprobs(buffers, sha
     for logprobs in (True, False):
         buffer = buffers(shards, seed=9)
         buffer.add([(uid, prompt(q), stored[uid]) for q, uid in enumerate(stored)])
-        drawn.append([buffer.sample_answers(requests, logprobs=logprobs) for _ in range(3)])
+        drawn.append([draw_answers(buffer, requests, logprobs=logprobs) for _ in range(3)])
     for full, bare in zip(*drawn):
         assert full.keys() == bare.keys() == stored.keys()
         for uid in stored:
@@ -323,7 +326,7 @@ def test_the_buffer_shares_no_arrays_with_its_callers():
     stored_prompt, (stored,) = stored_of(buffer, ["q"])["q"]
     assert stored_prompt.tolist() == [3, 4, 5] and stored.response_ids.tolist() == [9, 9]
     # What comes out is the caller's to change, too.
-    (sampled,) = buffer.sample_answers([("q", 1)])["q"]
+    (sampled,) = draw_answers(buffer, [("q", 1)])["q"]
     for array in (stored_prompt, stored.response_ids, stored.logprobs, sampled.response_ids, sampled.logprobs):
         array[:] = 0
     stored_prompt, (stored,) = stored_of(buffer, ["q", "q"])["q"]
@@ -372,11 +375,11 @@ def test_retired_questions_lose_their_answers_and_take_no_more(buffers):
         stats = buffer.apply(retire=["r0", "r5"], buckets={"r0": 4})
         assert (stats["questions"], stats["answers"], stats["retired"]) == (10, 30, 2)
         assert stored_of(buffer, ["r0", "r5", "r1"]).keys() == {"r1"}
-        assert buffer.sample_answers([("r0", 2)]) == {"r0": []}
+        assert draw_answers(buffer, [("r0", 2)]) == {"r0": []}
         assert buffer.add([("r0", prompt(0), answers_of(0, 2)), ("r1", prompt(1), [make_answer([1, 2])])]) == 1
         assert buffer.stats()["answers"] == 31
         for _ in range(20):
-            drawn = buffer.sample_questions(100, K, "code")
+            drawn = sample_questions(buffer, 100, K, "code")
             assert sorted(drawn) == sorted(set(uids) - {"r0", "r5"})
 
 
@@ -431,7 +434,7 @@ def test_sample_questions_bucket_frequencies_in_process(scale):
     assert sizes == [{k: 200 for k in range(1, K)}]
     draws = []
     for _ in range(6000):
-        (uid,) = buffer.sample_questions(1, K, scale)
+        (uid,) = sample_questions(buffer, 1, K, scale)
         draws.append(uid)
     assert_bucket_frequencies(draws, buckets, scale)
     # Uniform within a bucket: bucket 4's 200 questions, each about equally often.
@@ -442,15 +445,15 @@ def test_sample_questions_bucket_frequencies_in_process(scale):
 def test_sample_questions_without_replacement_and_exhaustion():
     buffer, buckets = bucketed_buffer(ReplayBuffer(0, CAP, seed=6), 5)
     for count in (1, 7, 20, 34):
-        drawn = buffer.sample_questions(count, K, "code")
+        drawn = sample_questions(buffer, count, K, "code")
         assert len(drawn) == count == len(set(drawn))
-    assert sorted(buffer.sample_questions(35, K, "code")) == sorted(buckets)
-    assert sorted(buffer.sample_questions(1000, K, "paper")) == sorted(buckets)
+    assert sorted(sample_questions(buffer, 35, K, "code")) == sorted(buckets)
+    assert sorted(sample_questions(buffer, 1000, K, "paper")) == sorted(buckets)
     # Questions without a bucket in 1..K-1 are never drawn.
     buffer.apply([("nobucket", prompt(0), answers_of(0, 1)), ("zero", prompt(0), answers_of(0, 1)),
                   ("all", prompt(0), answers_of(0, 1))], buckets={"zero": 0, "all": K})
-    assert sorted(buffer.sample_questions(1000, K, "code")) == sorted(buckets)
-    assert ReplayBuffer(0, 4).sample_questions(5, K, "code") == []
+    assert sorted(sample_questions(buffer, 1000, K, "code")) == sorted(buckets)
+    assert sample_questions(ReplayBuffer(0, 4), 5, K, "code") == []
 
 
 def test_a_shards_bucket_index_follows_its_questions_and_draws_as_a_sorted_scan():
@@ -460,7 +463,7 @@ def test_a_shards_bucket_index_follows_its_questions_and_draws_as_a_sorted_scan(
     import random
 
     rng = random.Random(11)
-    shard = ReplayShard(CAP, seed=3)
+    shard = ReplayShard(CAP)
     uids = [f"q{i:03d}" for i in range(120)]
     rng.shuffle(uids)  # arriving out of id order
     shard.apply(PackedAnswers.pack([(uid, prompt(1), answers_of(1, 1)) for uid in uids]), False, {}, [])
@@ -477,7 +480,7 @@ def test_a_shards_bucket_index_follows_its_questions_and_draws_as_a_sorted_scan(
         shard.apply(None, False, {}, rng.sample(sorted(shard.questions), 5))
         if round_ == 2:  # a restored shard indexes what it restored
             exported = shard.export()
-            shard = ReplayShard(CAP, seed=3)
+            shard = ReplayShard(CAP)
             shard.restore(exported)
         exclude = rng.sample(sorted(shard.questions) + ["not-held"], 20)
         members = scan(exclude)
@@ -487,7 +490,7 @@ def test_a_shards_bucket_index_follows_its_questions_and_draws_as_a_sorted_scan(
         expected = {k: [members[k][i] for i in expected_rng.choice(len(members[k]), min(count, len(members[k])),
                                                                     replace=False).tolist()]
                     for k in sorted(members) if k in wanted}
-        sizes, offers = shard.offer_questions(count, wanted, seed=round_, exclude=exclude)
+        sizes, offers = offer_questions(shard, count, wanted, round_, exclude)
         assert sizes == {k: len(members[k]) for k in expected} and offers == expected
 
 
@@ -505,7 +508,7 @@ def test_exhausted_buckets_renormalise_over_the_rest():
     sizes = buffer.bucket_sizes()
     trials, both = 8000, 0
     for _ in range(trials):
-        drawn = buffer.sample_questions(2, K, "code")
+        drawn = sample_questions(buffer, 2, K, "code")
         assert len(set(drawn)) == 2
         both += {"four", "three"} <= set(drawn)
     assert abs(both / trials - expected) <= binomial_tolerance(trials, expected), (both / trials, expected)
@@ -520,7 +523,7 @@ def test_sample_questions_across_ray_shards(buffers, shards):
         assert sum(s.get(k, 0) for s in sizes) == 30
     draws = []
     for _ in range(1200):
-        (uid,) = buffer.sample_questions(1, K, "code")
+        (uid,) = sample_questions(buffer, 1, K, "code")
         draws.append(uid)
     assert_bucket_frequencies(draws, buckets, "code")
     # Uniform within bucket 4 whichever shard holds the question: shards drawn by their share.
@@ -530,9 +533,9 @@ def test_sample_questions_across_ray_shards(buffers, shards):
         observed = sum(shard_of(uid, shards) == s for uid in in_four) / len(in_four)
         assert abs(observed - share) <= binomial_tolerance(len(in_four), share), (s, observed, share)
     for count in (64, 150):
-        drawn = buffer.sample_questions(count, K, "paper")
+        drawn = sample_questions(buffer, count, K, "paper")
         assert len(drawn) == len(set(drawn)) == min(count, len(buckets))
-    assert sorted(buffer.sample_questions(500, K, "code")) == sorted(buckets)
+    assert sorted(sample_questions(buffer, 500, K, "code")) == sorted(buckets)
 
 
 @pytest.mark.parametrize("shards", [0, 2])
@@ -541,9 +544,9 @@ def test_sample_questions_leaves_out_excluded_questions(buffers, shards):
     excluded = frozenset(uid for uid in buckets if buckets[uid] in (3, 4))  # 6 questions
     assert sum(sum(s.values()) for s in buffer.bucket_sizes(excluded)) == len(buckets) - 6
     for _ in range(20):
-        drawn = buffer.sample_questions(8, K, "code", exclude=excluded)
+        drawn = sample_questions(buffer, 8, K, "code", exclude=excluded)
         assert len(drawn) == 8 and not set(drawn) & excluded
-    assert sorted(buffer.sample_questions(100, K, "code", exclude=excluded)) == sorted(set(buckets) - excluded)
+    assert sorted(sample_questions(buffer, 100, K, "code", exclude=excluded)) == sorted(set(buckets) - excluded)
 
 
 @pytest.mark.parametrize("shards", [0, 2])
@@ -960,7 +963,6 @@ def drawn_ids(drawn) -> list[tuple[str, int]]:
 
 
 def test_priorities_are_the_advantage_size_decayed_by_age():
-    from rayrep.buffer.shard import priorities
 
     got = priorities(np.array([0.5, -1.0, 2.0, 1.0]), np.array([0, 4, 8, -3]), 4.0)
     assert np.allclose(got, [0.5, math.exp(-1), 2 * math.exp(-2), 1.0])  # a newer policy's answer: age 0
@@ -977,21 +979,21 @@ def test_answer_level_draws_follow_priority_without_replacement_and_evict_by_age
                 ("q2", prompt(2), scored_answers(2, [0.5], [4])), ("q3", prompt(3), scored_answers(3, [2.0], [0]))])
     weights = {("q1", 1000): 1.0, ("q1", 1001): math.exp(-0.75), ("q2", 2000): 0.5}
     n = 3000
-    firsts = Counter(drawn_ids(buffer.race_answers(1, 4, 4.0, 3))[0] for _ in range(n))
+    firsts = Counter(drawn_ids(race_answers(buffer, 1, 4, 4.0, 3))[0] for _ in range(n))
     assert set(firsts) == set(weights)
     for key, weight in weights.items():
         p = weight / sum(weights.values())
         assert abs(firsts[key] / n - p) <= binomial_tolerance(n, p), (key, firsts[key] / n, p)
-    every = drawn_ids(buffer.race_answers(10, 4, 4.0, 3))
+    every = drawn_ids(race_answers(buffer, 10, 4, 4.0, 3))
     assert sorted(every) == sorted(weights)  # all there are, each once
-    assert drawn_ids(buffer.race_answers(10, 4, 4.0, 3, exclude=frozenset({"q1"}))) == [("q2", 2000)]
-    assert sorted(drawn_ids(buffer.race_answers(10, 4, 4.0, -1))) == sorted([*weights, ("q3", 3000)])
+    assert drawn_ids(race_answers(buffer, 10, 4, 4.0, 3, exclude=frozenset({"q1"}))) == [("q2", 2000)]
+    assert sorted(drawn_ids(race_answers(buffer, 10, 4, 4.0, -1))) == sorted([*weights, ("q3", 3000)])
 
     # Eviction: this run's answers (origin: none here) sampled before version 2 leave; q3, left
     # with none, goes too.
     stats = buffer.apply(evict=(0, 2))
     assert (stats["answers"], stats["evicted"], stats["questions"]) == (3, 2, 2)
-    assert sorted(drawn_ids(buffer.race_answers(10, 4, 4.0, -1))) == [("q1", 1000), ("q2", 2000)]
+    assert sorted(drawn_ids(race_answers(buffer, 10, 4, 4.0, -1))) == [("q1", 1000), ("q2", 2000)]
     assert buffer.apply(evict=(12345, 9))["answers"] == 3  # another origin's answers stay
 
 
@@ -1012,9 +1014,9 @@ def test_answer_level_draws_across_shards_repeat_after_a_restore(buffers, tmp_pa
     saved = buffer.rng.getstate()
 
     def draws():
-        one = drawn_ids(buffer.race_answers(12, 2, 2.0, -1, exclude=frozenset({"q3", "q12"})))
+        one = drawn_ids(race_answers(buffer, 12, 2, 2.0, -1, exclude=frozenset({"q3", "q12"})))
         buffer.apply(later, evict=(0, 1))
-        return one, drawn_ids(buffer.race_answers(12, 2, 2.0, -1))
+        return one, drawn_ids(race_answers(buffer, 12, 2, 2.0, -1))
 
     uninterrupted = draws()
     assert len(set(uninterrupted[0])) == 12 and not {"q3", "q12"} & {uid for uid, _ in uninterrupted[0]}
@@ -1022,3 +1024,16 @@ def test_answer_level_draws_across_shards_repeat_after_a_restore(buffers, tmp_pa
     buffer.restore(tmp_path)
     buffer.rng.setstate(saved)
     assert draws() == uninterrupted
+
+
+def test_draws_load_without_torch_where_the_shards_run_them():
+    """A shard unpickles an algorithm's draw by importing its module: the draws' package
+    must not pull in torch (or the rest of the algorithms) with it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import rayrep.algos.sampling.rlep, rayrep.algos.sampling.exgrpo, "
+            "rayrep.algos.sampling.prioritized; print(sorted(m for m in ('torch', 'vllm', 'rayrep.algos.grpo') "
+            "if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

@@ -18,6 +18,9 @@ import pytest
 import ray
 
 from conftest import kill_and_wait
+from rayrep.algos.sampling.exgrpo import sample_questions
+from rayrep.algos.sampling.prioritized import race_answers
+from rayrep.algos.sampling.rlep import draw_answers
 from rayrep.buffer.answers import Answer, DrawLimit, origin_id
 from rayrep.buffer.files import BufferFileError, read_pool, write_pool
 from rayrep.buffer.pool import read_source, start_pool, stop_pool
@@ -79,7 +82,7 @@ def test_two_writers_at_once_lose_nothing_and_each_draws_the_others_answers(pool
     assert len(held["answers"]) == 20 and held["version"] == 2 * rounds * 2  # each write changed both shards
     # Each run draws the other's answers (and only those, when it asks for others' only).
     for run, other_first in (("run-a", 1000), ("run-b", 0)):
-        drawn = writers[run].sample_answers([(f"q{q}", 200) for q in range(20)],
+        drawn = draw_answers(writers[run], [(f"q{q}", 200) for q in range(20)],
                                             DrawLimit(0, -1, run=run, others_only=True))
         assert {a.run for answers in drawn.values() for a in answers} == {"run-b" if run == "run-a" else "run-a"}
         assert all(a.response_ids[1] >= other_first for answers in drawn.values() for a in answers)
@@ -94,7 +97,7 @@ def test_an_age_limit_draws_only_recent_answers_and_counts_the_old(pool):
     buffer = AttachedPool(name, writer="run")
     for version in range(10):
         buffer.apply(items(range(6), 1, first=version, version=version, run="run"))
-    drawn = buffer.sample_answers([(f"q{q}", 10) for q in range(6)], DrawLimit(version=12, max_lag=4, run="run"))
+    drawn = draw_answers(buffer, [(f"q{q}", 10) for q in range(6)], DrawLimit(version=12, max_lag=4, run="run"))
     assert {a.version for answers in drawn.values() for a in answers} == {8, 9}
     assert buffer.take_counts() == {"replay_held_back": 6 * 8}
     # ExGRPO's read of whole questions: the same limit, the same count.
@@ -157,7 +160,7 @@ def test_a_pool_started_again_from_its_folder_is_the_pool_it_was(pool):
         for a in answers:
             a.advantage = -0.5
     again.apply(scored, evict=(origin_id("run", "base"), 1))
-    drawn = again.race_answers(100, 3, 4.0, 2)
+    drawn = race_answers(again, 100, 3, 4.0, 2)
     assert sorted((uid, int(answer_arrays([a.at])[0][1][1])) for uid, a in drawn) == \
         sorted((f"q{q}", 70 + i) for q in range(5, 10) for i in range(2))
     after_writes = content(again)
@@ -310,7 +313,7 @@ def test_another_models_text_traces_are_verified_encoded_and_scored_by_the_polic
     # The long one is right, but cut to the policy's answer length it would not be: left out.
     assert (imported["candidates"], imported["too_long"], imported["verified"], imported["wrong"],
             imported["stored"]) == (13, 1, 6, 6, 6)
-    drawn = buffer.sample_answers([(f"t{i}", 5) for i in range(rows)])
+    drawn = draw_answers(buffer, [(f"t{i}", 5) for i in range(rows)])
     assert sorted(drawn) == [f"t{i}" for i in range(rows)] and all(len(a) == 1 for a in drawn.values())
     model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
     for uid, (answer,) in drawn.items():
@@ -475,7 +478,7 @@ def test_exgrpo_retires_a_question_for_every_run_or_only_for_itself_as_configure
         return drawn
 
     def drawn_by_others() -> set[str]:
-        return {uid for _ in range(25) for uid in seed.sample_questions(4, K, "code")}
+        return {uid for _ in range(25) for uid in sample_questions(seed, 4, K, "code")}
 
     assert drawn_by_others() == set(uids)
     per_run, for_all = attached("run-a", "run"), attached("run-b", "pool")

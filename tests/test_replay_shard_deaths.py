@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import ray
 
+from rayrep.algos.sampling.rlep import draw_answers
 from rayrep.buffer.answers import Answer
 from rayrep.buffer.replay import ReplayBuffer, shard_of
 
@@ -114,6 +115,6 @@ def test_a_shard_that_dies_before_any_snapshot_comes_back_empty_and_says_what_it
     buffer.add(items(range(12), 4))
     on_0 = sum(4 for q in range(12) if shard_of(f"q{q}", 2) == 0)
     kill(buffer, 0)
-    assert buffer.sample_answers([(f"q{q}", 2) for q in range(12)]) is not None
+    assert draw_answers(buffer, [(f"q{q}", 2) for q in range(12)]) is not None
     assert buffer.take_counts() == {"replay_shard_replaced": 1, "replay_shard_lost_answers": on_0, "replay_shard_lost_question_updates": 0}
     assert buffer.stats()["answers"] == 48 - on_0

@@ -34,6 +34,7 @@ import numpy as np
 
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
+from rayrep.algos.sampling.exgrpo import sample_questions
 from rayrep.buffer.answers import Answer, DrawLimit, Origin
 from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
@@ -96,8 +97,8 @@ class ExGRPO(GRPO):
         algo = self.cfg.algorithm
         K, B = algo.group_size, questions
         count = math.floor(algo.exgrpo.replay_ratio * B) if self.collecting else 0
-        uids = self.buffer.sample_questions(count, K, algo.exgrpo.bucket_sigma,
-                                            exclude=exclude | self.retired_here) if count else []
+        uids = sample_questions(self.buffer, count, K, algo.exgrpo.bucket_sigma,
+                                exclude=exclude | self.retired_here) if count else []
         taken = exclude | set(uids)
         fresh = [p for p in sampler.next(B - len(uids)) if p.uid not in taken]
         requests = [(self.prompts[uid], K - 1) for uid in uids] + [(p, K) for p in fresh]

@@ -11,7 +11,7 @@
 - `after_update(step, batch) -> metrics`: what enters and leaves the replay buffer;
 - `state()` / `load_state(state)`: what a resumed run needs besides the buffer (JSON values).
 
-And, as a class, what the run around it needs to know (the registry, `rayrep.algos.ALGORITHMS`,
+And, as a class, what the run around it needs to know (the registry, `rayrep.algos.registry.ALGORITHMS`,
 asks only these): `replays` (the run keeps a replay buffer), `label`, `pool_from_baseline`
 (the comparison pipeline samples a pool from the baseline first), `check_inputs` (its inputs
 read and checked before any actor starts) and `create` (built whole, with the run's parts).

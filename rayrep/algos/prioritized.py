@@ -12,7 +12,7 @@ without replacement with priority
 (Freshness-Aware PER, arXiv 2604.16918: |A| alone made results worse there; the decay
 keeps the draw near the policy). Answers older than `max_age` versions are evicted (the
 answer-level buffer of arXiv 2606.04560 bounds their age the same way). The draw is an
-exponential race on the shards (`ReplayStore.race_answers`): two calls per shard, the
+exponential race on the shards (`rayrep.algos.sampling.prioritized`): two calls per shard, the
 second moving only the answers drawn.
 
 A replayed answer trains with its stored advantage (not one taken again in a group: its
@@ -35,6 +35,7 @@ import numpy as np
 
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
+from rayrep.algos.sampling.prioritized import race_answers
 from rayrep.buffer.answers import Answer, Origin, origin_id
 from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
@@ -98,9 +99,8 @@ class Prioritized(GRPO):
         if not wanted:
             return list(groups), {}
         version = max(r.version for g in groups for r in g.rollouts)  # the policy that sampled this step
-        drawn = self.buffer.race_answers(wanted, version, self.settings.decay_versions, self.settings.max_age,
-                                         exclude=frozenset(g.prompt.uid for g in groups),
-                                         limit=self.draw_limit(version))
+        drawn = race_answers(self.buffer, wanted, version, self.settings.decay_versions, self.settings.max_age,
+                             exclude=frozenset(g.prompt.uid for g in groups), limit=self.draw_limit(version))
         by_question: dict[str, list[Answer]] = {}
         for uid, answer in drawn:
             by_question.setdefault(uid, []).append(answer)

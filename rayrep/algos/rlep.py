@@ -34,6 +34,7 @@ import numpy as np
 
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
+from rayrep.algos.sampling.rlep import draw_answers
 from rayrep.buffer.answers import Answer, Origin
 from rayrep.buffer.files import BufferFileError, read_pool
 from rayrep.buffer.replay import ReplayStore
@@ -94,7 +95,8 @@ class RLEP(GRPO):
         wanted = self.cfg.algorithm.rlep.replays_per_group
         requests = [(p.uid, wanted) for p in fresh.prompts]
         # Left in the shards' results: the learners read the drawn answers from there.
-        drawn = self.buffer.draw_answers(requests, self.draw_limit(version), self.draws_logprobs) if wanted else {}
+        drawn = draw_answers(self.buffer, requests, self.draw_limit(version), self.draws_logprobs,
+                             by_reference=True) if wanted else {}
         replays = {
             uid: tuple(answer.rollout(self.prompt_ids[uid]) for answer in answers)
             for uid, answers in drawn.items() if answers

@@ -46,7 +46,7 @@ from rayrep.buffer.replay import POOL_NAMESPACE, PoolError, ReplayStore, pool_ex
 from rayrep.buffer.shard import ReplayShard
 
 DESCRIPTION = "pool.json"
-"""The pool's description in its home: name, shards, per-question cap, seed."""
+"""The pool's description in its home: name, shards, per-question cap."""
 
 
 # ---------------------------------------------------------------------- the journal
@@ -109,8 +109,8 @@ class PoolShard(ReplayShard):
     """One shard of a named pool: a `ReplayShard` that keeps itself on disk (see the module
     docstring) and takes each write once per (writer, sequence number)."""
 
-    def __init__(self, home: str, index: int, max_answers_per_question: int, seed: int):
-        super().__init__(max_answers_per_question, seed * 1000 + index)
+    def __init__(self, home: str, index: int, max_answers_per_question: int):
+        super().__init__(max_answers_per_question)
         self.folder = Path(home) / f"shard-{index}"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.applied: dict[str, int] = {}
@@ -259,16 +259,16 @@ def check_pool_settings(name: str, shards: int, max_answers_per_question: int) -
                         f"N > 0 the newest N per question")
 
 
-def start_pool(name: str, home: str | Path, shards: int, max_answers_per_question: int = 0, seed: int = 0) -> list:
+def start_pool(name: str, home: str | Path, shards: int, max_answers_per_question: int = 0) -> list:
     """Start pool `name`'s shards, detached, keeping themselves in `home`: empty, or as `home`
     holds it (a pool stopped or lost before: then its description decides the shard count,
-    cap and seed, and a different `shards` is refused). Returns the shards, each ready."""
+    and cap, and a different `shards` is refused). Returns the shards, each ready."""
     check_pool_settings(name, shards, max_answers_per_question)
     if pool_exists(name):
         raise PoolError(f"a pool named {name!r} is already running (jobs/pool.py stop --name {name})")
     home = Path(home).resolve()
     described = home / DESCRIPTION
-    description = {"name": name, "shards": shards, "max_answers_per_question": max_answers_per_question, "seed": seed}
+    description = {"name": name, "shards": shards, "max_answers_per_question": max_answers_per_question}
     if described.is_file():
         try:
             kept = json.loads(described.read_text())
@@ -289,7 +289,7 @@ def start_pool(name: str, home: str | Path, shards: int, max_answers_per_questio
     started = [
         RemotePoolShard.options(name=f"{name}/shard-{i}", namespace=POOL_NAMESPACE, lifetime="detached", num_cpus=0,
                                 max_restarts=-1, max_task_retries=-1)
-        .remote(str(home), i, description["max_answers_per_question"], description["seed"])
+        .remote(str(home), i, description["max_answers_per_question"])
         for i in range(shards)
     ]
     ray.get([shard.pid.remote() for shard in started])  # each restored from its home, or fresh

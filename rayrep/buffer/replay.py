@@ -5,7 +5,8 @@ Questions are routed to shards by a stable hash of their id (the same shard on e
 and machine, whatever Python's hash seed). Every operation groups its work by shard and
 makes at most one call per shard, all shards in parallel, each shard method called by
 name. With zero shards the buffer keeps one `ReplayShard` in-process (unit tests follow
-the same code). In a run, the shards are placed and started with the other roles
+the same code). The store knows no algorithm: an algorithm's draw is a function of
+`rayrep.algos.sampling` that the store runs on the shards (`draw`). In a run, the shards are placed and started with the other roles
 (`rayrep.runtime.system.Runtime`) and stopped with them.
 
 Snapshots are Parquet files (schema version in the file metadata): `answers.parquet`
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import random
 import uuid
@@ -103,18 +103,6 @@ def join_pool_cluster(pool: str) -> None:
                         f"running cluster (ray start --head; jobs/pool.py start): run there, or set RAY_ADDRESS") from None
 
 
-def bucket_weights(K: int, scale: str) -> dict[int, float]:
-    """ExGRPO's bucket weights for k = 1..K-1 correct: a Gaussian N(k/K; 0.5, sigma).
-
-    scale "code": sigma = 1 correct answer (1/K in accuracy units), as the public code
-    does; "paper": sigma = 1 in accuracy units, as the paper's text says (nearly uniform).
-    """
-    if scale not in ("code", "paper"):
-        raise ValueError(f"bucket scale must be 'code' or 'paper', got {scale!r}")
-    sigma = 1.0 / K if scale == "code" else 1.0
-    return {k: math.exp(-((k / K - 0.5) ** 2) / (2 * sigma**2)) for k in range(1, K)}
-
-
 class ReplayStore:
     """What a run reads from and writes to: S shard actors (or, with S = 0, one in-process
     shard), behind one protocol with two implementations. `ReplayBuffer` is the run's own
@@ -131,7 +119,6 @@ class ReplayStore:
     def __init__(self, shards: list, num_shards: int, max_answers_per_question: int, seed: int,
                  start_shard: Callable[[int], Any] | None = None):
         self.rng = random.Random(seed)
-        self.seed = seed
         self.num_shards, self.cap = num_shards, max_answers_per_question
         self._routes: dict[str, int] = {}
         self.supervisor = Supervisor("replay shard", shards, start_shard, ready=self._restore_shard,
@@ -209,14 +196,14 @@ class ReplayStore:
             shard = self._routes[uid] = shard_of(uid, self.num_shards)
         return shard
 
-    def _by_shard(self, keyed: list, key=lambda x: x[0]) -> dict[int, list]:
+    def by_shard(self, keyed: list, key=lambda x: x[0]) -> dict[int, list]:
         grouped: dict[int, list] = {}
         for item in keyed:
             grouped.setdefault(self._route(key(item)), []).append(item)
         return grouped
 
     @property
-    def _all(self) -> range:
+    def every_shard(self) -> range:
         return range(len(self.shards))
 
     # ------------------------------------------------------------------ writes
@@ -224,7 +211,7 @@ class ReplayStore:
     def add(self, items: list[tuple[str, np.ndarray, list[Answer]]], dedup: bool = False) -> int:
         """Store (question id, prompt ids, answers) items; returns how many answers were stored."""
         results = self._write({s: (PackedAnswers.pack(group), dedup, {}, [], None)
-                               for s, group in self._by_shard(items).items()})
+                               for s, group in self.by_shard(items).items()})
         return sum(result["stored"] for result in results.values())
 
     def _write(self, work: dict[int, tuple]) -> dict[int, dict]:
@@ -246,7 +233,7 @@ class ReplayStore:
 
         Returns the merged stats of every shard.
         """
-        work: dict[int, dict] = {s: {"items": [], "buckets": {}, "retire": []} for s in self._all}
+        work: dict[int, dict] = {s: {"items": [], "buckets": {}, "retire": []} for s in self.every_shard}
         for item in items:
             work[self._route(item[0])]["items"].append(item)
         for uid, k in (buckets or {}).items():
@@ -259,35 +246,22 @@ class ReplayStore:
 
     # ------------------------------------------------------------------ reads
 
-    def sample_answers(self, requests: list[tuple[str, int]], limit: DrawLimit | None = None,
-                       logprobs: bool = True) -> dict[str, list[Answer]]:
-        """Up to `count` stored answers of each question that `limit` allows, uniformly
-        without replacement (RLEP), read here; those it held back are counted (`take_counts`).
-        Without `logprobs`, the answers come without their behaviour log-probs (NaN), and the
-        draw moves half the bytes."""
-        return self._draw(requests, limit, logprobs, by_reference=False)
+    def draw(self, draw: Callable[..., Any], args: dict[int, tuple], num_returns: int = 1) -> dict[int, object]:
+        """An algorithm's draw run on the shards, where the answers are: `draw(shard, *args[s])`
+        on each shard `s` of `args`, all in parallel (`ReplayShard.draw`); their results, by
+        shard. With `num_returns=2` a draw returns (facts, packed answers), and the answers
+        stay where the shard put them (a ref; the value itself for an in-process buffer)."""
+        return self._call(lambda shard: shard.draw, {s: (draw, *a) for s, a in args.items()}, num_returns)
 
-    def draw_answers(self, requests: list[tuple[str, int]], limit: DrawLimit | None = None,
-                     logprobs: bool = True) -> dict[str, list[Answer]]:
-        """`sample_answers`' draw, the answers left where the shards put them: each comes with
-        its facts and where its arrays are (`Answer.at`), for the learners to read (a training
-        step's replays)."""
-        return self._draw(requests, limit, logprobs, by_reference=True)
+    def next_seed(self) -> int:
+        """A seed for one draw, the next of the store's own sequence (`rng`, which a run's
+        checkpoint keeps: a resumed run draws what the uninterrupted one did)."""
+        return self.rng.getrandbits(63)
 
-    def _draw(self, requests: list[tuple[str, int]], limit: DrawLimit | None, logprobs: bool,
-              by_reference: bool) -> dict[str, list[Answer]]:
-        seeds = self.rng.getrandbits(63)
-        results = self._call(lambda shard: shard.sample_packed, {
-            s: ([uid for uid, _ in group], np.array([count for _, count in group], np.int64), seeds + s, limit,
-                logprobs)
-            for s, group in self._by_shard(requests).items()
-        }, num_returns=2 if by_reference else 1)
-        merged: dict[str, list[Answer]] = {}
-        for facts, answers in results.values():
-            merged.update(facts.unpack(at=answers) if by_reference else answers.unpack())
-            if facts.held_back:
-                self.counts["held_back"] += facts.held_back
-        return merged
+    def count_held_back(self, answers: int) -> None:
+        """Answers a draw's limit left out (`DrawLimit`), reported by `take_counts`."""
+        if answers:
+            self.counts["held_back"] += answers
 
     def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
                        ) -> list[tuple[list[tuple[str, list[int]]], ray.ObjectRef | PackedAnswers]]:
@@ -299,93 +273,39 @@ class ReplayStore:
         (ExGRPO's entropy pass on the learners) without passing through this process; the
         answers the limit held back are counted (`take_counts`).
         """
-        groups = self._by_shard(uids, key=lambda u: u)
+        groups = self.by_shard(uids, key=lambda u: u)
         parts = self._call(lambda shard: shard.stored_answers, {s: (group, limit) for s, group in groups.items()},
                            num_returns=2)
-        held_back = sum(held for (_, held), _ in parts.values())
-        if held_back:
-            self.counts["held_back"] += held_back
+        self.count_held_back(sum(held for (_, held), _ in parts.values()))
         return [(index, answers) for (index, _), answers in parts.values() if index]
 
     def answers_by_serial(self, picks: dict[str, int]) -> dict[str, Answer]:
         """The stored answer of serial number `picks[uid]` (from `stored_answers`) of each
         question that still holds it, left where it is (`Answer.at`)."""
         results = self._call(lambda shard: shard.answers_by_serial, {
-            s: ([uid for uid, _ in group], [i for _, i in group]) for s, group in self._by_shard(list(picks.items())).items()
+            s: ([uid for uid, _ in group], [i for _, i in group]) for s, group in self.by_shard(list(picks.items())).items()
         }, num_returns=2)
         return {uid: answers[0] for facts, ref in results.values() for uid, answers in facts.unpack(at=ref).items()}
 
-    def race_answers(self, count: int, version: int, decay: float, max_age: int, exclude: frozenset[str] = frozenset(),
-                     limit: DrawLimit | None = None) -> list[tuple[str, Answer]]:
-        """`count` stored answers (or all there are) drawn by priority |A| x exp(-age / decay)
-        without replacement across every shard (`ReplayShard.race_times`: an exponential
-        race); none of the questions `exclude`, none older than `max_age` versions at policy
-        version `version`, none `limit` leaves out (counted). Two calls per shard: each
-        offers the times of its first `count` arrivals, and gives the first of them that are
-        among the first `count` of all, so that only the drawn answers move. (question id,
-        answer) by shard and question, each answer left where its shard put it (`Answer.at`),
-        for the learners to read."""
-        seed = self.rng.getrandbits(63)
-        excluded = self._excluded(exclude)
-        args = {s: (count, version, decay, max_age, seed + s, excluded[s], limit) for s in self._all}
-        offers = self._call(lambda shard: shard.race_times, args)
-        held_back = sum(held for _, held in offers.values())
-        if held_back:
-            self.counts["held_back"] += held_back
-        times = np.concatenate([offers[s][0] for s in sorted(offers)])
-        shards = np.concatenate([np.full(len(offers[s][0]), s) for s in sorted(offers)])
-        first = shards[np.argsort(times, kind="stable")[:count]]
-        taken = {s: int((first == s).sum()) for s in offers}
-        results = self._call(lambda shard: shard.take_raced, {s: (n, *args[s]) for s, n in taken.items() if n},
-                             num_returns=2)
-        return [(uid, answer) for s in sorted(results) for uid, own in results[s][0].unpack(at=results[s][1]).items()
-                for answer in own]
-
-    def _excluded(self, exclude: frozenset[str]) -> dict[int, list[str]]:
-        return {s: self._by_shard(sorted(exclude), key=lambda u: u).get(s, []) for s in self._all}
+    def excluded(self, exclude: frozenset[str]) -> dict[int, list[str]]:
+        """The questions `exclude`, split by the shard that holds each (every shard named)."""
+        return {s: self.by_shard(sorted(exclude), key=lambda u: u).get(s, []) for s in self.every_shard}
 
     def bucket_sizes(self, exclude: frozenset[str] = frozenset()) -> list[dict[int, int]]:
         """Questions per bucket, shard by shard (questions in `exclude` not counted)."""
-        excluded = self._excluded(exclude)
-        results = self._call(lambda shard: shard.bucket_sizes, {s: (excluded[s],) for s in self._all})
-        return [results[s] for s in self._all]
-
-    def sample_questions(self, count: int, K: int, scale: str, exclude: frozenset[str] = frozenset()) -> list[str]:
-        """`count` questions (or all there are) drawn by ExGRPO's bucketed scheme, none of
-        them in `exclude` (questions already in this step).
-
-        Each draw picks a bucket with probability proportional to its weight (among
-        buckets with questions left), then a question of that bucket uniformly without
-        replacement, whichever shard holds it. One call per shard: each offers its bucket
-        sizes and up to `count` of each bucket's questions in a random order; here the
-        draws are counted per bucket (`bucket_counts`), each bucket's split over the shards
-        as a uniform draw over all its questions splits (multivariate hypergeometric), and
-        each shard's part taken from the front of its offer.
-        """
-        weights = bucket_weights(K, scale)
-        excluded = self._excluded(exclude)
-        offer_seed, plan_seed = self.rng.getrandbits(63), self.rng.getrandbits(63)
-        offers = self._call(lambda shard: shard.offer_questions,
-                            {s: (count, sorted(weights), offer_seed + s, excluded[s]) for s in self._all})
-        sizes = {k: [offers[s][0].get(k, 0) for s in self._all] for k in sorted(weights)}
-        rng = np.random.default_rng(plan_seed)
-        chosen = []
-        for k, n in bucket_counts(rng, count, {k: sum(per_shard) for k, per_shard in sizes.items()}, weights).items():
-            split = rng.multivariate_hypergeometric(sizes[k], n) if len(sizes[k]) > 1 else [n]
-            for s, taken in zip(self._all, split):
-                if taken:
-                    chosen += offers[s][1][k][:taken]
-        return chosen
+        excluded = self.excluded(exclude)
+        results = self._call(lambda shard: shard.bucket_sizes, {s: (excluded[s],) for s in self.every_shard})
+        return [results[s] for s in self.every_shard]
 
     def stats(self, now_step: int | None = None) -> dict:
-        results = self._call(lambda shard: shard.stats, {s: (now_step,) for s in self._all})
+        results = self._call(lambda shard: shard.stats, {s: (now_step,) for s in self.every_shard})
         for s, result in results.items():
             self._note_stats(s, result)
         return merge_stats(list(results.values()))
 
     def prompts_differing(self, prompt_ids: dict[str, list[int]]) -> list[str]:
         """The questions of `prompt_ids` that the buffer holds under other prompt tokens."""
-        groups = self._by_shard(list(prompt_ids), key=lambda u: u)
+        groups = self.by_shard(list(prompt_ids), key=lambda u: u)
         parts = self._call(lambda shard: shard.prompts_differing, {
             s: ({uid: np.asarray(prompt_ids[uid], np.int32) for uid in group},) for s, group in groups.items()})
         return sorted(uid for part in parts.values() for uid in part)
@@ -393,7 +313,7 @@ class ReplayStore:
     def census(self) -> dict[str, dict]:
         """Stored answers counted by source, by the run that sampled them and by policy
         version; and the buffer's version (the shards' writes)."""
-        parts = self._call(lambda shard: shard.census, {s: () for s in self._all})
+        parts = self._call(lambda shard: shard.census, {s: () for s in self.every_shard})
         merged: dict[str, Counter] = {}
         for part in parts.values():
             for key, counts in part.items():
@@ -402,8 +322,8 @@ class ReplayStore:
 
     def exports(self) -> list[dict]:
         """Every shard's content (`ReplayShard.export`), shard by shard."""
-        parts = self._call(lambda shard: shard.export, {s: () for s in self._all})
-        return [parts[s] for s in self._all]
+        parts = self._call(lambda shard: shard.export, {s: () for s in self.every_shard})
+        return [parts[s] for s in self.every_shard]
 
     def take_counts(self) -> dict[str, int]:
         """As step metrics (`replay_*`), since the last call: shards replaced and the writes
@@ -431,8 +351,8 @@ class ReplayBuffer(ReplayStore):
         self._restore_point_counters: list[tuple[int, int]] = [(0, 0)] * max(1, num_shards)
         self._since_snapshot = [Counter() for _ in range(max(1, num_shards))]
         """Per shard: answers and question updates (buckets, retirements) written since the restore point."""
-        self.seed, self.cap = seed, max_answers_per_question
-        shards = [ReplayShard(max_answers_per_question, seed)] if num_shards == 0 else \
+        self.cap = max_answers_per_question
+        shards = [ReplayShard(max_answers_per_question)] if num_shards == 0 else \
             [self._start_shard(i) for i in range(num_shards)]
         super().__init__(shards, num_shards, max_answers_per_question, seed, self._start_shard)
 
@@ -442,7 +362,7 @@ class ReplayBuffer(ReplayStore):
 
     def _start_shard(self, index: int) -> ray.actor.ActorHandle:
         options = self.placement.options("replay", index) if self.placement else {"num_cpus": 0}
-        return RemoteReplayShard.options(**options).remote(self.cap, self.seed * 1000 + index)
+        return RemoteReplayShard.options(**options).remote(self.cap)
 
     def _note_write(self, s: int, answers: int, question_updates: int) -> None:
         self._since_snapshot[s]["answers"] += answers
@@ -462,7 +382,7 @@ class ReplayBuffer(ReplayStore):
         written = write_snapshot(parts, Path(directory))
         self.restore_point = written
         self._restore_point_counters = [(part["evicted"], part["version"]) for part in parts]
-        self._since_snapshot = [Counter() for _ in self._all]
+        self._since_snapshot = [Counter() for _ in self.every_shard]
         return written
 
     @property
@@ -475,8 +395,8 @@ class ReplayBuffer(ReplayStore):
         parts = self._snapshot_parts(Path(directory))
         self._call(lambda shard: shard.restore, {s: (part,) for s, part in parts.items()})
         self.restore_point = Path(directory)
-        self._restore_point_counters = [(parts[s]["evicted"], parts[s]["version"]) for s in self._all]
-        self._since_snapshot = [Counter() for _ in self._all]
+        self._restore_point_counters = [(parts[s]["evicted"], parts[s]["version"]) for s in self.every_shard]
+        self._since_snapshot = [Counter() for _ in self.every_shard]
 
     def _snapshot_parts(self, directory: Path, counters: list[tuple[int, int]] | None = None) -> dict[int, dict]:
         """The snapshot in `directory` as each shard's `restore` argument. Evictions and
@@ -485,12 +405,12 @@ class ReplayBuffer(ReplayStore):
         from rayrep.buffer.files import read_snapshot
 
         snapshot = read_snapshot(directory)
-        work = {s: {"questions": [], "retired": [], "origins": snapshot.origins} for s in self._all}
+        work = {s: {"questions": [], "retired": [], "origins": snapshot.origins} for s in self.every_shard}
         for uid, entry in snapshot.questions:
             work[self._route(uid)]["questions"].append((uid, entry))
         for uid in snapshot.retired:
             work[self._route(uid)]["retired"].append(uid)
-        for s in self._all:
+        for s in self.every_shard:
             evicted, version = counters[s] if counters else (snapshot.evicted * (s == 0), snapshot.version * (s == 0))
             work[s].update(evicted=evicted, version=version)
         return work
@@ -581,29 +501,6 @@ def open_replay_store(cfg, placement: Placement | None = None) -> ReplayStore:
 def store_kind(cfg) -> type[ReplayStore]:
     """The class of the store `open_replay_store` opens for `cfg` (what it needs placed)."""
     return AttachedPool if cfg.replay.pool else ReplayBuffer
-
-
-def bucket_counts(rng: np.random.Generator, count: int, available: dict[int, int],
-                  weights: dict[int, float]) -> dict[int, int]:
-    """How many of `count` draws take a question of each bucket, when every draw picks a
-    bucket with probability proportional to its weight among the buckets with questions
-    left (`available[k]` at first). Drawn in bulk: the picks stand up to the first that
-    finds its bucket empty; the rest are drawn again over the buckets left."""
-    counts = {k: 0 for k in sorted(available)}
-    open_buckets = [k for k in counts if available[k] > 0]
-    left = count
-    while left and open_buckets:
-        p = np.array([weights[k] for k in open_buckets], np.float64)
-        picks = rng.choice(len(open_buckets), size=left, p=p / p.sum())
-        room = np.array([available[k] - counts[k] for k in open_buckets])
-        over = (np.cumsum(np.eye(len(open_buckets), dtype=np.int64)[picks], axis=0) > room).any(axis=1)
-        stand = int(over.argmax()) if over.any() else left
-        for index, n in enumerate(np.bincount(picks[:stand], minlength=len(open_buckets)).tolist()):
-            counts[open_buckets[index]] += n
-        left -= stand
-        if stand < len(picks):  # that bucket is empty now
-            open_buckets.remove(open_buckets[picks[stand]])
-    return {k: n for k, n in counts.items() if n}
 
 
 def merge_stats(parts: list[dict]) -> dict:

@@ -3,19 +3,20 @@
 Storage is one flat columnar store per shard (`rayrep.buffer.store`); answers travel
 packed (`rayrep.buffer.answers`).
 
-It serves both replay methods:
-- RLEP: `sample_packed` draws M stored successes of given questions uniformly without
-  replacement (what it has when a question has fewer than M: never placeholders).
-- ExGRPO: questions carry the latest number of correct answers k out of K (their
-  bucket, indexed: `BucketIndex`); `offer_questions` offers each bucket's questions in a
-  uniformly random order for the client's draw; `retire` removes a question forever.
+A shard knows no algorithm. It takes writes (add answers, file questions in integer
+buckets, retire questions forever, evict answers by age), answers reads by key (a
+question's answers, an answer by serial number, the buckets' sizes), snapshots and
+restores itself, and runs an algorithm's draw where the answers are (`draw`: RLEP's
+uniform draw, ExGRPO's bucketed one and answer-level replay's race live under
+`rayrep.algos.sampling`).
 """
 
 from __future__ import annotations
 
 import os
-import random
 from bisect import bisect_left, insort
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import ray
@@ -23,16 +24,6 @@ import ray
 from rayrep.buffer.answers import SOURCES, DrawLimit, DrawnFacts, PackedAnswers, cumulative_offsets
 from rayrep.buffer.store import AnswerStore, StoredQuestion
 from rayrep.library_output import route_library_output
-
-
-def priorities(advantages: np.ndarray, ages: np.ndarray, decay: float) -> np.ndarray:
-    """Answer-level replay's priority of answers: |A| x exp(-age / decay), ages in policy
-    versions (an answer from a policy newer than the drawing one counts as age 0); decay 0:
-    |A| alone."""
-    value = np.abs(advantages).astype(np.float64)
-    if decay > 0:
-        value *= np.exp(-np.maximum(ages, 0) / decay)
-    return value  # float64: exp(-age / decay) of old answers is far below float32's range
 
 
 class BucketIndex:
@@ -71,7 +62,7 @@ class BucketIndex:
 class ReplayShard:
     """One shard's questions; see the module docstring."""
 
-    def __init__(self, max_answers_per_question: int, seed: int = 0):
+    def __init__(self, max_answers_per_question: int):
         route_library_output()
         self.cap = max_answers_per_question
         """Stored answers kept per question, the oldest evicted beyond it; 0: no cap."""
@@ -79,11 +70,10 @@ class ReplayShard:
         self.questions: dict[str, StoredQuestion] = {}
         self.names: list[str] = []
         """Question ids by their number (`StoredQuestion.number`)."""
-        self.races: dict[int, np.ndarray] = {}
-        """Rows of draws under way (`race_times`), by seed; forgotten at every write."""
+        self.kept: dict = {}
+        """What draws made over two calls keep between them (`keep`); forgotten at every write."""
         self.buckets = BucketIndex()
         self.retired: set[str] = set()
-        self.rng = random.Random(seed)
         self.evicted = 0
         self.in_id_order = True
         """Whether each question's answers lie together in the store, questions in id order
@@ -120,7 +110,7 @@ class ReplayShard:
         stored. Answers sent by reference are read first, from where the generators left them."""
         if items is not None:
             items.resolve()
-        self.races.clear()  # their rows may move
+        self.kept.clear()  # their rows may move
         stored = self._add(items, dedup) if items is not None else 0
         moved = self._set_buckets(buckets)
         retired = self._retire(list(retire))
@@ -193,7 +183,7 @@ class ReplayShard:
         return len(old)
 
     def _compact(self) -> None:
-        self.races.clear()  # their rows move
+        self.kept.clear()  # their rows move
         self.store.compact([self.questions[uid] for uid in sorted(self.questions)])
         self.in_id_order = True
 
@@ -233,10 +223,11 @@ class ReplayShard:
         held = [entry.rows for entry in entries if entry is not None]
         return np.concatenate(held) if held else np.empty(0, np.int64)
 
-    def _usable(self, entries: list[StoredQuestion | None], limit: DrawLimit | None
-                ) -> tuple[np.ndarray, np.ndarray, int]:
-        """(rows of the given questions that `limit` lets a draw use, one question after
-        another; how many each question has; how many it held back)."""
+    def usable(self, uids: list[str], limit: DrawLimit | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+        """(rows of the questions `uids` that `limit` lets a draw use, one question after
+        another; how many each question has (0: none, or not held here); how many the limit
+        held back)."""
+        entries = [self.questions.get(uid) for uid in uids]
         sizes = np.array([0 if entry is None else len(entry.rows) for entry in entries], np.int64)
         rows = self._rows(entries)
         if limit is None or not limit.limits:
@@ -245,108 +236,36 @@ class ReplayShard:
         question = np.repeat(np.arange(len(entries)), sizes)
         return rows[keep], np.bincount(question[keep], minlength=len(entries)).astype(np.int64), int((~keep).sum())
 
-    def sample_packed(self, uids: list[str], wanted, seed: int | None = None, limit: DrawLimit | None = None,
-                      logprobs: bool = True) -> tuple[DrawnFacts, PackedAnswers]:
-        """Up to `wanted[q]` stored answers of question `uids[q]` that `limit` allows,
-        uniformly without replacement (what it has when a question has fewer: never
-        placeholders), packed with their prompts, with their log-probs unless `logprobs` is
-        false (they are half of the bytes); `held_back`: the answers the limit left out. Two
-        values, their facts and the answers, so that a caller can read the facts and pass the
-        answers on by reference (`.options(num_returns=2)`).
+    def pack(self, uids: list[str], counts, rows: np.ndarray, logprobs: bool = True) -> PackedAnswers:
+        """The answers `rows`, `counts[q]` of them for question `uids[q]` in turn, packed with
+        the questions' prompts; without their log-probs where `logprobs` is false (they are
+        half of the bytes)."""
+        prompts = [entry.prompt_ids if (entry := self.questions.get(uid)) is not None else np.empty(0, np.int32)
+                   for uid in uids]
+        return self.store.gather(uids, counts, rows, prompts=prompts, logprobs=logprobs)
 
-        Ids and counts as a list of strings and an array cross a Ray call about three times
-        faster than a list of (id, count) tuples."""
-        rng = np.random.default_rng(seed if seed is not None else self.rng.getrandbits(63))
-        rows, sizes, held_back = self._usable([self.questions.get(uid) for uid in uids], limit)
-        counts = np.minimum(np.maximum(np.asarray(wanted, np.int64).reshape(-1), 0), sizes)
-        # Uniform without replacement, all questions at once: order each question's answers
-        # by random keys in [0, 1) (sorting q + key keeps the questions apart, in order) and
-        # keep its first counts[q].
-        question = np.repeat(np.arange(len(sizes)), sizes)
-        order = np.argsort(question + rng.random(len(question)))
-        starts = cumulative_offsets(sizes)
-        keep = np.arange(len(question)) - starts[question] < counts[question]
-        packed = self.store.gather(uids, counts, rows[order[keep]], prompts=self._prompts(uids), logprobs=logprobs)
-        packed.held_back = held_back
-        return packed.facts_only(), packed
+    def numbers(self, uids: list[str]) -> np.ndarray:
+        """The numbers (the store's `owners` column) of those of the questions `uids` held here."""
+        return np.array([self.questions[uid].number for uid in uids if uid in self.questions], np.int32)
 
-    RACES_KEPT = 16
-    """Draws whose first arrivals a shard keeps between `race_times` and `take_raced` (one per
-    drawing client at a time; more only if a client died between the two calls)."""
+    def draw(self, draw: Callable[..., Any], *args) -> Any:
+        """`draw(self, *args)`: an algorithm's draw (a function of `rayrep.algos.sampling`,
+        sent by reference) run here, where the answers are, so that only what it picks moves.
+        It reads `questions`, `names`, `store` and `buckets`, and packs with `usable`, `pack`
+        and `numbers`; a draw made over two calls keeps what the second needs in `kept`,
+        which every write empties (rows move). Returning (small facts, packed answers), it is
+        called with `.options(num_returns=2)` so that the answers can go on by reference."""
+        return draw(self, *args)
 
-    def race_times(self, count: int, version: int, decay: float, max_age: int, seed: int,
-                   exclude: list[str] = (), limit: DrawLimit | None = None) -> tuple[np.ndarray, int]:
-        """This shard's part of a draw of `count` answers across shards by priority
-        |A| x exp(-age / decay) (age: `version` minus the policy version that sampled it;
-        decay 0: none), without replacement; none of the questions `exclude`, none sampled
-        more than `max_age` versions ago (-1: any), none `limit` leaves out (counted), none
-        without a known, non-zero advantage.
+    KEPT = 16
+    """Draws whose state a shard keeps between their two calls (`keep`; one per drawing
+    client at a time, more only if a client died between the two calls)."""
 
-        An exponential race: each answer's time is E / priority, E ~ Exp(1) drawn afresh from
-        `seed`, and the `count` first to arrive are a weighted draw without replacement
-        (Efraimidis and Spirakis). The first `count` over all shards are among each shard's own
-        first `count`: this returns those times (in order) and how many answers the limit held
-        back, and keeps the rows until `take_raced` asks for the first of them that the client
-        found among the draw's. Times are drawn in row order, which a restored shard repeats
-        (snapshots are taken and restored in question id order): a resumed run draws what the
-        uninterrupted one did."""
-        rows, times, held_back = self._race(count, version, decay, max_age, seed, exclude, limit)
-        while len(self.races) >= self.RACES_KEPT:
-            del self.races[next(iter(self.races))]
-        self.races[seed] = rows
-        return times, held_back
-
-    def take_raced(self, taken: int, count: int, version: int, decay: float, max_age: int, seed: int,
-                   exclude: list[str] = (), limit: DrawLimit | None = None) -> tuple[DrawnFacts, PackedAnswers]:
-        """The first `taken` answers of the draw `race_times` was asked for with the same
-        arguments, packed with their prompts, question by question (their facts, then the
-        answers, for `.options(num_returns=2)`), in question id order. A shard written to in between (another run's
-        write to a pool), or started again, runs the race again on what it holds now."""
-        rows = self.races.pop(seed, None)
-        if rows is None:
-            rows = self._race(count, version, decay, max_age, seed, exclude, limit)[0]
-        rows = rows[:taken]
-        # By question id (question numbers differ in a restored shard), each question's
-        # answers in order of arrival.
-        numbers, where = np.unique(self.store.columns["owners"][rows], return_inverse=True)
-        uids = [self.names[n] for n in numbers.tolist()]
-        rank = np.argsort(np.argsort(np.array(uids, dtype=object), kind="stable"))
-        order = np.argsort(rank[where], kind="stable")
-        uids = sorted(uids)
-        packed = self.store.gather(uids, np.bincount(rank[where], minlength=len(uids)), rows[order],
-                                   prompts=self._prompts(uids))
-        return packed.facts_only(), packed
-
-    def _race(self, count: int, version: int, decay: float, max_age: int, seed: int, exclude: list[str],
-              limit: DrawLimit | None) -> tuple[np.ndarray, np.ndarray, int]:
-        """`race_times`' draw: (the rows of the first `count` to arrive and their times, in
-        order of arrival; answers the limit held back)."""
-        rng = np.random.default_rng(seed)
-        rows = self.store.live()
-        facts = self.store.columns["facts"]  # read field by field: a gather of whole records costs 10x
-        advantage, versions = np.abs(facts["advantage"][rows]), facts["version"][rows]
-        keep = advantage > 0  # NaN (not known) and 0 (no signal) are never drawn
-        if max_age >= 0:
-            keep &= versions >= version - max_age
-        numbers = [self.questions[uid].number for uid in exclude if uid in self.questions]
-        if numbers:
-            keep &= ~np.isin(self.store.columns["owners"][rows], np.array(numbers, np.int32))
-        held_back = 0
-        if limit is not None and limit.limits:
-            allowed = limit.allows(facts[rows], self.store.origins)
-            held_back = int((keep & ~allowed).sum())
-            keep &= allowed
-        # One time per live row, kept or not: the same draw whatever is left out.
-        times = rng.standard_exponential(len(rows), dtype=np.float32)
-        rows, times = rows[keep], times[keep] / priorities(advantage[keep], version - versions[keep], decay)
-        first = np.argpartition(times, count - 1)[:count] if 0 < count < len(times) else np.arange(len(times))[:count]
-        first = first[np.argsort(times[first], kind="stable")]
-        return rows[first], times[first], held_back
-
-    def _prompts(self, uids: list[str]) -> list[np.ndarray]:
-        """Each question's prompt ids (none for one not held here)."""
-        return [entry.prompt_ids if (entry := self.questions.get(uid)) is not None else np.empty(0, np.int32)
-                for uid in uids]
+    def keep(self, key, value) -> None:
+        """Keep `value` for a draw's second call (`kept`), the oldest forgotten beyond `KEPT`."""
+        while len(self.kept) >= self.KEPT:
+            del self.kept[next(iter(self.kept))]
+        self.kept[key] = value
 
     def stored_answers(self, uids: list[str], limit: DrawLimit | None = None
                        ) -> tuple[tuple[list[tuple[str, list[int]]], int], PackedAnswers]:
@@ -355,18 +274,17 @@ class ReplayShard:
         packed with their prompts). Two values so that a caller can read the small index and
         pass the answers on by reference (`.options(num_returns=2)`)."""
         present = [uid for uid in dict.fromkeys(uids) if uid in self.questions]
-        entries = [self.questions[uid] for uid in present]
-        rows, sizes, held_back = self._usable(entries, limit)
+        rows, sizes, held_back = self.usable(present, limit)
         kept = sizes > 0
         present = [uid for uid, k in zip(present, kept.tolist()) if k]
-        packed = self.store.gather(present, sizes[kept], rows, prompts=self._prompts(present))
+        packed = self.pack(present, sizes[kept], rows)
         serials = np.split(self.store.columns["serials"][rows], cumulative_offsets(sizes[kept])[1:-1])
         return ([(uid, own.tolist()) for uid, own in zip(present, serials)], held_back), packed
 
     def answers_by_serial(self, uids: list[str], serials: list[int]) -> tuple[DrawnFacts, PackedAnswers]:
         """The stored answer of serial number `serials[q]` of each question `uids[q]`, packed;
         a question that no longer holds it (retired, evicted, or a restored shard's new
-        numbering) is left out. Their facts, then the answers with their prompts (`sample_packed`)."""
+        numbering) is left out. Their facts, then the answers with their prompts."""
         found_uids, rows = [], []
         for uid, serial in zip(uids, serials):
             entry = self.questions.get(uid)
@@ -375,11 +293,11 @@ class ReplayShard:
                 if len(match):
                     found_uids.append(uid)
                     rows.append(entry.rows[match[0]])
-        packed = self.store.gather(found_uids, [1] * len(found_uids), np.array(rows, np.int64),
-                                   prompts=self._prompts(found_uids))
+        packed = self.pack(found_uids, [1] * len(found_uids), np.array(rows, np.int64))
         return packed.facts_only(), packed
 
-    def _excluded_by_bucket(self, exclude: list[str]) -> dict[int, list[str]]:
+    def excluded_by_bucket(self, exclude: list[str]) -> dict[int, list[str]]:
+        """Those of the questions `exclude` held here in a bucket, by bucket."""
         by_bucket: dict[int, list[str]] = {}
         for uid in set(exclude):
             entry = self.questions.get(uid)
@@ -389,25 +307,10 @@ class ReplayShard:
 
     def bucket_sizes(self, exclude: list[str] = ()) -> dict[int, int]:
         """Questions per bucket (those in `exclude` not counted)."""
-        return self._sizes_without(self._excluded_by_bucket(exclude))
-
-    def _sizes_without(self, excluded: dict[int, list[str]]) -> dict[int, int]:
         sizes = self.buckets.sizes()
-        for k, uids in excluded.items():
+        for k, uids in self.excluded_by_bucket(exclude).items():
             sizes[k] -= len(uids)
         return {k: n for k, n in sizes.items() if n}
-
-    def offer_questions(self, count: int, buckets: list[int], seed: int, exclude: list[str] = ()
-                        ) -> tuple[dict[int, int], dict[int, list[str]]]:
-        """This shard's part of a draw of up to `count` questions from `buckets`, none in
-        `exclude`: (questions per bucket, and up to `count` of each bucket's in a uniformly
-        random order). Any first n of a bucket's offer are n of its questions drawn
-        uniformly without replacement, so the caller takes them in order as it plans the
-        draw over every shard: one call per shard."""
-        rng = np.random.default_rng(seed)
-        excluded, wanted = self._excluded_by_bucket(exclude), set(buckets)
-        sizes = {k: n for k, n in self._sizes_without(excluded).items() if k in wanted}
-        return sizes, {k: self.buckets.sample(rng, k, count, excluded.get(k, [])) for k in sorted(sizes)}
 
     def stats(self, now_step: int | None = None) -> dict:
         """Counts; `bytes`: the live answers' arrays (8 bytes per token, `AnswerStore.ROW_BYTES`
@@ -485,7 +388,7 @@ class ReplayShard:
         # Question by question into reserved room: one append of everything would first
         # concatenate it all, twice the content in memory at once.
         questions = part["questions"]
-        self.races.clear()
+        self.kept.clear()
         self.store = AnswerStore()
         self.store.reserve(sum(len(entry.tokens) for _, entry in questions), sum(len(entry) for _, entry in questions))
         self.store.origins = dict(part.get("origins", {}))

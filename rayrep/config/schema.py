@@ -173,7 +173,7 @@ class PrioritizedConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # The choices are the registry's (`rayrep.algos.ALGORITHMS`; a test holds them equal).
+    # The choices are the registry's (`rayrep.algos.registry.ALGORITHMS`; a test holds them equal).
     name: Literal["grpo", "rlep", "exgrpo", "prioritized"] = option("grpo", "grpo: the DAPO baseline; rlep / exgrpo: the papers' replay methods; prioritized: answer-level replay by |advantage| and freshness")
     prompts_per_step: int = option(512, "questions per rollout step (B)", min=1)
     group_size: int = option(16, "fresh rollouts per question (G; K in ExGRPO)", min=2)

@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from rayrep.algos import ALGORITHMS, GRPO
+from rayrep.algos.registry import ALGORITHMS, GRPO
 from rayrep.buffer.files import check_pool_file
 from rayrep.config import Config, ConfigError, InputError, differing_fields
 from rayrep.eval.runner import evaluate_checkpoint

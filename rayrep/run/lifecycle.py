@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from rayrep.algos import AlgorithmInputs, algorithm_class, check_inputs, make_algorithm
+from rayrep.algos.registry import AlgorithmInputs, algorithm_class, check_inputs, make_algorithm
 from rayrep.algos.interface import Algorithm
 from rayrep.buffer.answers import Origin
 from rayrep.buffer.replay import store_kind

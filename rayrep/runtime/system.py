@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rayrep.algos import algorithm_class
+from rayrep.algos.registry import algorithm_class
 from rayrep.buffer.replay import ReplayStore, open_replay_store, store_kind
 from rayrep.cluster.memory import DeviceLedger, RunPhase, check_memory, ledger_gpus, memory_plan
 from rayrep.cluster.placement import Placement, Plan, make_plan
