@@ -116,7 +116,7 @@ def one_learner_and_generator(cfg, path: str):
     from rayrep.cluster.placement import Placement, make_plan
     from rayrep.generator.group import GeneratorGroup
     from rayrep.learner.group import LearnerGroup
-    from rayrep.runtime.system import connect_ray
+    from rayrep.roles.system import connect_ray
     from rayrep.sync.weights import WeightSync
 
     plan = make_plan(cfg)

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--out", help="write the JSON report here (default: "
                                       "<logging.out_dir>/eval/<checkpoint>-<time>.json)")
     args, cfg = parse_job_args(parser, argv)
-    from rayrep.eval.runner import evaluate_checkpoint  # Ray, torch, vLLM: once the command line holds
+    from rayrep.eval.evaluate import evaluate_checkpoint  # Ray, torch, vLLM: once the command line holds
 
     if args.prompts:
         cfg = cfg.replace(**{"data.test_files": args.prompts})

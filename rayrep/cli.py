@@ -151,7 +151,7 @@ def parse_job_args(parser, argv: list[str] | None = None):
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: config error: {err}\n")
     if args.plans and args.dry_run:
-        from rayrep.runtime.system import run_plan  # (torch and Ray: not for --help or a config error)
+        from rayrep.roles.system import run_plan  # (torch and Ray: not for --help or a config error)
 
         lines = [run_plan(cfg, train=args.trains).describe(), engine_description(cfg)]
         plan = memory_plan(cfg, trains=args.trains)

@@ -33,7 +33,7 @@ from rayrep.config import Config
 from rayrep.data import PromptSampler
 from rayrep.generator.group import Share
 from rayrep.run.record import StepRecord
-from rayrep.runtime.system import Runtime
+from rayrep.roles.system import Runtime
 from rayrep.types import PAUSED, AnyRollout, Group, StepBatch, StepPlan
 
 

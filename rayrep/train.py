@@ -5,7 +5,7 @@
 Each step is written out below in that order, with typed calls on the actor groups. What
 surrounds the loop lives elsewhere: a run's folder, resume, checkpoints, evaluations and
 restarts after a learner dies in `rayrep.run`; a step's rounds (dynamic-sampling refills, asynchronous
-look-ahead, stale drops) in `rayrep.rollouts`; the actors in `rayrep.runtime`.
+look-ahead, stale drops) in `rayrep.rollouts`; the actors in `rayrep.roles`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayrep.runtime.system import run_plan
+from rayrep.roles.system import run_plan
 from rayrep.config import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,10 +16,10 @@ import pytest
 from conftest import job_here
 
 import rayrep.eval.report as evaluation
-import rayrep.eval.runner
+import rayrep.eval.evaluate
 from rayrep.eval import summarize_by_source
 from rayrep.eval.report import default_report_path, eval_report, format_table, write_report
-from rayrep.eval.runner import eval_slices, score_answers
+from rayrep.eval.evaluate import eval_slices, score_answers
 from rayrep.progress import Progress
 from rayrep.types import Prompt
 
@@ -293,7 +293,7 @@ def test_fixed_answers_score_as_counted_by_hand(verifiers, tiny_cfg, tmp_path):
 def test_slices_give_the_same_numbers_and_report_progress(verifiers, monkeypatch):
     """Slicing changes only how the work is cut. MIN_SLICE_ANSWERS is shrunk (monkeypatch) so
     that 14 answers make several slices: at least 2 answers (1 per verifier) each."""
-    monkeypatch.setattr(rayrep.eval.runner, "MIN_SLICE_ANSWERS", 1)
+    monkeypatch.setattr(rayrep.eval.evaluate, "MIN_SLICE_ANSWERS", 1)
     assert eval_slices([len(a) for a in ANSWERS], 2) == [range(i, i + 1) for i in range(5)]
     lines: list[str] = []
     sliced = score_answers(verifiers, PROMPTS, ANSWERS, progress=Progress(5, "eval", unit="question", log=lines.append))

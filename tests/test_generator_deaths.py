@@ -23,7 +23,7 @@ from conftest import kill_and_wait
 from rayrep.cluster.placement import Placement, make_plan, weight_transport
 from rayrep.data import encode_prompts, load_split
 from rayrep.generator.group import GeneratorGroup
-from rayrep.runtime.system import Runtime
+from rayrep.roles.system import Runtime
 from rayrep.types import LossSpec
 from test_learner_and_sync import synthetic_batch
 

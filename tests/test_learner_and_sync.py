@@ -661,7 +661,7 @@ def test_model_config_overrides_reach_learners_generators_and_checkpoints(ray_cl
     from transformers import AutoModelForCausalLM
 
     from rayrep.config import InputError
-    from rayrep.runtime.system import Runtime
+    from rayrep.roles.system import Runtime
 
     long = {"data.max_prompt_tokens": 200, "generator.max_response_tokens": 100}  # 300 > the tiny policy's 256
     with pytest.raises(InputError, match="= 300 exceeds the 256 positions"):

@@ -123,7 +123,7 @@ def test_a_plan_that_cannot_fit_is_refused_with_its_numbers(tiny_policy):
                                                       + deepspeed.sizes[LEARNER][MASTER_GATHERED])
     assert deepspeed.sizes[LEARNER][WHOLE_TENSOR] == 0 < deepspeed.sizes[LEARNER][MASTER_GATHERED]
     # a GPU run refuses before anything starts (the tiny policy on 1 GiB GPUs)
-    from rayrep.runtime.system import Runtime
+    from rayrep.roles.system import Runtime
 
     tiny_gpu = load_preset("tiny-cpu").replace(**{"placement.device": "gpu", "placement.gpu_memory_gib": 1.0})
     with pytest.raises(InputError, match="memory plan does not fit"):
@@ -177,7 +177,7 @@ def test_the_allocator_keeps_what_an_operation_freed_until_its_cache_is_released
     assert learner.report().at_peak == {PARAMETERS: 4}  # (what it held as the interval began)
     # vLLM maps and unmaps an engine's weights and KV cache itself: asleep, they leave at once
     engine = Residency("generator 0", ENGINE, {WEIGHTS: DEVICE, KV_CACHE: DEVICE, ENGINE_RUNTIME: DEVICE},
-                       {WEIGHTS: 14, KV_CACHE: 50, ENGINE_RUNTIME: 1}, pooled=(WEIGHTS, KV_CACHE))
+                       {WEIGHTS: 14, KV_CACHE: 50, ENGINE_RUNTIME: 1}, engine_mapped=(WEIGHTS, KV_CACHE))
     engine.move(WEIGHTS, DROPPED)
     engine.move(KV_CACHE, DROPPED)
     assert engine.reserved == 1

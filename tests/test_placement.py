@@ -9,7 +9,7 @@ import ray
 
 from rayrep.cluster.placement import Placement, PlacementError, check_fits, free_port, make_plan
 from rayrep.config import ConfigError, load_preset
-from rayrep.runtime.system import run_plan
+from rayrep.roles.system import run_plan
 from rayrep.sync.weights import engine_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def test_every_actor_of_a_run_starts_with_the_run_environment(ray_cluster, tmp_p
     import os
 
     from rayrep.library_output import LIBRARY_LOG_ENV
-    from rayrep.runtime.system import actor_environment
+    from rayrep.roles.system import actor_environment
     from rayrep.sync.collective import nccl_environment
 
     assert nccl_environment({"NCCL_DEBUG": "WARN", "PATH": "/bin"}) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_DEBUG": "WARN"}

@@ -227,7 +227,7 @@ def test_transformers_loads_and_generates(tiny_policy):
 
 def test_tiny_policy_lands_in_the_target_band(ray_cluster, tiny_policy, tiny_cfg):
     """pass@1 at T=1.0 between 15% and 60%: useful, with room for RL to improve."""
-    from rayrep.eval.runner import evaluate_checkpoint
+    from rayrep.eval.evaluate import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(tiny_cfg, tiny_policy)
     assert metrics["questions"] == tiny_cfg.data.arithmetic_test_size

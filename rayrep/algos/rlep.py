@@ -61,9 +61,10 @@ class RLEP(GRPO):
         if cfg.replay.pool:
             if cfg.algorithm.rlep.pool:
                 raise ConfigError(
-                    f"algorithm.rlep.pool={cfg.algorithm.rlep.pool!r} and replay.pool={cfg.replay.pool!r}: an attached "
-                    f"RLEP run replays the shared pool; import the file into it (jobs/pool.py import --name "
-                    f"{cfg.replay.pool} {cfg.algorithm.rlep.pool})")
+                    f"algorithm.rlep.pool={cfg.algorithm.rlep.pool!r} and replay.pool={cfg.replay.pool!r}: an RLEP run "
+                    f"attached to a shared pool replays what the shared pool holds, not an experience pool file; "
+                    f"import the file into the shared pool first (jobs/pool.py import --name {cfg.replay.pool} "
+                    f"{cfg.algorithm.rlep.pool})")
             return inputs
         return dataclasses.replace(inputs, pool=load_pool(cfg, inputs.prompt_ids))
 
@@ -89,7 +90,7 @@ class RLEP(GRPO):
 
     def plan(self, sampler: PromptSampler, questions: int, exclude: frozenset[str] = frozenset(),
              version: int = 0) -> StepPlan:
-        """G fresh rollouts per question, and up to M of its pooled successes (those the draw
+        """G fresh rollouts per question, and up to M of its stored successes (those the draw
         limit allows at policy version `version`), drawn now."""
         fresh = super().plan(sampler, questions, exclude)
         wanted = self.cfg.algorithm.rlep.replays_per_group

@@ -7,7 +7,7 @@ makes at most one call per shard, all shards in parallel, each shard method call
 name. With zero shards the buffer keeps one `ReplayShard` in-process (unit tests follow
 the same code). The store knows no algorithm: an algorithm's draw is a function of
 `rayrep.algos.sampling` that the store runs on the shards (`draw`). In a run, the shards are placed and started with the other roles
-(`rayrep.runtime.system.Runtime`) and stopped with them.
+(`rayrep.roles.system.Runtime`) and stopped with them.
 
 Snapshots are Parquet files (schema version in the file metadata): `answers.parquet`
 holds one row per stored answer, `questions.parquet` one row per question (bucket,

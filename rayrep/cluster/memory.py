@@ -169,7 +169,7 @@ class ModelShape:
 
 class RunPhase(StrEnum):
     """The phases of a run, one name each for the memory plan's timeline, the transitions the
-    runtime reports to the ledger (`rayrep.runtime.system`) and the metrics named after them
+    runtime reports to the ledger (`rayrep.roles.system`) and the metrics named after them
     (`metric`)."""
 
     LEARNER_SET_UP = "learner set-up"
@@ -344,7 +344,7 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
 
 
 def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True) -> tuple[Phase, ...]:
-    """The run's phases in the order the runtime takes them (`rayrep.runtime.system`), each
+    """The run's phases in the order the runtime takes them (`rayrep.roles.system`), each
     with what each holder may hold on one GPU then."""
     learner, engine = sizes[LEARNER], sizes[ENGINE]
 

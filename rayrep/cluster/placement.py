@@ -156,7 +156,7 @@ def describe_transport(transport: str, gpu: bool) -> str:
 
 def make_plan(cfg: Config, learners: bool = True, replay_shards: int = 0) -> Plan:
     """The plan of a run; `learners=False` leaves the learner role out (sampling jobs);
-    `replay_shards`: the replay store's shards to place (`rayrep.runtime.system.run_plan`
+    `replay_shards`: the replay store's shards to place (`rayrep.roles.system.run_plan`
     asks the run's algorithm and store how many).
 
     Engine e of tensor-parallel size T spans bundles e*T .. e*T + T - 1 of its role's
@@ -232,7 +232,7 @@ class Placement:
         """Checks the plan against the cluster first (`check_fits`), then creates the groups
         and waits for them, logging what is pending every 30 s, up to `timeout_s`.
         `actor_env`: environment variables every actor placed here starts with (the run's
-        library log, its NCCL settings: `rayrep.runtime.system.actor_environment`).
+        library log, its NCCL settings: `rayrep.roles.system.actor_environment`).
         `autoscaling_config`: where an autoscaler v1's config may be read (`cluster_capacity`)."""
         import ray
         from ray.util.placement_group import placement_group

@@ -14,7 +14,7 @@ each part also has a size in bytes, and the object keeps a model of what the pro
 its GPU: the parts on the device, the parts an operation under way allocated for itself
 (`working`), and what torch's caching allocator keeps reserved after they are freed (the
 most it held since the last `release_cache`, which is torch's `empty_cache`). Parts that vLLM
-maps and unmaps itself (an engine's weights and KV cache: `pooled`) go back to the device at
+maps and unmaps itself (an engine's weights and KV cache: `engine_mapped`) go back to the device at
 once. `report` gives the runtime's ledger (`rayrep.cluster.memory.DeviceLedger`) the peak since
 the last report, with what made it, and on GPUs what torch measured beside it (its
 own process's reserved bytes, and the whole device's use).
@@ -63,15 +63,15 @@ class Holding:
 
 class Residency:
     def __init__(self, owner: str, role: str, where: Mapping[str, str], sizes: Mapping[str, int] | None = None,
-                 device=None, pooled: Iterable[str] = ()):
+                 device=None, engine_mapped: Iterable[str] = ()):
         """`where`: each part's place at the start. `sizes`: bytes per part (the memory plan's
         figures; a move or an operation may give a part's real size instead), None where the
         run does not model its GPUs. `device`: the torch device the process computes on (a
-        CUDA one is measured too). `pooled`: parts whose memory leaves the device at once."""
+        CUDA one is measured too). `engine_mapped`: parts whose memory leaves the device at once."""
         self.owner, self.role, self.device = owner, role, device
         self.where = dict(where)
         self.sizes = dict(sizes or {})
-        self.pooled = frozenset(pooled)
+        self.engine_mapped = frozenset(engine_mapped)
         self.working: dict[str, int] = {}
         """Parts the operation under way allocated for itself, with their bytes."""
         self.cached = 0
@@ -129,7 +129,7 @@ class Residency:
 
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        self.cached = self._allocated(pooled=False)
+        self.cached = self._allocated(engine_mapped=False)
         self._count()
 
     def _parts_on_device(self) -> dict[str, int]:
@@ -138,18 +138,18 @@ class Residency:
             held[part] = held.get(part, 0) + nbytes
         return held
 
-    def _allocated(self, pooled: bool) -> int:
-        return sum(n for part, n in self._parts_on_device().items() if (part in self.pooled) == pooled)
+    def _allocated(self, engine_mapped: bool) -> int:
+        return sum(n for part, n in self._parts_on_device().items() if (part in self.engine_mapped) == engine_mapped)
 
     @property
     def reserved(self) -> int:
-        return self._allocated(pooled=True) + self.cached
+        return self._allocated(engine_mapped=True) + self.cached
 
     def _count(self) -> None:
-        self.cached = max(self.cached, self._allocated(pooled=False))
+        self.cached = max(self.cached, self._allocated(engine_mapped=False))
         if self.reserved > self.peak:
             held = self._parts_on_device()
-            beyond = self.cached - self._allocated(pooled=False)
+            beyond = self.cached - self._allocated(engine_mapped=False)
             self.peak, self.at_peak = self.reserved, {**held, **({ALLOCATOR_CACHE: beyond} if beyond else {})}
 
     def report(self) -> Holding:

@@ -1,5 +1,5 @@
-"""Evaluation, one floor above the runtime: the runner that evaluates a policy on a runtime
-(`runner`) and the report (`report`). The formulas it uses are pure statistics on the bottom
+"""Evaluation, one floor above the roles: the one path that evaluates a policy on a run's
+generators and verifiers (`evaluate`) and the report (`report`). The formulas it uses are pure statistics on the bottom
 floor (`rayrep.stats.formulas`: avg@k, unbiased pass@k, the standard error; maj@k votes with
 the verifier, `rayrep.verifier.voting`); their names here are stable:
 `rayrep.eval.pass_at_k`, `rayrep.eval.maj_at_k`."""

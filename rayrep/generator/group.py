@@ -98,7 +98,7 @@ class GeneratorGroup:
         replaced). `on_replaced(slots)`: brings replacements to the current policy."""
         self.checkpoint_version = version
         """The policy version of the checkpoint the engines load (a replacement's too, until the
-        runtime brings it to the current policy: `rayrep.runtime.system.Runtime.version`)."""
+        runtime brings it to the current policy: `rayrep.roles.system.Runtime.version`)."""
         start = (lambda slot: start_worker(cfg, model_path, placement, slot, version)) if cfg is not None else None
         self.supervisor = Supervisor("generator", workers, start,
                                      ready=lambda slot, worker: worker.policy_version.remote(),

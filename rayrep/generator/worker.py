@@ -255,7 +255,7 @@ def engine_residency(cfg: Config, worker_index: int, built: bool = False) -> Res
     measured = cfg.placement.device == "gpu" and cfg.generator.tensor_parallel_size == 1 and torch.cuda.is_available()
     return Residency(f"generator {worker_index}", ENGINE, {part: DEVICE if built else ABSENT for part in ENGINE_AWAKE},
                      plan.sizes[ENGINE] if plan else None,
-                     torch.device("cuda", torch.cuda.current_device()) if measured else None, pooled=SLEEP_TAGS)
+                     torch.device("cuda", torch.cuda.current_device()) if measured else None, engine_mapped=SLEEP_TAGS)
 
 
 # The class stays plain (importable by name) so Ray pickles its methods by reference.

@@ -12,7 +12,7 @@ from rayrep.buffer.files import write_pool
 from rayrep.config import Config
 from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.progress import Progress
-from rayrep.runtime.system import Runtime
+from rayrep.roles.system import Runtime
 from rayrep.types import Prompt
 
 

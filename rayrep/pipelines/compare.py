@@ -18,7 +18,7 @@ from pathlib import Path
 from rayrep.algos.registry import ALGORITHMS, GRPO
 from rayrep.buffer.files import check_pool_file
 from rayrep.config import Config, ConfigError, InputError, differing_fields
-from rayrep.eval.runner import evaluate_checkpoint
+from rayrep.eval.evaluate import evaluate_checkpoint
 from rayrep.stats.study import compare_runs, comparison_table
 from rayrep.pipelines.collect import collect_pool
 from rayrep.pipelines.summary import PAGE, PLOT, RECORD, eval_table, pipeline_record, render

@@ -33,7 +33,7 @@ from rayrep.data import PromptSampler
 from rayrep.errors import InputError
 from rayrep.run.layout import STATE_FILE, RunFolder
 from rayrep.run.record import StepRecord
-from rayrep.runtime.system import Runtime
+from rayrep.roles.system import Runtime
 
 FORMAT = 1
 

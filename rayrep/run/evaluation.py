@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rayrep.config import Config, ConfigError, differing_fields
-from rayrep.eval.runner import evaluate
+from rayrep.eval.evaluate import evaluate
 from rayrep.run.layout import RunFolder
-from rayrep.runtime.system import Runtime
+from rayrep.roles.system import Runtime
 from rayrep.types import Prompt
 
 

@@ -35,7 +35,7 @@ from rayrep.run.layout import RunFolder
 from rayrep.run.log import MetricsLog, keep_metrics_until, step_fields
 from rayrep.run.record import StepRecord
 from rayrep.run.restarts import learner_death
-from rayrep.runtime.system import Runtime
+from rayrep.roles.system import Runtime
 
 
 @dataclass

@@ -13,7 +13,7 @@ from rayrep.learner import LearnerDied
 from rayrep.run.checkpoints import latest_checkpoint, resumable
 from rayrep.run.layout import RunFolder
 from rayrep.run.log import keep_metrics_until
-from rayrep.runtime.system import Runtime
+from rayrep.roles.system import Runtime
 
 
 def learner_death(runtime: Runtime, folder: RunFolder, step: int, saved: Path | None) -> LearnerDied | None:

@@ -146,7 +146,7 @@ class Checking:
         self.group, self.truths, self.majority = group, truths, majority
         self.parts: list[PendingRollouts] = []
         self.sent: list[tuple[ray.actor.ActorHandle, ray.ObjectRef]] = []
-        """Each part's verifier and the ref of its verdicts (for a pool with actors)."""
+        """Each part's verifier and the ref of its verdicts (for a group with actors)."""
 
     def send(self, part: PendingRollouts) -> None:
         self.parts.append(part)

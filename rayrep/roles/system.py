@@ -25,7 +25,7 @@ from rayrep.generator.group import GeneratorGroup
 from rayrep.learner.group import LearnerGroup
 from rayrep.library_output import library_log_env
 from rayrep.models import check_context
-from rayrep.runtime.turns import OwnDevices, SharedGpus
+from rayrep.roles.turns import OwnDevices, SharedGpus
 from rayrep.sync.weights import WeightSync
 from rayrep.sync.collective import nccl_environment
 from rayrep.verifier.group import VerifierGroup
@@ -79,7 +79,7 @@ class Runtime:
 
     Colocated, a learner rank and an engine worker share each GPU and take turns
     (`placement.takes_turns`): what moves at each hand-over below is `turns`' to say
-    (`rayrep.runtime.turns`), in the order the memory plan's timeline gives (`rayrep.cluster.memory`).
+    (`rayrep.roles.turns`), in the order the memory plan's timeline gives (`rayrep.cluster.memory`).
     Where the run models its GPUs, every transition is reported to the device-memory ledger
     (`observe`), which refuses (CPU runs emulating GPUs) or logs (GPU runs) a GPU that would
     overflow or a holder beyond its plan."""
@@ -182,7 +182,7 @@ class Runtime:
 
     def hand_over_to_learners(self) -> None:
         """Where colocated roles take turns: the engines sleep, then the learners bring their
-        state back (`rayrep.runtime.turns`). Elsewhere nothing moves, and no call is made."""
+        state back (`rayrep.roles.turns`). Elsewhere nothing moves, and no call is made."""
         self.turns.to_learners()
 
     def restore_learners(self, folder: str, shared: dict) -> None:

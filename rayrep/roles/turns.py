@@ -7,7 +7,7 @@ gives (`rayrep.cluster.memory.timeline`). Elsewhere (disaggregated GPUs, CPU run
 keeps its devices and a hand-over moves nothing (`OwnDevices`); it makes no call either: a
 call would wait behind the generators' work in flight (asynchronous rollouts).
 
-The runtime (`rayrep.runtime.system.Runtime`) calls the same methods in either case and
+The runtime (`rayrep.roles.system.Runtime`) calls the same methods in either case and
 reports the transitions both share; each of these methods reports those of its own moves
 (`observe`, the device-memory ledger's view).
 """

@@ -12,7 +12,7 @@ from rayrep.config import Config
 from rayrep.stats.formulas import summarize_by_source
 from rayrep.generator.group import PendingRollouts, Share, split_evenly
 from rayrep.progress import Progress
-from rayrep.runtime.system import Runtime
+from rayrep.roles.system import Runtime
 from rayrep.types import Prompt, Rollout
 from rayrep.verifier.group import VerifierGroup
 
