@@ -56,7 +56,7 @@ import ray
 from rayrep.algos.sampling.exgrpo import sample_questions
 from rayrep.algos.sampling.prioritized import race_answers
 from rayrep.algos.sampling.rlep import draw_answers
-from rayrep.buffer.answers import Answer
+from rayrep.types import Answer
 from rayrep.buffer.pool import start_pool, stop_pool
 from rayrep.buffer.replay import AttachedPool, ReplayBuffer
 
@@ -96,7 +96,7 @@ def make_batch(first_question: int, questions: int, answers: int, tokens: int, r
         uid = f"question-{first_question + q}"
         rows = range(q * answers, (q + 1) * answers)
         items.append((uid, np.arange(128, dtype=np.int32),
-                      [Answer(ids[r], logprobs[r], 1.0, r % 8, "pool", first_question + q, advantage=advantages[r])
+                      [Answer.of_arrays(ids[r], logprobs[r], 1.0, r % 8, "pool", first_question + q, advantage=advantages[r])
                        for r in rows]))
     return items
 

@@ -6,8 +6,9 @@ Three data paths of a step's answers, each run in a driver of a local Ray instan
 own, without actors, on synthetic answers of a given shape put into the object store as a
 generator's result is:
 
-- `refs` (rayrep's): the driver reads each generator part's facts (`PartFacts`: lengths,
-  finish reasons, the version), holds the answers as `RolloutRef`s, builds the groups and
+- `refs` (rayrep's): the driver reads each generator part's facts (`PartFacts`: each
+  answer's record, its length, finish reason and version), holds the answers as `Answer`s
+  that say where their arrays are, builds the groups and
   `GRPO.build`'s `BatchRecipe` (rewards, advantages, the rows by reference), and puts the
   recipe for the learners; each learner rank then reads the rows and collates the batch
   (`BatchRecipe.collate`, timed here as `rank s`: work done on every rank, not the driver);
@@ -129,7 +130,7 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
 
     from rayrep.algos.grpo import GRPO
     from rayrep.config import load_preset
-    from rayrep.types import AnswerFacts, Group, GroupAnswer, PartFacts, Prompt, RolloutRef
+    from rayrep.types import Answer, Group, PartFacts, Prompt
 
     spec = SHAPES[shape]
     cfg = load_preset(spec["preset"])
@@ -141,7 +142,8 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
     ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         shares = make_answers(shape, lists=kind == "lists")
-        facts = PartFacts(list(range(len(shares))), [[AnswerFacts.of(r) for r in per_question] for per_question in shares])
+        facts = PartFacts(list(range(len(shares))), [[Answer.sampled(None, (p, a), r) for a, r in enumerate(per_question)]
+                                                     for p, per_question in enumerate(shares)])
         result, facts_ref = ray.put(shares), ray.put(facts)
         bytes_in = serialized_bytes(facts if kind == "refs" else shares)
         del shares
@@ -153,14 +155,13 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
                 begin = time.process_time()
                 if kind == "refs":  # the facts; the part stays where it is
                     read = ray.get(facts_ref)
-                    rollouts = [[RolloutRef.at(result, (p, a), answer) for a, answer in enumerate(per_question)]
-                                for p, per_question in enumerate(read.answers)]
+                    held = [[a._replace(at=result) for a in per_question] for per_question in read.answers]
                 else:
-                    rollouts = ray.get(result)
+                    held = [[Answer.of(r) for r in per_question] for per_question in ray.get(result)]
                 figures["in_seconds"] = time.process_time() - begin
                 begin = time.process_time()
-                groups = [Group(p, tuple(GroupAnswer(*answer) for answer in zip(r, ok, replayed)))
-                          for p, r, ok in zip(prompts, rollouts, correct)]
+                groups = [Group(p, tuple(a._replace(correct=right, replayed=again) for a, right, again in zip(r, ok, replayed)))
+                          for p, r, ok in zip(prompts, held, correct)]
                 built = GRPO(cfg).build(groups, step=1)
                 sending = built.recipe if kind == "refs" else built.batch
                 figures["build_seconds"] = time.process_time() - begin
@@ -174,7 +175,7 @@ def measure(shape: str, kind: str, repeats: int) -> dict:
             figures["rank_seconds"] = time.process_time() - begin if kind == "refs" else 0.0
             tokens = int(batch.response_mask.sum())
             runs.append(figures)
-            del rollouts, groups, built, sending, sent, batch
+            del held, groups, built, sending, sent, batch
             gc.collect()
     finally:
         ray.shutdown()

@@ -197,7 +197,8 @@ def order_check(model_dir: str, config, device: torch.device) -> dict:
     """ExGRPO's order on the real learner, and offload / onload bit for bit (defect 1)."""
     import numpy as np
 
-    from rayrep.buffer.answers import Answer, PackedAnswers
+    from rayrep.buffer.answers import PackedAnswers
+    from rayrep.types import Answer
     from rayrep.cluster.memory import OPTIMIZER, PARAMETERS
     from rayrep.types import LossSpec
 
@@ -210,7 +211,7 @@ def order_check(model_dir: str, config, device: torch.device) -> dict:
     try:
         batch = mixed_batch(config.vocab_size, 8, 64, 256)
         generator = torch.Generator().manual_seed(1)
-        answers = [Answer(np.array(torch.randint(3, config.vocab_size, (n,), generator=generator), np.int32),
+        answers = [Answer.of_arrays(np.array(torch.randint(3, config.vocab_size, (n,), generator=generator), np.int32),
                           np.zeros(n, np.float32), 1.0) for n in (40, 90, 150)]
         packed = PackedAnswers.pack([("q", np.array(batch.input_ids[0, :64], np.int32), answers)])
         loss = LossSpec(entropy_coef=cfg.learner.entropy_coef)

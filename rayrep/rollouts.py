@@ -34,7 +34,7 @@ from rayrep.data import PromptSampler
 from rayrep.generator.group import Share
 from rayrep.run.record import StepRecord
 from rayrep.roles.system import Runtime
-from rayrep.types import PAUSED, AnyRollout, Group, StepBatch, StepPlan
+from rayrep.types import PAUSED, Answer, Group, StepBatch, StepPlan
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Carried:
     question's plan, and its answers, done or `PAUSED`, where the generators left them."""
 
     plan: StepPlan
-    answers: tuple[AnyRollout, ...]
+    answers: tuple[Answer, ...]
 
     @property
     def oldest(self) -> int:
@@ -153,15 +153,15 @@ class Rollouts:
         checking = self.runtime.verifiers.checking([p.ground_truth for p in questions])
         with record.timed("generate"):
             recovery: Counter = Counter()
-            _, rollouts = self.runtime.generators.complete(started.shares, recovery, on_arrival=checking.send)
+            _, answers = self.runtime.generators.complete(started.shares, recovery, on_arrival=checking.send)
         record.count(recovery, prefix="generator_")
         with record.timed("verify"):
             verdicts = checking.result()
         record.count(verdicts.statuses, prefix="verifier_")
-        return self.take(plans, rollouts, verdicts.correct, len(started.plan.prompts),
-                         sum(r.response_length for c in started.carried for r in c.answers), record)
+        return self.take(plans, answers, verdicts.correct, len(started.plan.prompts),
+                         sum(a.length for c in started.carried for a in c.answers), record)
 
-    def take(self, plans: list[StepPlan], rollouts: list[list[AnyRollout]], correct: list[list[bool]],
+    def take(self, plans: list[StepPlan], answers: list[list[Answer]], correct: list[list[bool]],
              carried_from: int, tokens_before: int, record: StepRecord) -> list[Group]:
         """The step's groups of a round's (one plan each, in call order, those from
         `carried_from` on carried over from the last round, holding `tokens_before` tokens as
@@ -171,24 +171,23 @@ class Rollouts:
         are carried to the next round: those stopped, and any done beyond B; and the tokens
         the round generated are counted (`partial_round_tokens`)."""
         partial = self.cfg.run.partial_rollouts
-        done = [i for i, answers in enumerate(rollouts) if not any(r.finish_reason == PAUSED for r in answers)]
+        done = [i for i, own in enumerate(answers) if not any(a.finish_reason == PAUSED for a in own)]
         marks = dict(zip(done, correct))
         taken = sorted(done, key=lambda i: (i < carried_from, i))  # (without carried groups: call order)
         if partial:
             taken = taken[:self.cfg.algorithm.prompts_per_step]
         groups = [group for i in taken for group in plans[i].complete(
-            [Group.sampled(plans[i].prompts[0], rollouts[i], marks[i])])]
-        carried = [Carried(plans[i], tuple(rollouts[i])) for i in range(len(plans)) if i not in set(taken)]
+            [Group.sampled(plans[i].prompts[0], answers[i], marks[i])])]
+        carried = [Carried(plans[i], tuple(answers[i])) for i in range(len(plans)) if i not in set(taken)]
         # (Added to any that no round took yet: with asynchronous rollouts two or more steps
         # ahead, the round after this one was started before this one's groups were carried.)
         self.carried += carried
         if not partial:
             return groups
-        paused = [r for c in carried for r in c.answers if r.finish_reason == PAUSED]
-        record.count({"partial_round_tokens": sum(r.response_length for answers in rollouts for r in answers)
-                      - tokens_before,
+        paused = [a for c in carried for a in c.answers if a.finish_reason == PAUSED]
+        record.count({"partial_round_tokens": sum(a.length for own in answers for a in own) - tokens_before,
                       "partial_groups_carried": len(carried), "partial_answers_paused": len(paused),
-                      "partial_tokens_paused": sum(r.response_length for r in paused)})
+                      "partial_tokens_paused": sum(a.length for a in paused)})
         return groups
 
     def stats(self, step_batch: StepBatch, record: StepRecord, version: int) -> dict[str, float]:
@@ -248,7 +247,7 @@ def drop_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Gr
     """Groups whose fresh rollouts are more than `max_lag` versions older than `version`
     (the learners' policy, which the update starts from) are not trained on; counted."""
     kept = [g for g in groups
-            if all(version - a.rollout.version <= max_lag for a in g.fresh())]
+            if all(version - a.version <= max_lag for a in g.fresh())]
     stale = len(groups) - len(kept)
     return kept, ({"stale_groups_dropped": stale} if stale else {})
 
@@ -258,29 +257,28 @@ def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
     trained answers are (of their oldest tokens): fresh ones' histogram (`fresh_lag_<k>`:
     answers), mean and max; replayed ones' mean; with partial rollouts, the share of fresh
     tokens sampled by an older policy than the one that finished their answer."""
-    fresh = [version - a.rollout.version for g in groups for a in g.fresh()]
-    replay = [version - a.rollout.version for g in groups for a in g.replays()]
+    fresh = [version - a.version for g in groups for a in g.fresh()]
+    replay = [version - a.version for g in groups for a in g.replays()]
     stats: dict[str, float] = {f"fresh_lag_{k}": n for k, n in sorted(Counter(fresh).items())}
     if fresh:
         stats.update(fresh_lag_mean=sum(fresh) / len(fresh), fresh_lag_max=max(fresh))
     if replay:
         stats["replay_lag_mean"] = sum(replay) / len(replay)
-    earlier = sum(a.rollout.earlier_tokens for g in groups for a in g.fresh())
+    earlier = sum(a.earlier_tokens for g in groups for a in g.fresh())
     if earlier:  # partial rollouts: answers continued under newer weights
-        tokens = sum(a.rollout.response_length for g in groups for a in g.fresh())
+        tokens = sum(a.length for g in groups for a in g.fresh())
         stats["fresh_earlier_token_share"] = earlier / max(1, tokens)
     return stats
 
 
 def rollout_stats(groups: Sequence[Group], generate_seconds: float) -> dict[str, float]:
     """What this step's fresh rollouts looked like (every verified group, trained or not)."""
-    answers = [a for g in groups for a in g.fresh()]
-    fresh, marks = [a.rollout for a in answers], [a.correct for a in answers]
-    tokens = sum(r.response_length for r in fresh)
+    fresh = [a for g in groups for a in g.fresh()]
+    tokens = sum(a.length for a in fresh)
     return {
-        "accuracy": sum(marks) / max(1, len(marks)),
+        "accuracy": sum(bool(a.correct) for a in fresh) / max(1, len(fresh)),
         "response_length": tokens / max(1, len(fresh)),
-        "truncated": sum(r.finish_reason == "length" for r in fresh) / max(1, len(fresh)),
+        "truncated": sum(a.finish_reason == "length" for a in fresh) / max(1, len(fresh)),
         "generated_tokens": tokens,
         "tokens_per_second": tokens / max(generate_seconds, 1e-9),
     }

@@ -1,15 +1,14 @@
 """The few data contracts that cross component boundaries.
 
 Names, used the same way everywhere:
-- a **rollout** is one response to one question, with its token ids and the behaviour
-  log-probs of the policy that produced it (sampled this step, or replayed); where the
-  arrays stay in the object store (with the generator that sampled them, or the buffer
-  shard that drew them), the driver holds a `RolloutRef`: what it decides on, and where
-  the arrays are;
-- a **group** is one question's rollouts in one training step (G fresh + M replayed);
-- a stored **answer** (`rayrep.buffer.answers.Answer`) is a response kept in the replay
-  buffer; it becomes a rollout again when it is replayed (within a group, each rollout with
-  its verdict is a `GroupAnswer`).
+- an **answer** (`Answer`) is one response to one question, the one record of it in every
+  role: what the driver decides on (its verdict, reward, advantage, length, finish reason,
+  policy versions, whether it was replayed, and what the replay buffer keeps of it) and
+  where its arrays are (`Answer.at`: with the generator that sampled it or the buffer
+  shard that drew it, read by the roles that need them with `answer_arrays`);
+- a **rollout** (`Rollout`) is an answer's arrays themselves, token ids and the behaviour
+  log-probs of the policy that produced them, as a generator made them;
+- a **group** is one question's answers in one training step (G fresh + M replayed).
 
 A field exists only when something reads it.
 """
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +55,8 @@ class Prompt:
 
 @dataclass(frozen=True, eq=False)
 class Rollout:
-    """One response to one question, as a generator returned it (or the buffer replays it).
+    """An answer's arrays, as a generator made them (the record the other roles hold of the
+    answer is an `Answer`, which says where these are).
 
     Token ids and log-probs are arrays (int32, float32; given as any sequence, they become
     such), never lists of Python numbers: an array crosses Ray as one buffer, read in place,
@@ -119,7 +120,7 @@ class Rollout:
 
 class AnswerSource(Protocol):
     """Where answers' arrays are kept: a generator's part of a generate call (`RolloutPart`),
-    or a draw of stored answers (`rayrep.buffer.answers.PackedAnswers`)."""
+    a draw of stored answers (`rayrep.buffer.answers.PackedAnswers`), or one `Rollout`."""
 
     def answer_arrays(self, key) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(prompt ids, response ids, behaviour log-probs; NaN where unknown) of answer `key`."""
@@ -140,72 +141,134 @@ PAUSED = "paused"
 """The finish reason of an answer that a generator stopped before its end, its tokens and
 log-probs so far kept, to be continued in a later call (partial rollouts)."""
 
+VERDICT_NAMES = {True: "correct", False: "wrong", None: "unchecked"}
+"""An answer's verdict (`Answer.correct`) as the replay buffer's files name it."""
 
-class AnswerFacts(NamedTuple):
-    """What the driver decides on of an answer whose arrays stay where they were made (the
-    fields of a `RolloutRef` besides where it is)."""
 
-    response_length: int
+class Answer(NamedTuple):
+    """One answer to one question: the one record of it in every role, from the generator
+    that samples it, through the verifiers, the algorithm and the learners, to the replay
+    buffer and back. It holds what the driver decides on and where its arrays are (`at`,
+    `key`), never the arrays: the roles that need them read them there (`answer_arrays`).
+    Each role's record is made from the last one's (`_replace`).
+
+    A new per-answer field is one field here (and, if the replay buffer keeps it, a field of
+    `rayrep.buffer.answers.FACTS` and a column of the snapshot files).
+
+    A named tuple, not a dataclass: a step makes and sends tens of thousands of them, and a
+    tuple is made 3.5x and pickled 2.6x as fast (measured: 1.1 against 3.7 us per copy with
+    one field changed)."""
+
+    at: object
+    """Where its arrays are: an object ref to an `AnswerSource` (a generator's part, a
+    shard's draw), or the source itself, here (a `Rollout` is its own source; the answers
+    of an in-process buffer's draw and of files read here)."""
+    key: object = None
+    """Its place in `at` (None where `at` is the answer's own `Rollout`)."""
+    length: int = 0
+    """Response tokens."""
     finish_reason: str = "stop"
+    """'stop', 'length' (cut at the response limit) or `PAUSED` (partial rollouts)."""
     version: int = 0
-    """The policy version of its oldest token."""
+    """The policy version that sampled it (of its oldest token, where it was continued
+    under newer weights)."""
     earlier_tokens: int = 0
     """Tokens sampled by an older policy than its last (`Rollout.earlier_tokens`)."""
+    correct: bool | None = None
+    """The verifier's verdict; None: not checked (not yet, or an imported answer that its
+    writer verified)."""
+    reward: float | None = None
+    """None until the algorithm has scored its group (verdict plus shaping), or, stored, the
+    reward it had."""
+    advantage: float | None = None
+    """The advantage it trains with (in the learners' batch), or was trained with when it was
+    stored (answer-level replay); None: not known yet (taken over its group's rewards)."""
+    replayed: bool = False
+    """Drawn from the replay buffer rather than sampled this step."""
+    source: str = "online"
+    """Where a stored answer came from: "pool" (RLEP's experience pool), "online" (a run's
+    own rollouts) or "external" (another model's text)."""
+    step: int = 0
+    """The training step (or pool id) at which it entered the replay buffer."""
+    temperature: float = math.nan
+    """The sampling temperature of the run that sampled it (NaN: not known)."""
+    run: str = ""
+    checkpoint: str = ""
+    """The run (its folder) that sampled it and the checkpoint that run started from."""
 
     @classmethod
-    def of(cls, rollout: Rollout) -> "AnswerFacts":
-        return cls(rollout.response_length, rollout.finish_reason, rollout.version, rollout.earlier_tokens)
-
-
-class PartFacts(NamedTuple):
-    """What the driver reads of a generator's `RolloutPart`, which it sends on by reference."""
-
-    positions: list[int]
-    """The part's prompts: their positions in the generate call's prompts."""
-    answers: list[list[AnswerFacts]]
-    """Per prompt, each answer's facts."""
-    lost_answers: int = 0
-    """Answers of carried groups whose tokens were lost with their node, sampled again from
-    their questions (partial rollouts; counted in a call's first part)."""
-
-
-@dataclass(frozen=True)
-class RolloutRef:
-    """A rollout whose arrays stay where they were made: what the driver holds of an answer
-    in a step. It decides on the facts (the verdict comes from the verifiers, who read the
-    arrays themselves); the learners and buffer shards read the arrays from `source`."""
-
-    source: object
-    """An object ref to an `AnswerSource` (or, for an in-process buffer, the source itself)."""
-    key: object
-    """The answer's place in its source."""
-    response_length: int
-    finish_reason: str = "stop"
-    version: int = 0
-    earlier_tokens: int = 0
+    def sampled(cls, at: object, key: object, rollout: Rollout) -> "Answer":
+        """A rollout as a generator returns it, its arrays at `key` of `at`."""
+        return cls(at, key, rollout.response_length, rollout.finish_reason, rollout.version, rollout.earlier_tokens)
 
     @classmethod
-    def at(cls, source: object, key: object, facts: AnswerFacts) -> "RolloutRef":
-        return cls(source, key, **facts._asdict())
+    def of(cls, rollout: Rollout, **facts) -> "Answer":
+        """An answer whose arrays are the given rollout, here."""
+        return cls.sampled(rollout, None, rollout)._replace(**facts)
+
+    @classmethod
+    def of_arrays(cls, response_ids, logprobs, reward: float = 1.0, version: int = 0, source: str = "online",
+                  step: int = 0, temperature: float = math.nan, correct: bool | None = True, run: str = "",
+                  checkpoint: str = "", advantage: float | None = None) -> "Answer":
+        """A stored answer from its token ids and behaviour log-probs, here (read from a file,
+        or made by a tool or a test); its prompt travels with its question."""
+        return cls.of(Rollout(np.empty(0, np.int32), response_ids, logprobs, "", "stop", version), reward=reward,
+                      source=source, step=step, temperature=temperature, correct=correct, run=run,
+                      checkpoint=checkpoint, advantage=advantage)
+
+    @property
+    def verdict(self) -> str:
+        return VERDICT_NAMES[self.correct]
+
+    @property
+    def by_reference(self) -> bool:
+        """Whether its arrays are in the object store (`at` is a ref), not here."""
+        ray = sys.modules.get("ray")  # (a process that never imported Ray holds no ref: a GPU check's)
+        return ray is not None and isinstance(self.at, ray.ObjectRef)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(prompt ids, response ids, behaviour log-probs), read from where they are: for tools
+        and tests (the roles read many at once, `answer_arrays`)."""
+        return answer_arrays([self])[0]
+
+    @property
+    def response_ids(self) -> np.ndarray:
+        return self.arrays()[1]
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return self.arrays()[2]
+
+    def __reduce__(self):
+        # Only the fields up to the last that differs from its default: a fresh answer
+        # crosses from its generator (and goes to the learners) without the nine fields the
+        # replay buffer fills in, which would triple its bytes.
+        values = list(self)
+        while values and _is_default(values[-1], _ANSWER_DEFAULTS[len(values) - 1]):
+            values.pop()
+        return Answer, tuple(values)
 
 
-AnyRollout = typing.Union[Rollout, RolloutRef]
-"""A rollout, its arrays here or elsewhere: what a group holds."""
+_ANSWER_DEFAULTS = tuple(Answer._field_defaults.get(name) for name in Answer._fields)
 
 
+def _is_default(value, default) -> bool:
+    """`value` is its field's default: the same object, or an equal value of the same type
+    (NaN counts as NaN)."""
+    if value is default:
+        return True
+    if type(value) is not type(default):
+        return False
+    return value == default or (isinstance(value, float) and math.isnan(value) and math.isnan(default))
 
-def answer_arrays(rollouts: Sequence[AnyRollout]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(prompt ids, response ids, behaviour log-probs) of each rollout, in order: the sources
-    of those held by reference read from the object store in one call (every source once)."""
-    import ray
 
-    refs = list({r.source: None for r in rollouts if isinstance(r, RolloutRef) and isinstance(r.source, ray.ObjectRef)})
-    fetched = dict(zip(refs, ray.get(refs))) if refs else {}
-
-    def source(r: RolloutRef) -> AnswerSource:
-        return fetched[r.source] if isinstance(r.source, ray.ObjectRef) else r.source
-
-    return [r.answer_arrays() if isinstance(r, Rollout) else source(r).answer_arrays(r.key) for r in rollouts]
+def answer_arrays(answers: Sequence[Answer]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(prompt ids, response ids, behaviour log-probs) of each answer, in order: the one way
+    arrays are read. Sources held by reference are read from the object store in one call
+    (each once); those here are read in place."""
+    refs = list({a.at: None for a in answers if a.by_reference})
+    fetched = dict(zip(refs, sys.modules["ray"].get(refs))) if refs else {}
+    return [(fetched[a.at] if a.by_reference else a.at).answer_arrays(a.key) for a in answers]
 
 
 class TokenSequences(Protocol):
@@ -216,49 +279,43 @@ class TokenSequences(Protocol):
     def sequences(self) -> tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]: ...
 
 
-class GroupAnswer(NamedTuple):
-    """One answer of a group: its rollout, and what the driver decided of it."""
+class PartFacts(NamedTuple):
+    """What the driver reads of a generator's `RolloutPart`, which it sends on by reference."""
 
-    rollout: AnyRollout
-    correct: bool
-    """The verifier's verdict (a replayed success is correct by construction)."""
-    replayed: bool = False
-    """Drawn from the replay buffer rather than sampled this step."""
-    reward: float | None = None
-    """None until the algorithm has scored the group (verdict plus shaping)."""
-    advantage: float | None = None
-    """The advantage it was stored with (answer-level replay: a group of replayed answers
-    alone); None: taken over the group's rewards."""
+    positions: list[int]
+    """The part's prompts: their positions in the generate call's prompts."""
+    answers: list[list[Answer]]
+    """Per prompt, its answers (where they are is filled in by the reader: the part's ref)."""
+    lost_answers: int = 0
+    """Answers of carried groups whose tokens were lost with their node, sampled again from
+    their questions (partial rollouts; counted in a call's first part)."""
 
 
 @dataclass(frozen=True)
 class Group:
     """One question's answers for one training step, as records: fresh ones, then any
     replayed ones. Read per answer (`answers`, `fresh`, `replays`) or per field, in order
-    (`rollouts`, `correct`, ...: what the learner's batch and the advantages are built from)."""
+    (`correct`, `rewards`, ...: what the advantages are built from)."""
 
     prompt: Prompt
-    answers: tuple[GroupAnswer, ...]
+    answers: tuple[Answer, ...]
     pending_replays: int = 0
     """Stored successes planned for the group and not chosen yet (`StepPlan.choose`): they
     join it before it trains, and count as correct answers meanwhile."""
 
     @classmethod
-    def sampled(cls, prompt: Prompt, rollouts: Sequence[AnyRollout], correct: Sequence[bool]) -> "Group":
+    def sampled(cls, prompt: Prompt, answers: Sequence[Answer], correct: Sequence[bool]) -> "Group":
         """The answers sampled for `prompt` this step, with their verdicts."""
-        return cls(prompt, tuple(GroupAnswer(r, bool(ok)) for r, ok in zip(rollouts, correct, strict=True)))
+        return cls(prompt, tuple(a._replace(correct=bool(ok))
+                                 for a, ok in zip(answers, correct, strict=True)))
 
     @property
     def size(self) -> int:
         return len(self.answers)
 
     @property
-    def rollouts(self) -> tuple[AnyRollout, ...]:
-        return tuple(a.rollout for a in self.answers)
-
-    @property
     def correct(self) -> tuple[bool, ...]:
-        return tuple(a.correct for a in self.answers)
+        return tuple(bool(a.correct) for a in self.answers)
 
     @property
     def replayed(self) -> tuple[bool, ...]:
@@ -285,11 +342,11 @@ class Group:
         return dataclasses.replace(self, answers=tuple(
             a._replace(reward=float(r)) for a, r in zip(self.answers, rewards, strict=True)))
 
-    def fresh(self) -> list[GroupAnswer]:
+    def fresh(self) -> list[Answer]:
         """The answers sampled for this step."""
         return [answer for answer in self.answers if not answer.replayed]
 
-    def replays(self) -> list[GroupAnswer]:
+    def replays(self) -> list[Answer]:
         """The answers drawn from the replay buffer."""
         return [answer for answer in self.answers if answer.replayed]
 
@@ -299,15 +356,16 @@ class Group:
 
     @property
     def informative(self) -> bool:
-        """Some rollouts right and some wrong (a pending replay is a right one): the group
+        """Some answers right and some wrong (a pending replay is a right one): the group
         carries a learning signal."""
-        right = sum(a.correct for a in self.answers) + self.pending_replays
+        right = sum(bool(a.correct) for a in self.answers) + self.pending_replays
         return 0 < right < self.size + self.pending_replays
 
-    def with_replays(self, replays: Sequence[AnyRollout]) -> "Group":
-        """This group with stored successes appended (replays are correct by construction),
-        none pending any more."""
-        joined = tuple(GroupAnswer(r, True, replayed=True) for r in replays)
+    def with_replays(self, replays: Sequence[Answer]) -> "Group":
+        """This group with stored successes appended, none pending any more: each correct by
+        construction, scored with the group (its stored reward and advantage not kept)."""
+        joined = tuple(a._replace(replayed=True, correct=True, reward=None, advantage=None)
+                       for a in replays)
         return dataclasses.replace(self, answers=self.answers + joined, pending_replays=0)
 
 
@@ -322,7 +380,7 @@ class StepPlan:
     requests: tuple[tuple[Prompt, int], ...]
     """(question, number of fresh rollouts to sample for it), in plan order (`build` draws the
     batch's own: `rayrep.algos.grpo.mini_batch_order`)."""
-    replays: Mapping[str, tuple[AnyRollout, ...]] = field(default_factory=dict)
+    replays: Mapping[str, tuple[Answer, ...]] = field(default_factory=dict)
     """Question id -> stored answers that join its group after generation (RLEP, ExGRPO)."""
     replay_if_at_most: int | None = None
     """Adaptive replay: a question's stored answers join its group only when at most this
@@ -593,23 +651,21 @@ class TrainBatch:
 
 
 class BatchRow(NamedTuple):
-    """One row of the learners' batch: an answer, by reference, and what the driver decided
-    for it."""
+    """One row of the learners' batch: an answer (with the advantage it trains with) and
+    where it goes in the batch."""
 
-    rollout: AnyRollout
+    answer: Answer
     question: int
     """The row's question, as its place among the batch's questions (`TrainBatch.prompt_index`:
     a question's rows share its prompt, and a mini-batch takes whole questions)."""
-    advantage: float
     recompute_old: bool
     """Its "old" log-probs are the learner's before the update, not the recorded ones."""
-    replayed: bool
 
 
 @dataclass(frozen=True)
 class BatchRecipe:
     """What the learners' batch is made of, without its arrays: one record per row, its
-    rollout by reference (as the driver holds it) and what the driver decided for it. Each
+    answer (as the driver holds it: where its arrays are) and its place. Each
     learner rank reads the rows' arrays from the object store and collates the batch itself
     (`collate`), so that no token goes through the driver."""
 
@@ -618,16 +674,16 @@ class BatchRecipe:
 
     @property
     def advantages(self) -> tuple[float, ...]:
-        return tuple(row.advantage for row in self.rows)
+        return tuple(row.answer.advantage for row in self.rows)
 
     def collate(self) -> TrainBatch:
         """The batch: every row's arrays read (`answer_arrays`), then `TrainBatch.of_sequences`."""
-        arrays = answer_arrays([row.rollout for row in self.rows])
+        arrays = answer_arrays([row.answer for row in self.rows])
         return TrainBatch.of_sequences(
             [prompt for prompt, _, _ in arrays], [response for _, response, _ in arrays],
             [row.question for row in self.rows], logprobs=[logprobs for _, _, logprobs in arrays],
             advantages=self.advantages, recompute_old=[row.recompute_old for row in self.rows],
-            replayed=[row.replayed for row in self.rows], temperature=self.temperature)
+            replayed=[row.answer.replayed for row in self.rows], temperature=self.temperature)
 
 
 @dataclass(frozen=True)

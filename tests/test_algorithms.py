@@ -20,7 +20,7 @@ from rayrep.config import ConfigError, load_preset
 from rayrep.data import PromptSampler
 from rayrep.learner.forward import mini_batches
 from rayrep.rollouts import keep_informative
-from rayrep.types import Group, Prompt, Rollout, StepPlan, answer_arrays
+from rayrep.types import Answer, Group, Prompt, Rollout, StepPlan, answer_arrays
 
 PROMPT_IDS = [10, 11, 12]
 
@@ -29,12 +29,13 @@ def prompt(uid):
     return Prompt(uid, ({"role": "user", "content": uid},), "7")
 
 
-def rollout(response, logprob=-0.5):
-    return Rollout(PROMPT_IDS, list(response), [logprob] * len(response), "", "stop")
+def answer(response, logprob=-0.5):
+    """An answer sampled here, its arrays here (its own `Rollout`)."""
+    return Answer.of(Rollout(PROMPT_IDS, list(response), [logprob] * len(response), "", "stop"))
 
 
 def fresh_group(p, responses, marks):
-    return Group.sampled(p, [rollout(r) for r in responses], marks)
+    return Group.sampled(p, [answer(r) for r in responses], marks)
 
 
 def sampler_of(prompts) -> PromptSampler:
@@ -93,7 +94,7 @@ def test_no_mini_batch_is_all_replay_and_the_order_is_drawn_per_step():
     mini-batch); the batch is built in a seeded order per step with the replayed groups spread
     evenly, each group whole."""
     algo = GRPO(base_cfg(**{"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 2}))
-    replayed = [fresh_group(prompt(f"r{i}"), [[1], [2]], [True, False]).with_replays([rollout([9])]) for i in range(4)]
+    replayed = [fresh_group(prompt(f"r{i}"), [[1], [2]], [True, False]).with_replays([answer([9])]) for i in range(4)]
     planned = replayed + [fresh_group(prompt(f"f{i}"), [[1], [2], [3]], [True, False, False]) for i in range(4)]
     orders = set()
     for step_number in range(40):
@@ -104,7 +105,7 @@ def test_no_mini_batch_is_all_replay_and_the_order_is_drawn_per_step():
             in_part = (batch.prompt_index >= part.start) & (batch.prompt_index < part.stop)
             assert int(batch.replay_mask[in_part].sum()) == 1  # one replayed group of two, every time
         # Whole groups, each group's rows together and in the groups' order.
-        assert batch.prompt_index.tolist() == [i for i, g in enumerate(groups) for _ in g.rollouts]
+        assert batch.prompt_index.tolist() == [i for i, g in enumerate(groups) for _ in g.answers]
         assert batch.replay_mask.tolist() == [r for g in groups for r in g.replayed]
         orders.add(tuple(g.prompt.uid for g in groups))
     assert len(orders) > 30  # drawn anew each step ...
@@ -167,7 +168,7 @@ def test_keep_informative_refills_with_other_questions_until_the_batch_is_full()
 def test_a_replayed_success_makes_an_all_wrong_group_informative():
     group = fresh_group(prompt("q"), [[1], [2]], [False, False])
     assert not group.informative
-    assert group.with_replays([rollout([9])]).informative
+    assert group.with_replays([answer([9])]).informative
 
 
 # ---------------------------------------------------------------------- RLEP
@@ -199,14 +200,14 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
     assert [g.size for g in groups] == [4, 5, 6]  # G + min(M, stored)
     assert [sum(g.replayed) for g in groups] == [0, 1, 2]
     # Replays are held by reference, their arrays left in the draw (`answer_arrays` reads them).
-    [(_, response, _)] = answer_arrays([groups[1].rollouts[4]])
+    [(_, response, _)] = answer_arrays([groups[1].answers[4]])
     assert response.tolist() == [50, 51]
-    replayed_q2 = [tuple(response) for _, response, _ in answer_arrays([a.rollout for a in groups[2].replays()])]
+    replayed_q2 = [tuple(response) for _, response, _ in answer_arrays(groups[2].replays())]
     assert len(set(replayed_q2)) == 2 and all(ids[0] in range(60, 65) for ids in replayed_q2)
     for group in groups:  # replayed rollouts are the verified successes; the learner recomputes their log-probs
-        for a, (prompt_ids, response, logprobs) in zip(group.replays(), answer_arrays([a.rollout for a in group.replays()])):
-            assert a.correct and len(logprobs) == len(response) == a.rollout.response_length and np.isnan(logprobs).all()
-            assert a.rollout.version == 3 and prompt_ids.tolist() == PROMPT_IDS
+        for a, (prompt_ids, response, logprobs) in zip(group.replays(), answer_arrays(group.replays())):
+            assert a.correct and len(logprobs) == len(response) == a.length and np.isnan(logprobs).all()
+            assert a.version == 3 and prompt_ids.tolist() == PROMPT_IDS
     step = algo.build(groups, step=1)
     position = {g.prompt.uid: i for i, g in enumerate(step.groups)}  # the batch's own order
     # Advantages over all G' rollouts: q1 has 4 failures and 1 success.
@@ -229,7 +230,7 @@ def test_rlep_old_logprob_modes(pool_file):
     ):
         algo = rlep(pool_file, **changes)
         groups = roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1))
-        replayed = [logprobs for g in groups for _, _, logprobs in answer_arrays([a.rollout for a in g.replays()])]
+        replayed = [logprobs for g in groups for _, _, logprobs in answer_arrays(g.replays())]
         assert len(replayed) == 2
         if recorded:
             assert all(logprobs.tolist() == [-0.25] * 2 for logprobs in replayed), changes
@@ -452,7 +453,7 @@ def test_exgrpo_switches_to_the_mixed_policy_loss_for_good_once_collection_start
     assert algo.build(fresh, step=1).loss == algo.loss  # before collection: the clipped PPO loss
     step(algo, 1, lambda uid, n: [True, True] + [False] * (n - 2))  # pass rate 0.5: collection starts
     # From then on every step trains with the mixed loss, with or without replayed questions.
-    for groups in (fresh, [fresh[0].with_replays([rollout([3])])]):
+    for groups in (fresh, [fresh[0].with_replays([answer([3])])]):
         mixed = algo.build(groups, step=1)
         assert (mixed.loss.replay_loss, mixed.loss.clip_fresh, mixed.loss.replay_beta) == ("shaped", False, 0.1)
     assert mixed.batch.recompute_old.tolist() == [True, True, False]  # w = pi_theta / pi_recorded

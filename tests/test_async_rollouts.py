@@ -9,7 +9,7 @@ from rayrep.config import ConfigError
 from rayrep.rollouts import drop_stale, policy_lag_stats, rounds_ahead
 from rayrep.run.log import read_metrics
 from rayrep.train import train
-from rayrep.types import Group, GroupAnswer, Prompt, Rollout
+from rayrep.types import Answer, Group, Prompt, Rollout
 
 CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
 
@@ -18,7 +18,7 @@ def group(uid: str, versions: list[int], replayed: list[bool] | None = None) -> 
     rollouts = tuple(Rollout([1], [2], [-0.5], "text", "stop", version=v) for v in versions)
     replayed = replayed or [False] * len(versions)
     return Group(Prompt(uid, ({"role": "user", "content": "q"},), "1"),
-                 tuple(GroupAnswer(r, True, replayed=again) for r, again in zip(rollouts, replayed)))
+                 tuple(Answer.of(r, correct=True, replayed=again) for r, again in zip(rollouts, replayed)))
 
 
 def test_rounds_ahead_stop_at_the_run_end_and_at_checkpoints(tiny_cfg):

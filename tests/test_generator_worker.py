@@ -204,7 +204,7 @@ def test_answers_arrive_in_parts_as_they_finish_and_are_those_of_one_part(pool, 
         assert len(parts) >= 8 and sorted(i for part in parts for i in part.indices) == list(range(32))
         for share in (range(16), range(16, 32)):  # a share's first part: its quick answers; its last: the slow
             own = [part for part in parts if part.indices[0] in share]
-            longest = [sum(max(r.response_length for r in streamed[i]) for i in part.indices) / len(part.indices)
+            longest = [sum(max(a.length for a in streamed[i]) for i in part.indices) / len(part.indices)
                        for part in (own[0], own[-1])]
             assert longest[0] < longest[1]
         assert checking.result() == expected
@@ -251,7 +251,7 @@ def test_partial_rollouts_stop_at_the_quota_and_continue_under_newer_weights(poo
     from collections import Counter
 
     from conftest import kill_and_wait
-    from rayrep.types import PAUSED, RolloutPart, RolloutRef
+    from rayrep.types import PAUSED, Answer, RolloutPart
 
     cfg, generators = pool
     tokenizer = AutoTokenizer.from_pretrained(tiny_policy)
@@ -292,8 +292,7 @@ def test_partial_rollouts_stop_at_the_quota_and_continue_under_newer_weights(poo
         holder = Holder.remote()
         [lost_part] = ray.get(holder.hold.remote(RolloutPart([rollouts[lost_question]])))
         kill_and_wait(holder)
-        lost = [RolloutRef(lost_part, (0, a), r.response_length, r.finish_reason, r.version, 0)
-                for a, r in enumerate(rollouts[lost_question])]
+        lost = [Answer.sampled(lost_part, (0, a), r) for a, r in enumerate(rollouts[lost_question])]
         later = cfg.sampling_seeds("partial-continued", len(stopped) + 1)
         counts = Counter()
         parts, _ = continuing.complete(continuing.generate(

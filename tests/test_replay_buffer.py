@@ -5,7 +5,6 @@ Expected values come from formulas written out here (hash routing, bucket weight
 binomial tolerances, array sizes), not from the code under test.
 """
 
-import dataclasses
 import hashlib
 import itertools
 import math
@@ -25,14 +24,14 @@ from rayrep.buffer.files import (
     read_snapshot,
     write_pool,
 )
-from rayrep.buffer.answers import Answer, PackedAnswers
+from rayrep.buffer.answers import PackedAnswers
 from rayrep.algos.sampling.exgrpo import bucket_weights, offer_questions, sample_questions
 from rayrep.algos.sampling.prioritized import priorities, race_answers
 from rayrep.algos.sampling.rlep import draw_answers
 from rayrep.buffer.replay import ReplayBuffer, shard_of
 from rayrep.buffer.shard import ReplayShard
 from rayrep.data.loaders import PromptFileError
-from rayrep.types import answer_arrays
+from rayrep.types import Answer, answer_arrays
 
 K = 8
 CAP = 8
@@ -45,7 +44,7 @@ def make_answer(tokens, reward=1.0, version=0, source="online", step=0, logprobs
     ids = np.asarray(tokens, np.int32)
     if logprobs is None:
         logprobs = -np.arange(1, len(ids) + 1, dtype=np.float32) / 7  # float32 values with long mantissas
-    return Answer(ids, np.asarray(logprobs, np.float32), reward, version, source, step)
+    return Answer.of_arrays(ids, np.asarray(logprobs, np.float32), reward, version, source, step)
 
 
 def answers_of(question: int, count: int, length: int = 5, step: int = 0):
@@ -564,10 +563,10 @@ def test_answers_by_serial_returns_the_chosen_stored_answers_even_after_other_wr
     got = buffer.answers_by_serial(picks)  # each left where it is (`Answer.at`): read from there
     assert got.keys() == {"p0", "p1", "p3"}
     for uid, answer in got.items():
-        assert answer.response_ids is None
-        [(prompt_ids, response, logprobs)] = answer_arrays([answer.at])
+        assert answer.by_reference == (shards > 0)
+        [(prompt_ids, response, logprobs)] = answer_arrays([answer])
         assert prompt_ids.tolist() == list(prompt(int(uid[1:]))) and answer.length == len(response)
-        assert_same_answer(dataclasses.replace(answer, response_ids=response, logprobs=logprobs), contents[uid][positions[uid]])
+        assert_same_answer(answer, contents[uid][positions[uid]])
 
 
 # ---------------------------------------------------------------------- stats
@@ -783,7 +782,7 @@ def assert_pool_matches(pool, rows):
         assert prompt_ids.dtype == np.int32 and prompt_ids.tolist() == mine[0]["prompt_ids"].tolist()
         assert len(answers) == len(mine)
         for answer, row in zip(answers, mine):
-            assert_same_answer(answer, Answer(row["response_ids"], row["logprobs"], 1.0, row["version"], "pool", 0))
+            assert_same_answer(answer, Answer.of_arrays(row["response_ids"], row["logprobs"], 1.0, row["version"], "pool", 0))
 
 
 def test_pool_round_trip_keeps_int32_ids_and_float32_logprobs_exactly(tmp_path):
@@ -908,7 +907,7 @@ def test_import_text_pool_rejects_rows_without_string_candidates(tmp_path):
 
 
 def long_answers(question: int, count: int, length: int, rng) -> list[Answer]:
-    return [Answer(rng.integers(0, 50_000, length).astype(np.int32), (-rng.random(length)).astype(np.float32), 1.0, 0,
+    return [Answer.of_arrays(rng.integers(0, 50_000, length).astype(np.int32), (-rng.random(length)).astype(np.float32), 1.0, 0,
                    "online", question)
             for _ in range(count)]
 
@@ -951,15 +950,13 @@ def test_process_memory_growth_of_an_in_process_shard():
 def scored_answers(question: int, advantages: list[float], versions: list[int]) -> list[Answer]:
     """Answers of `question` (answer i starts with token 1000 * question + i) with these
     advantages and sampling policy versions."""
-    answers = answers_of(question, len(advantages))
-    for answer, advantage, version in zip(answers, advantages, versions):
-        answer.advantage, answer.version = advantage, version
-    return answers
+    return [answer._replace(advantage=advantage, version=version)
+            for answer, advantage, version in zip(answers_of(question, len(advantages)), advantages, versions)]
 
 
 def drawn_ids(drawn) -> list[tuple[str, int]]:
     """(question, first token) of each drawn answer, in the order drawn, read where it is."""
-    return [(uid, int(answer_arrays([answer.at])[0][1][0])) for uid, answer in drawn]
+    return [(uid, int(answer.response_ids[0])) for uid, answer in drawn]
 
 
 def test_priorities_are_the_advantage_size_decayed_by_age():

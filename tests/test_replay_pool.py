@@ -21,19 +21,19 @@ from conftest import kill_and_wait
 from rayrep.algos.sampling.exgrpo import sample_questions
 from rayrep.algos.sampling.prioritized import race_answers
 from rayrep.algos.sampling.rlep import draw_answers
-from rayrep.buffer.answers import Answer, DrawLimit, origin_id
+from rayrep.buffer.answers import DrawLimit, origin_id
 from rayrep.buffer.files import BufferFileError, read_pool, write_pool
 from rayrep.buffer.pool import read_source, start_pool, stop_pool
 from rayrep.buffer.replay import AttachedPool, ReplayBuffer, ReplayStore, pool_exists, pool_shards, shard_of
 
-from rayrep.types import answer_arrays
+from rayrep.types import Answer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def answer(question: int, i: int, version: int = 0, run: str = "") -> Answer:
-    return Answer(np.array([question, i, 7], np.int32), np.full(3, -0.25, np.float32), 1.0, version, "online", version,
-                  1.0, "correct", run, "base" if run else "")
+    return Answer.of_arrays(np.array([question, i, 7], np.int32), np.full(3, -0.25, np.float32), 1.0, version, "online", version,
+                  1.0, True, run, "base" if run else "")
 
 
 def items(questions, count: int, first: int = 0, version: int = 0, run: str = ""):
@@ -155,13 +155,11 @@ def test_a_pool_started_again_from_its_folder_is_the_pool_it_was(pool):
     # Answer-level replay's writes: answers with advantages, drawn by priority from the pool;
     # an eviction of this run's answers sampled before version 1 (the first write's) is
     # journaled like any write.
-    scored = items(range(5, 10), 2, first=70, version=3, run="run")
-    for _, _, answers in scored:
-        for a in answers:
-            a.advantage = -0.5
+    scored = [(uid, ids, [a._replace(advantage=-0.5) for a in answers])
+              for uid, ids, answers in items(range(5, 10), 2, first=70, version=3, run="run")]
     again.apply(scored, evict=(origin_id("run", "base"), 1))
     drawn = race_answers(again, 100, 3, 4.0, 2)
-    assert sorted((uid, int(answer_arrays([a.at])[0][1][1])) for uid, a in drawn) == \
+    assert sorted((uid, int(a.response_ids[1])) for uid, a in drawn) == \
         sorted((f"q{q}", 70 + i) for q in range(5, 10) for i in range(2))
     after_writes = content(again)
     assert sum(map(len, after_writes["answers"].values())) == 23 + 10  # the first write's 3 each evicted
@@ -399,13 +397,13 @@ def test_two_runs_at_once_on_one_pool_lose_no_answer_and_replay_each_others(pool
 WRITER = """
 import sys, numpy as np, ray
 sys.path.insert(0, {root!r})
-from rayrep.buffer.answers import Answer
+from rayrep.types import Answer
 from rayrep.buffer.replay import AttachedPool
 ray.init(log_to_driver=False)
 pool = AttachedPool({name!r}, writer="doomed")
 for batch in range(10_000):
     pool.apply([(f"q{{q}}", np.array([1, 2, q], np.int32),
-                 [Answer(np.array([q, batch, i] + [5] * 200, np.int32), np.zeros(203, np.float32), 1.0)
+                 [Answer.of_arrays(np.array([q, batch, i] + [5] * 200, np.int32), np.zeros(203, np.float32), 1.0)
                   for i in range(8)]) for q in range(40)])
     print(batch, flush=True)
 """

@@ -13,7 +13,6 @@ import ray
 import torch
 
 from rayrep.algos.exgrpo import ExGRPO
-from rayrep.buffer.answers import Answer
 from rayrep.buffer.files import read_pool
 from rayrep.buffer.replay import ReplayBuffer
 from rayrep.cluster.placement import Placement, make_plan
@@ -24,7 +23,7 @@ from rayrep.pipelines.collect import collect_pool
 from rayrep.run.checkpoints import read_run_state
 from rayrep.run.log import read_metrics
 from rayrep.train import train
-from rayrep.types import Group, Rollout, RolloutPart, answer_arrays
+from rayrep.types import Answer, Group, Rollout, RolloutPart, answer_arrays
 
 
 RECORDED = Path(__file__).parent / "recorded_metrics"
@@ -283,7 +282,7 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
                 response = greedy
             else:
                 response = greedy[: 4 * kind] + rng.integers(3, 259, size=rng.integers(2, 12)).tolist()
-            answers.append(Answer(np.array(response, np.int32), np.zeros(len(response), np.float32), 1.0))
+            answers.append(Answer.of_arrays(np.array(response, np.int32), np.zeros(len(response), np.float32), 1.0))
         rng.shuffle(answers)
         entropies = []
         for answer in answers:
@@ -296,7 +295,7 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
         lowest.append(min(entropies))
     chosen, mean_entropy = algo.lowest_entropy_answers([p.uid for p in prompts])
     # Chosen by reference (`Answer.at`): the learners read them where the shards left them.
-    assert {uid: response.tolist() for uid, (_, response, _) in zip(chosen, answer_arrays([a.at for a in chosen.values()]))} \
+    assert {uid: response.tolist() for uid, (_, response, _) in zip(chosen, answer_arrays(list(chosen.values())))} \
         == expected
     assert mean_entropy == pytest.approx(sum(lowest) / len(lowest), rel=1e-4)
     algo.buffer.shutdown()
@@ -316,7 +315,7 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     sampler = PromptSampler(prompts[10:], seed=0)
     algo = ExGRPO(cfg, prompts, {p.uid: ids for p, ids in zip(prompts, encoded)}, ReplayBuffer(0, 0), learners, sampler)
     stored = prompts[:10]
-    algo.buffer.apply([(p.uid, np.array(ids, np.int32), [Answer(np.array([5, 6, 1], np.int32), np.zeros(3, np.float32), 1.0)])
+    algo.buffer.apply([(p.uid, np.array(ids, np.int32), [Answer.of_arrays(np.array([5, 6, 1], np.int32), np.zeros(3, np.float32), 1.0)])
                        for p, ids in zip(stored, encoded)], buckets={p.uid: 3 for p in stored})
     algo.collecting = True  # the switch, as after_update flips it
     plan = algo.plan(sampler, 8)
@@ -326,7 +325,8 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     # The stored answer of each is chosen after generation, when the learners hold the GPUs:
     # meanwhile a group counts it as a success (all-wrong fresh rollouts plus it: informative).
     assert set(plan.choose) == set(replayed) and not plan.replays
-    fresh = [Group.sampled(p, (Rollout(algo.prompt_ids[p.uid], [7] * 3, [-1.0] * 3, "", "stop"),) * n, (False,) * n)
+    fresh = [Group.sampled(p, (Answer.of(Rollout(algo.prompt_ids[p.uid], [7] * 3, [-1.0] * 3, "", "stop")),) * n,
+                           (False,) * n)
              for p, n in plan.requests]
     groups = plan.complete(fresh)
     assert [g.pending_replays for g in groups] == [int(p.uid in replayed) for p, _ in plan.requests]
@@ -340,7 +340,7 @@ def test_exgrpo_draws_only_the_fresh_questions_it_trains_on(learners, tiny_cfg, 
     assert metrics["exgrpo_replayed_again"] == 0
     others = [q for q in stored if q.uid not in replayed][:2]
     again = [g for g in groups if g.pending_replays][:2] + [
-        dataclasses.replace(Group.sampled(q, fresh[0].rollouts[:K - 1], (False,) * (K - 1)), pending_replays=1)
+        dataclasses.replace(Group.sampled(q, fresh[0].answers[:K - 1], (False,) * (K - 1)), pending_replays=1)
         for q in others]
     algo.after_update(1, algo.build(joined, step=1))  # (it keeps the step's replayed questions)
     restored = ExGRPO(cfg, prompts, algo.prompt_ids, algo.buffer, learners, sampler)

@@ -15,13 +15,13 @@ import pytest
 import ray
 
 from rayrep.algos.sampling.rlep import draw_answers
-from rayrep.buffer.answers import Answer
+from rayrep.types import Answer
 from rayrep.buffer.replay import ReplayBuffer, shard_of
 
 
 
 def answers_of(question: int, count: int, first: int = 0) -> list[Answer]:
-    return [Answer(np.array([1000 * question + first + i, 7, 7], np.int32), np.full(3, -0.5, np.float32), 1.0, 0,
+    return [Answer.of_arrays(np.array([1000 * question + first + i, 7, 7], np.int32), np.full(3, -0.5, np.float32), 1.0, 0,
                    "online", 0) for i in range(count)]
 
 

@@ -35,12 +35,12 @@ import numpy as np
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.algos.sampling.exgrpo import sample_questions
-from rayrep.buffer.answers import Answer, DrawLimit, Origin
+from rayrep.buffer.answers import DrawLimit, Origin, fresh_successes
 from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
-from rayrep.types import Group, LossSpec, Prompt, StepBatch, StepPlan
+from rayrep.types import Answer, Group, LossSpec, Prompt, StepBatch, StepPlan
 
 
 def check_exgrpo_settings(cfg: Config) -> None:
@@ -118,7 +118,7 @@ class ExGRPO(GRPO):
         uids = [g.prompt.uid for g in pending]
         start = time.perf_counter()
         # The draw limit counts from the policy version that sampled the step's fresh answers.
-        version = max(r.version for g in pending for r in g.rollouts)
+        version = max(a.version for g in pending for a in g.answers)
         chosen, entropy = self.lowest_entropy_answers(uids, self.draw_limit(version))
         # How often the same questions come back: the code's narrow bucket weights draw the
         # middle buckets first, and when those hold few questions the same ones are replayed
@@ -132,8 +132,8 @@ class ExGRPO(GRPO):
         # buffer none (unless its folder moved between a stop and its resume: the answers name
         # the folder they were sampled in).
         metrics["exgrpo_replays_from_others"] = float(sum(a.run != self.origin.run for a in chosen.values()))
-        joined = [g.with_replays((chosen[g.prompt.uid].rollout(self.prompt_ids[g.prompt.uid]),)
-                                 if g.prompt.uid in chosen else ()) if g.pending_replays else g for g in groups]
+        joined = [g.with_replays((chosen[g.prompt.uid],) if g.prompt.uid in chosen else ())
+                  if g.pending_replays else g for g in groups]
         return joined, metrics
 
     def lowest_entropy_answers(self, uids: list[str], limit: DrawLimit | None = None
@@ -186,7 +186,7 @@ class ExGRPO(GRPO):
                 if 1 <= (k := sum(group.correct)) < K:
                     buckets[group.prompt.uid] = k
                     items.append((group.prompt.uid, np.array(self.prompt_ids[group.prompt.uid], np.int32),
-                                  Answer.fresh_successes(group, step, self.origin)))
+                                  fresh_successes(group, step, self.origin)))
             if not self.retires_for_all:
                 self.retired_here.update(all_right)
                 items = [item for item in items if item[0] not in self.retired_here]

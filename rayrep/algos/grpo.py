@@ -100,7 +100,7 @@ class GRPO:
         trained = [self.score(g) for g in mini_batch_order(groups, self.cfg.seed("data"), step)]
         left_out = [self.score(g) for g in dropped]
         algo = self.cfg.algorithm
-        index = [i for i, g in enumerate(trained) for _ in g.rollouts]
+        index = [i for i, g in enumerate(trained) for _ in g.answers]
         advantages = group_advantages(
             [r for g in trained for r in g.rewards], index, std_normalize=algo.std_normalize, eps=algo.advantage_eps
         )
@@ -109,7 +109,7 @@ class GRPO:
         # The rows by reference: the learners read their arrays where the generators and the
         # buffer shards left them (`BatchRecipe.collate`).
         recipe = BatchRecipe(
-            tuple(BatchRow(a.rollout, question, advantage, recompute_replays or not a.replayed, a.replayed)
+            tuple(BatchRow(a._replace(advantage=advantage), question, recompute_replays or not a.replayed)
                   for a, question, advantage in zip(rows, index, advantages.tolist())),
             temperature=self.cfg.generator.temperature)
         return StepBatch(recipe, self.loss_spec(trained), tuple(trained), tuple(left_out),
@@ -124,7 +124,7 @@ class GRPO:
         """The group with its rewards: the verdict (+1/-1 or 1/0) plus DAPO's overlong shaping."""
         verifier = self.cfg.verifier
         values = rewards(
-            group.correct, [r.response_length for r in group.rollouts], style=verifier.reward_style,
+            group.correct, [a.length for a in group.answers], style=verifier.reward_style,
             max_len=self.cfg.generator.max_response_tokens, overlong_buffer=verifier.overlong_buffer,
             overlong_factor=verifier.overlong_factor,
         )

@@ -36,12 +36,12 @@ import numpy as np
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.algos.sampling.prioritized import race_answers
-from rayrep.buffer.answers import Answer, Origin, origin_id
+from rayrep.buffer.answers import Origin, as_stored, origin_id
 from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
-from rayrep.types import BatchRow, Group, GroupAnswer, Prompt, StepBatch
+from rayrep.types import Answer, BatchRow, Group, Prompt, StepBatch
 
 DEFAULT_BEHAVIOUR_CAP = 2.0
 """The decoupled correction's cap where `learner.behaviour_cap` sets none (the study's RLEP-IS arm's)."""
@@ -98,15 +98,16 @@ class Prioritized(GRPO):
         wanted = self.replays_wanted(sum(g.size for g in groups))
         if not wanted:
             return list(groups), {}
-        version = max(r.version for g in groups for r in g.rollouts)  # the policy that sampled this step
+        version = max(a.version for g in groups for a in g.answers)  # the policy that sampled this step
         drawn = race_answers(self.buffer, wanted, version, self.settings.decay_versions, self.settings.max_age,
                              exclude=frozenset(g.prompt.uid for g in groups), limit=self.draw_limit(version))
         by_question: dict[str, list[Answer]] = {}
         for uid, answer in drawn:
             by_question.setdefault(uid, []).append(answer)
         replayed = [
-            Group(self.prompts[uid], tuple(GroupAnswer(a.rollout(self.prompt_ids[uid]), a.verdict == "correct",
-                                                       replayed=True, advantage=a.advantage) for a in answers))
+            # Each with its stored advantage; scored with its group as fresh answers are.
+            Group(self.prompts[uid], tuple(a._replace(replayed=True, correct=a.correct is True, reward=None)
+                                           for a in answers))
             for uid, answers in by_question.items()
         ]
         answers = [a for _, a in drawn]
@@ -130,11 +131,9 @@ class Prioritized(GRPO):
         if not stored:
             return batch
         recipe, places = batch.recipe, len(batch.groups)
-        rows = [(j * places // len(stored), answer, advantage)
-                for j, g in enumerate(stored) for answer, advantage in zip(g.answers, g.advantages)]
         recompute = self.replay_old_logprobs == "recompute"
-        recipe = dataclasses.replace(recipe, rows=recipe.rows + tuple(
-            BatchRow(a.rollout, place, float(advantage), recompute, True) for place, a, advantage in rows))
+        rows = [BatchRow(answer, j * places // len(stored), recompute) for j, g in enumerate(stored) for answer in g.answers]
+        recipe = dataclasses.replace(recipe, rows=recipe.rows + tuple(rows))
         metrics = dict(batch.metrics)
         metrics["replay_share"] = len(rows) / max(1, len(recipe.rows))
         metrics["replayed_questions"] = len(stored)
@@ -146,13 +145,13 @@ class Prioritized(GRPO):
         `max_age` versions at the next policy) leave it."""
         items, start, newest = [], 0, 0
         for group in batch.groups:
-            advantages = [row.advantage for row in batch.recipe.rows[start : start + group.size]]
+            trained = [row.answer for row in batch.recipe.rows[start : start + group.size]]  # with their advantages
             start += group.size
             if group.advantages:  # replayed answers: stored already
                 continue
-            newest = max([newest, *(r.version for r in group.rollouts)])
+            newest = max([newest, *(a.version for a in group.answers)])
             if len(set(group.correct)) > 1:
-                answers = Answer.fresh_answers(group, step, self.origin, list(advantages[: len(group.fresh())]))
+                answers = as_stored([a for a in trained if not a.replayed], step, self.origin)
                 items.append((group.prompt.uid, np.array(self.prompt_ids[group.prompt.uid], np.int32), answers))
         max_age = self.settings.max_age
         evict = (origin_id(self.origin.run, self.origin.checkpoint), newest + 1 - max_age) if max_age >= 0 else None

@@ -35,13 +35,13 @@ import numpy as np
 from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.algos.sampling.rlep import draw_answers
-from rayrep.buffer.answers import Answer, Origin
+from rayrep.buffer.answers import Origin, fresh_successes
 from rayrep.buffer.files import BufferFileError, read_pool
 from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
-from rayrep.types import Group, StepBatch, StepPlan
+from rayrep.types import Answer, Group, StepBatch, StepPlan
 
 ExperiencePool = dict[str, tuple[np.ndarray, list[Answer]]]
 """{question uid: (its prompt tokens, its stored successes)}, as `read_pool` returns it."""
@@ -98,10 +98,7 @@ class RLEP(GRPO):
         # Left in the shards' results: the learners read the drawn answers from there.
         drawn = draw_answers(self.buffer, requests, self.draw_limit(version), self.draws_logprobs,
                              by_reference=True) if wanted else {}
-        replays = {
-            uid: tuple(answer.rollout(self.prompt_ids[uid]) for answer in answers)
-            for uid, answers in drawn.items() if answers
-        }
+        replays = {uid: tuple(answers) for uid, answers in drawn.items() if answers}
         at_most = self.cfg.algorithm.rlep.replay_if_at_most
         return StepPlan(fresh.requests, replays, replay_if_at_most=at_most if at_most >= 0 else None)
 
@@ -110,7 +107,7 @@ class RLEP(GRPO):
         if not self.cfg.algorithm.rlep.grow_pool:
             return {}
         items = [(group.prompt.uid, np.array(self.prompt_ids[group.prompt.uid], np.int32), new)
-                 for group in batch.seen if (new := Answer.fresh_successes(group, step, self.origin))]
+                 for group in batch.seen if (new := fresh_successes(group, step, self.origin))]
         stats = self.buffer.apply(items, dedup=True)
         return {"pool_questions": stats["questions"], "pool_answers": stats["answers"], "pool_stored": stats["stored"]}
 

@@ -1,6 +1,7 @@
-"""The answers that travel: one stored answer (`Answer`), a call's answers packed into a few
-flat arrays (`PackedAnswers`), and one question's answers as they go to and from snapshot
-and pool files (`QuestionAnswers`).
+"""How answers travel to and from the replay buffer: a call's answers packed into a few flat
+arrays (`PackedAnswers`), what a drawing client reads of a draw whose answers stay on the
+shards (`DrawnFacts`), and one question's answers as they go to and from snapshot and pool
+files (`QuestionAnswers`). An answer itself is `rayrep.types.Answer` everywhere.
 
 Answers cross between the client and the shards packed, never as two small arrays per
 answer: Ray spends tens of microseconds on each array it (de)serializes, about 40 ms for
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from rayrep.types import AnyRollout, Group, Rollout, RolloutRef, answer_arrays
+from rayrep.types import Answer, Group, answer_arrays
 
 SOURCES = ("pool", "online", "external")
 """Where an answer came from: an offline experience pool (RLEP), a run's own rollouts
@@ -55,80 +57,25 @@ class Origin:
     temperature: float = math.nan
 
 
-@dataclass
-class Answer:
-    """One stored answer, as it enters or leaves the buffer: its arrays here, or where they
-    are (`at`: a fresh answer on its way from a generator's part to the shards, or a drawn one
-    on its way from a shard to the learners), the driver holding only its facts."""
-
-    response_ids: np.ndarray | None
-    """int32 [T] token ids of the answer (None: `at` says where they are)."""
-    logprobs: np.ndarray | None
-    """float32 [T] behaviour log-probs (NaN where unknown, e.g. imported text-only pools; None with `at`)."""
-    reward: float
-    version: int = 0
-    """The policy version that sampled it (updates since `checkpoint`)."""
-    source: str = "online"
-    step: int = 0
-    """Training step (or pool id) at which it entered the buffer."""
-    temperature: float = math.nan
-    verdict: str = "correct"
-    run: str = ""
-    checkpoint: str = ""
-    advantage: float = math.nan
-    """The advantage it was trained with when it was stored (answer-level replay); NaN: not known."""
-    at: RolloutRef | None = None
-    """Where its arrays are, when they are not here."""
-
-    @property
-    def length(self) -> int:
-        return self.at.response_length if self.at is not None else len(self.response_ids)
-
-    @classmethod
-    def fresh_successes(cls, group: Group, step: int, origin: Origin = Origin()) -> list[Answer]:
-        """The verified-correct answers sampled for a scored group this step (not its
-        replayed ones), as answers that enter the buffer at `step`."""
-        return [a for a in cls.fresh_answers(group, step, origin) if a.verdict == "correct"]
-
-    @classmethod
-    def fresh_answers(cls, group: Group, step: int, origin: Origin = Origin(),
-                      advantages: list[float] | None = None) -> list[Answer]:
-        """Every answer sampled for a scored group this step, right or wrong, as answers that
-        enter the buffer at `step`, each with the advantage it was trained with where
-        `advantages` gives them (one per fresh answer, in order)."""
-        if not group.scored:
-            raise ValueError(f"question {group.prompt.uid!r}: its group is not scored yet (no rewards to store)")
-        fresh = group.fresh()
-        values = advantages if advantages is not None else [math.nan] * len(fresh)
-        return [
-            cls(*local_arrays(a.rollout), a.reward, a.rollout.version, "online", step, origin.temperature,
-                "correct" if a.correct else "wrong", origin.run, origin.checkpoint, advantage,
-                at=a.rollout if isinstance(a.rollout, RolloutRef) else None)
-            for a, advantage in zip(fresh, values)
-        ]
-
-    def rollout(self, prompt_ids: list[int]) -> AnyRollout:
-        """This answer replayed: a rollout of the question whose prompt tokens are `prompt_ids`
-        (by reference where its arrays are elsewhere; those carry their prompt)."""
-        if self.at is not None:
-            return self.at
-        return Rollout(
-            prompt_ids=prompt_ids,
-            response_ids=self.response_ids,
-            logprobs=self.logprobs,
-            text="",  # replayed answers were verified when they were stored
-            finish_reason="stop",
-            version=self.version,
-        )
+def as_stored(answers: Sequence[Answer], step: int, origin: Origin = Origin()) -> list[Answer]:
+    """Answers sampled this step, scored, as they enter the buffer at `step`: a run's own
+    ("online"), named by who sampled them; their arrays stay where they are (the shard that
+    takes them reads them there)."""
+    unscored = next((a for a in answers if a.reward is None), None)
+    if unscored is not None:
+        raise ValueError(f"an answer of policy version {unscored.version} is not scored yet (no reward to store)")
+    return [a._replace(source="online", step=step, temperature=origin.temperature, run=origin.run,
+                                checkpoint=origin.checkpoint) for a in answers]
 
 
-def local_arrays(rollout: AnyRollout) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """A rollout's (response ids, log-probs) where they are here, as they are (int32 and
-    float32 already: no copy); (None, None) for one held by reference."""
-    return (None, None) if isinstance(rollout, RolloutRef) else (rollout.response_ids, rollout.logprobs)
+def fresh_successes(group: Group, step: int, origin: Origin = Origin()) -> list[Answer]:
+    """The verified-correct answers sampled for a scored group this step (not its replayed
+    ones), as they enter the buffer at `step`."""
+    return as_stored([a for a in group.fresh() if a.correct], step, origin)
 
 
-_VERDICT_NAMES = {code: name for name, code in VERDICTS.items()}
+_VERDICT_CODES = {True: VERDICTS["correct"], False: VERDICTS["wrong"], None: VERDICTS["unchecked"]}
+_CORRECT = {code: correct for correct, code in _VERDICT_CODES.items()}
 _NO_ORIGIN = ("", "")
 
 
@@ -182,44 +129,47 @@ class PackedAnswers:
     prompts: np.ndarray | None = None
     held_back: int = 0
     """Stored answers of these questions that the draw's `DrawLimit` left out."""
-    pending: list[RolloutRef] | None = None
+    pending: list[Answer] | None = None
     """Where each answer's arrays are, when they were packed by reference (`resolve` reads them)."""
 
     @classmethod
     def pack(cls, items: list[tuple[str, np.ndarray | None, list[Answer]]]) -> PackedAnswers:
         """Pack (question id, prompt ids or None, answers) items. Answers held by reference
-        (`Answer.at`: all of them or none) are packed without their arrays, which the shard
-        that takes them reads (`resolve`)."""
+        (`Answer.by_reference`: all of them or none) are packed without their arrays, which
+        the shard that takes them reads (`resolve`); the arrays of those here are packed."""
         answers = [a for _, _, group in items for a in group]
-        by_reference = [a.at is not None for a in answers]
+        by_reference = [a.by_reference for a in answers]
         if any(by_reference) and not all(by_reference):
             raise ValueError("answers to pack are all held by reference or none are")
         lengths = np.array([a.length for a in answers], np.int64)
-        logprob_lengths = lengths if any(by_reference) else np.array([len(a.logprobs) for a in answers], np.int64)
-        if not np.array_equal(lengths, logprob_lengths):
-            bad = int(np.nonzero(lengths != logprob_lengths)[0][0])
-            for uid, _, group in items:  # name the question and the answer
-                if bad < len(group):
-                    raise ValueError(f"question {uid!r}, answer {bad}: {len(group[bad].response_ids)} token ids "
-                                     f"but {len(group[bad].logprobs)} log-probs")
-                bad -= len(group)
+        arrays = None if any(by_reference) else answer_arrays(answers)
+        if arrays is not None:
+            logprob_lengths = np.array([len(logprobs) for _, _, logprobs in arrays], np.int64)
+            if not np.array_equal(lengths, logprob_lengths):
+                bad = int(np.nonzero(lengths != logprob_lengths)[0][0])
+                tokens, logprobs = lengths[bad], logprob_lengths[bad]
+                for uid, _, group in items:  # name the question and the answer
+                    if bad < len(group):
+                        raise ValueError(f"question {uid!r}, answer {bad}: {tokens} token ids but {logprobs} log-probs")
+                    bad -= len(group)
         origins: Origins = {}
         facts = np.empty(len(answers), FACTS)
         for i, a in enumerate(answers):
             origin = origin_id(a.run, a.checkpoint)
             if origin:
                 origins[origin] = (a.run, a.checkpoint)
-            facts[i] = (a.reward, a.version, SOURCES.index(a.source), a.step, a.temperature, VERDICTS[a.verdict], origin,
-                        a.advantage)
+            facts[i] = (math.nan if a.reward is None else a.reward, a.version, SOURCES.index(a.source), a.step,
+                        a.temperature, _VERDICT_CODES[a.correct], origin,
+                        math.nan if a.advantage is None else a.advantage)
         packed = cls(
             uids=[uid for uid, _, _ in items],
             counts=np.array([len(group) for _, _, group in items], np.int64),
             offsets=cumulative_offsets(lengths),
-            tokens=None if any(by_reference) else flat_array([a.response_ids for a in answers], np.int32),
-            logprobs=None if any(by_reference) else flat_array([a.logprobs for a in answers], np.float32),
+            tokens=None if arrays is None else flat_array([response for _, response, _ in arrays], np.int32),
+            logprobs=None if arrays is None else flat_array([logprobs for _, _, logprobs in arrays], np.float32),
             facts=facts,
             origins=origins,
-            pending=[a.at for a in answers] if any(by_reference) else None,
+            pending=answers if arrays is None else None,
         )
         if items and all(prompt is not None for _, prompt, _ in items):
             prompts = [np.asarray(prompt) for _, prompt, _ in items]
@@ -228,6 +178,9 @@ class PackedAnswers:
         return packed
 
     def prompt(self, q: int) -> np.ndarray:
+        """Question `q`'s prompt ids (none where packed without prompts)."""
+        if self.prompts is None:
+            return np.empty(0, np.int32)
         return self.prompts[self.prompt_offsets[q] : self.prompt_offsets[q + 1]]
 
     def resolve(self) -> None:
@@ -259,12 +212,9 @@ class PackedAnswers:
         return self.prompt(question), self.tokens[start:end], logprobs
 
     def unpack(self) -> dict[str, list[Answer]]:
-        """Answers by question; their arrays are views of the packed ones, never of a shard's
-        storage."""
-        ends = self.offsets.tolist()
-        logprobs = self.logprobs if self.logprobs is not None else np.full(len(self.tokens), np.nan, np.float32)
-        arrays = [(self.tokens[start:end], logprobs[start:end], None) for start, end in zip(ends, ends[1:])]
-        return by_question(self.uids, self.counts, answers_of(self.facts, self.origins, arrays))
+        """Answers by question, their arrays here: these packed ones (`Answer.at`), never a
+        shard's storage."""
+        return self.facts_only().unpack(at=self)
 
     def sequences(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(prompt ids, response ids) of every answer, in order (packed with prompts): what a
@@ -287,23 +237,18 @@ class DrawnFacts:
     held_back: int = 0
 
     def unpack(self, at: object) -> dict[str, list[Answer]]:
-        """Answers by question, without arrays, each saying where it is (`Answer.at`): answer
-        i of `at`, a ref to the `PackedAnswers` these are the facts of."""
+        """Answers by question, each saying where its arrays are: answer i of `at`, the
+        `PackedAnswers` these are the facts of (a ref to it, or it)."""
         lengths = np.diff(self.offsets).tolist()
-        versions = self.facts["version"].tolist()
-        arrays = [(None, None, RolloutRef(at, i, length, "stop", version))
-                  for i, (length, version) in enumerate(zip(lengths, versions))]
-        return by_question(self.uids, self.counts, answers_of(self.facts, self.origins, arrays))
-
-
-def answers_of(facts: np.ndarray, origins: Origins, arrays: list[tuple]) -> list[Answer]:
-    """Answers from their `FACTS` records and (response ids, log-probs, where they are) each."""
-    return [
-        Answer(response_ids, logprobs, reward, version, SOURCES[source], step, temperature, _VERDICT_NAMES[verdict],
-               *origins.get(origin, _NO_ORIGIN), advantage, at=at)
-        for (response_ids, logprobs, at), (reward, version, source, step, temperature, verdict, origin, advantage)
-        in zip(arrays, facts.tolist())  # facts: tuples in FACTS' field order
-    ]
+        names = [self.origins.get(origin, _NO_ORIGIN) for origin in self.facts["origin"].tolist()]
+        answers = [
+            Answer(at, i, length, "stop", version, correct=_CORRECT[verdict], reward=reward,
+                   advantage=None if math.isnan(advantage) else advantage, source=SOURCES[source], step=step,
+                   temperature=temperature, run=run, checkpoint=checkpoint)
+            for i, (length, (reward, version, source, step, temperature, verdict, _, advantage), (run, checkpoint))
+            in enumerate(zip(lengths, self.facts.tolist(), names))  # facts: tuples in FACTS' field order
+        ]
+        return by_question(self.uids, self.counts, answers)
 
 
 def by_question(uids: list[str], counts: np.ndarray, answers: list[Answer]) -> dict[str, list[Answer]]:

@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rayrep.buffer.answers import FACTS, SOURCES, VERDICTS, Answer, Origins, PackedAnswers, QuestionAnswers, origin_id
+from rayrep.buffer.answers import FACTS, SOURCES, VERDICTS, Origins, PackedAnswers, QuestionAnswers, origin_id
 from rayrep.config import InputError
+from rayrep.types import Answer
 
 SNAPSHOT_VERSION = 3
 """2: each answer's provenance (run, checkpoint, temperature, verdict) and the shard versions;

@@ -36,11 +36,12 @@ from typing import Any
 import numpy as np
 import ray
 
-from rayrep.buffer.answers import Answer, DrawLimit, PackedAnswers
+from rayrep.buffer.answers import DrawLimit, PackedAnswers
 from rayrep.buffer.shard import RemoteReplayShard, ReplayShard
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.errors import InputError
+from rayrep.types import Answer
 
 
 def shard_of(uid: str, num_shards: int) -> int:

@@ -71,8 +71,8 @@ def _score_in_slices(
             upcoming = sample_slice(slices[position + 1])  # the generators go on while this slice is scored
         checking = verifiers.checking([prompts[i].ground_truth for i in part], majority=True)
         if complete is not None:
-            _, rollouts = complete(pending, recovery, on_arrival=checking.send)
-            lengths.extend(r.response_length for sampled in rollouts for r in sampled)
+            _, answers = complete(pending, recovery, on_arrival=checking.send)
+            lengths.extend(a.length for sampled in answers for a in sampled)
         else:
             for answers in pending:
                 checking.send(answers)

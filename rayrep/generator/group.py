@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from rayrep.cluster.placement import Placement
 from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
-from rayrep.types import PAUSED, AnyRollout, PartFacts, Rollout, RolloutRef
+from rayrep.types import PAUSED, Answer, PartFacts, Rollout
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ShareRequest:
     """One per prompt, then one per carried group."""
     parts: int
     """How many parts its answers arrive in (`generator.answer_parts`)."""
-    carried: tuple[tuple[list[int], tuple[RolloutRef, ...]], ...] = ()
+    carried: tuple[tuple[list[int], tuple[Answer, ...]], ...] = ()
     """Groups with paused answers to continue (partial rollouts), after the prompts: each
     (its question's token ids, its answers)."""
     quota: int | None = None
@@ -135,7 +135,7 @@ class GeneratorGroup:
     def generate(
         self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int,
         seeds: list[int] | None = None, parts: int = 1,
-        carried: Sequence[tuple[list[int], Sequence[RolloutRef]]] = (),
+        carried: Sequence[tuple[list[int], Sequence[Answer]]] = (),
         quota: int | None = None,
     ) -> list[Share]:
         """Start sampling `n` rollouts per prompt (`n` may differ per prompt) across the workers;
@@ -178,14 +178,14 @@ class GeneratorGroup:
             request.parts, list(request.carried), request.quota)
         return Share(indices, request, worker, stream, retries)
 
-    def complete(self, shares: Sequence[Share | PendingRollouts], counts: Counter | None = None,
+    def complete(self, shares: Sequence[Share], counts: Counter | None = None,
                  on_arrival: Callable[[PendingRollouts], None] | None = None,
-                 ) -> tuple[list[PendingRollouts], list[list[AnyRollout]]]:
+                 ) -> tuple[list[PendingRollouts], list[list[Answer]]]:
         """Every prompt's rollouts, in prompt order, waiting for the workers, and the parts they
         arrived in; each part goes to `on_arrival` (the verifiers) as soon as it exists, while
-        the engines sample the rest. The generators' rollouts come as `RolloutRef`s: this
-        process reads each part's facts, never its arrays. (Answers made elsewhere, as
-        `PendingRollouts`, arrive at once, as they are.)
+        the engines sample the rest. The generators' answers come as `Answer`s, their arrays
+        where the generators left them: this process reads each part's facts, never its
+        arrays.
 
         A generator that dies mid-share loses nothing that arrived: the prompts it had not
         answered are asked again of its replacement (see the module's docstring); with
@@ -194,22 +194,17 @@ class GeneratorGroup:
         """
         counts = Counter() if counts is None else counts
         arrived: list[PendingRollouts] = []
-        by_index: dict[int, list[AnyRollout]] = {}
+        by_index: dict[int, list[Answer]] = {}
         replaced_before = self.supervisor.replaced
 
-        def take(part: PendingRollouts, rollouts: list[list[AnyRollout]]) -> None:
-            paused = any(r.finish_reason == PAUSED for answers in rollouts for r in answers)
+        def take(part: PendingRollouts, answers: list[list[Answer]]) -> None:
+            paused = any(a.finish_reason == PAUSED for own in answers for a in own)
             if on_arrival is not None and not paused:  # (an answer not finished has nothing to check)
                 on_arrival(part)
             arrived.append(part)
-            by_index.update(zip(part.indices, rollouts))
+            by_index.update(zip(part.indices, answers))
 
-        live: dict[ray.ObjectRefGenerator, tuple[Share, list[int]]] = {}
-        for share in shares:
-            if isinstance(share, PendingRollouts):
-                take(share, ray.get(share.ref))
-            else:
-                live[share.stream] = (share, [])
+        live: dict[ray.ObjectRefGenerator, tuple[Share, list[int]]] = {share.stream: (share, []) for share in shares}
         while live:
             [stream], _ = ray.wait(list(live), num_returns=1)
             share, answered = live[stream]
@@ -233,14 +228,13 @@ class GeneratorGroup:
             answered.extend(facts.positions)
             if facts.lost_answers:
                 counts["lost_carried_answers"] += facts.lost_answers
-            rollouts = [[RolloutRef.at(ref, (p, a), answer) for a, answer in enumerate(answers)]
-                        for p, answers in enumerate(facts.answers)]
-            take(PendingRollouts([share.indices[p] for p in facts.positions], ref), rollouts)
+            answers = [[a._replace(at=ref) for a in own] for own in facts.answers]
+            take(PendingRollouts([share.indices[p] for p in facts.positions], ref), answers)
         if self.supervisor.replaced > replaced_before:
             counts["replaced"] += self.supervisor.replaced - replaced_before
         return arrived, [by_index[i] for i in range(len(by_index))]
 
-    def gather(self, shares: Sequence[Share | PendingRollouts]) -> list[list[Rollout]]:
+    def gather(self, shares: Sequence[Share]) -> list[list[Rollout]]:
         """Every prompt's rollouts themselves, in prompt order (waits for the workers)."""
         return self.read(self.complete(shares)[0])
 

@@ -19,7 +19,7 @@ from rayrep.library_output import route_library_output
 from rayrep.models.adapter import is_adapter
 from rayrep.sync.collective import WeightManifest
 from rayrep.generator.vllm_internals import EXTENSION_CLASS
-from rayrep.types import PAUSED, AnswerFacts, PartFacts, Rollout, RolloutPart, RolloutRef
+from rayrep.types import PAUSED, Answer, PartFacts, Rollout, RolloutPart
 
 
 SLEEP_TAGS = {WEIGHTS: "weights", KV_CACHE: "kv_cache"}
@@ -81,13 +81,13 @@ class GeneratorWorker:
 
     def generate_as_finished(
         self, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float, max_tokens: int,
-        seeds: list[int] | None, parts: int, carried: list[tuple[list[int], list[RolloutRef]]] = (),
+        seeds: list[int] | None, parts: int, carried: list[tuple[list[int], list[Answer]]] = (),
         quota: int | None = None,
     ) -> Iterator[PartFacts | RolloutPart]:
         """`n` rollouts of each prompt (see `rayrep.generator.engine.sample`), as the engine
         finishes them, in about `parts` parts (a Ray streaming call): each part is two objects,
         what the driver decides on (`PartFacts`: the positions of its prompts in `prompt_ids`,
-        each answer's length and finish reason, the policy version), then the rollouts
+        each answer's record, its length, finish reason and policy version), then the rollouts
         themselves (`RolloutPart`), which the reader passes on by reference (to the verifiers,
         the learners and the buffer shards) as soon as they exist. Partial rollouts: `carried`
         groups ((question, answers by reference): read here) continue their paused answers,
@@ -105,7 +105,9 @@ class GeneratorWorker:
                                                       max_tokens=max_tokens, seeds=seeds, version=self.version,
                                                       parts=parts, min_tokens=self.cfg.generator.min_response_tokens,
                                                       carried=groups, quota=quota, adapter=self.adapter):
-            yield PartFacts(positions, [[AnswerFacts.of(r) for r in answers] for answers in rollouts], lost)
+            # (Where each answer's arrays are, the reader fills in: the part's ref is made by this yield.)
+            yield PartFacts(positions, [[Answer.sampled(None, (p, a), r) for a, r in enumerate(answers)]
+                                        for p, answers in enumerate(rollouts)], lost)
             yield RolloutPart(rollouts)
             lost = 0
 
@@ -223,22 +225,22 @@ class GeneratorWorker:
         return os.getpid()
 
 
-def read_carried(carried: list[tuple[list[int], list[RolloutRef]]], version: int) -> tuple[list[list[Rollout]], int]:
+def read_carried(carried: list[tuple[list[int], list[Answer]]], version: int) -> tuple[list[list[Rollout]], int]:
     """The carried groups' answers, read from the object store (each part once), and how many
     were lost: a group whose part is gone (its node lost) starts again from its question, every
     answer paused with no tokens (`PAUSED`: sampled whole by this call)."""
     from ray.exceptions import ObjectLostError
 
     parts: dict = {}
-    for ref in {r.source: None for _, answers in carried for r in answers}:
+    for ref in {a.at: None for _, answers in carried for a in answers}:
         try:
             parts[ref] = ray.get(ref)
         except ObjectLostError:  # (its owner died, its copies are gone, it cannot be rebuilt)
             pass
     groups, lost = [], 0
     for prompt_ids, answers in carried:
-        if all(r.source in parts for r in answers):
-            groups.append([parts[r.source][r.key[0]][r.key[1]] for r in answers])
+        if all(a.at in parts for a in answers):
+            groups.append([parts[a.at][a.key[0]][a.key[1]] for a in answers])
         else:
             lost += len(answers)
             groups.append([Rollout(prompt_ids, [], [], "", PAUSED, version) for _ in answers])

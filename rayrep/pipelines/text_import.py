@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rayrep.buffer.answers import Answer
 from rayrep.buffer.files import text_pool_rows
 from rayrep.buffer.pool import Imported, import_into
 from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config
 from rayrep.learner.logprobs import token_logprobs
 from rayrep.models import config_overrides
+from rayrep.types import Answer
 from rayrep.verifier.math import verify_batch
 
 LOGITS_BYTES = 1 << 30
@@ -108,8 +108,8 @@ def read_text(cfg: Config, policy: str, source: str | Path, writer: str = "", lo
     items: dict[str, tuple[list[int], list[Answer]]] = {}
     for row, own in zip(kept, logprobs):
         answers = items.setdefault(row["uid"], (row["prompt_ids"], []))[1]
-        answers.append(Answer(np.array(row["response_ids"], np.int32), own, 1.0, 0, "external", 0,
-                              cfg.generator.temperature, "correct", *origin))
+        answers.append(Answer.of_arrays(np.array(row["response_ids"], np.int32), own, 1.0, 0, "external", 0,
+                                        cfg.generator.temperature, True, *origin))
     flat = [(uid, np.array(ids, np.int32), answers) for uid, (ids, answers) in items.items()]
     counts = {"source": str(source), "questions": questions, "questions_without_candidates": without,
               "candidates": len(rows), "too_long": len(rows) - len(whole), "verified": len(kept),

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayrep.buffer.answers import Answer, DrawLimit, DrawnFacts, PackedAnswers
+from rayrep.buffer.answers import DrawLimit, DrawnFacts, PackedAnswers
 from rayrep.buffer.replay import ReplayStore
 from rayrep.buffer.shard import ReplayShard
+from rayrep.types import Answer
 
 
 def priorities(advantages: np.ndarray, ages: np.ndarray, decay: float) -> np.ndarray:

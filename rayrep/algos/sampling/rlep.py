@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayrep.buffer.answers import Answer, DrawLimit, DrawnFacts, PackedAnswers, cumulative_offsets
+from rayrep.buffer.answers import DrawLimit, DrawnFacts, PackedAnswers, cumulative_offsets
 from rayrep.buffer.replay import ReplayStore
 from rayrep.buffer.shard import ReplayShard
+from rayrep.types import Answer
 
 
 def draw_answers(store: ReplayStore, requests: list[tuple[str, int]], limit: DrawLimit | None = None,
