@@ -279,18 +279,23 @@ def test_a_cpu_learner_keeps_its_freed_activations_for_the_next_update(ray_clust
     """A step's update allocates and frees activations of a few MB by the hundred; by default
     glibc hands them back to the system and every update faults their pages in again. The
     learner's process keeps them (`rayrep.heap.keep_freed_memory`): once it has run an update,
-    the next faults in few pages (measured: 18,600 without the setting, 2,600 with it, most of
-    them the batch's pages as the rank reads it from Ray's object store)."""
+    the next faults in fewer pages. Each update's count varies with what else the process does
+    meanwhile (Ray's own threads, the batch's pages read from the object store), so the median
+    of five updates is compared. Measured (2026-12-06): without the setting single updates
+    fault 16 to 32,900 pages, medians of five 9,900 and 15,100; with it 4 to 7,000, medians
+    of five 14 and 25 (of three, up to 5,000)."""
     cfg = tiny_cfg.replace(**{"algorithm.prompts_per_step": 64, "learner.mini_batch_prompts": 64})
     batch = synthetic_batch(num_prompts=64, answers=8, seed=5)
     _, placement, learners = make_learners(cfg, tiny_policy, 1)
     try:
         pid = ray.get(learners.workers[0].pid.remote())
         learners.update(batch, LossSpec())
-        learners.update(batch, LossSpec())
-        before = minor_faults(pid)
-        learners.update(batch, LossSpec())
-        assert minor_faults(pid) - before < 7_000
+        faults = []
+        for _ in range(5):
+            before = minor_faults(pid)
+            learners.update(batch, LossSpec())
+            faults.append(minor_faults(pid) - before)
+        assert sorted(faults)[2] < 5_000, faults
     finally:
         learners.shutdown()
         placement.remove()
