@@ -307,8 +307,12 @@ class ReplayShard:
 
     def bucket_sizes(self, exclude: list[str] = ()) -> dict[int, int]:
         """Questions per bucket (those in `exclude` not counted)."""
+        return self.sizes_without(self.excluded_by_bucket(exclude))
+
+    def sizes_without(self, excluded: dict[int, list[str]]) -> dict[int, int]:
+        """Questions per bucket, less those `excluded` (`excluded_by_bucket`)."""
         sizes = self.buckets.sizes()
-        for k, uids in self.excluded_by_bucket(exclude).items():
+        for k, uids in excluded.items():
             sizes[k] -= len(uids)
         return {k: n for k, n in sizes.items() if n}
 

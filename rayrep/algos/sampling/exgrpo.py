@@ -64,9 +64,8 @@ def offer_questions(shard: ReplayShard, count: int, buckets: list[int], seed: in
     Any first n of a bucket's offer are n of its questions drawn uniformly without
     replacement, so the caller takes them in order as it plans the draw over every shard."""
     rng = np.random.default_rng(seed)
-    wanted = set(buckets)
-    sizes = {k: n for k, n in shard.bucket_sizes(exclude).items() if k in wanted}
-    excluded = shard.excluded_by_bucket(exclude)
+    wanted, excluded = set(buckets), shard.excluded_by_bucket(exclude)
+    sizes = {k: n for k, n in shard.sizes_without(excluded).items() if k in wanted}
     return sizes, {k: shard.buckets.sample(rng, k, count, excluded.get(k, [])) for k in sorted(sizes)}
 
 
