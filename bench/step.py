@@ -236,13 +236,12 @@ def scoring_overlap(cfg, policy: str, rounds: int) -> None:
     algo, gen = cfg.algorithm, cfg.generator
     prompts = load_split(cfg.data, "train")[: algo.prompts_per_step]
     prompt_ids = encode_prompts(AutoTokenizer.from_pretrained(policy), prompts, cfg.data.max_prompt_tokens)
-    truths = [p.ground_truth for p in prompts]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     placement = Placement(make_plan(cfg, learners=False))
     generators, verifiers = GeneratorGroup.create(cfg, policy, placement), VerifierGroup.create(cfg, placement)
 
     def rollouts(parts: int, as_they_come: bool, round_index: int) -> tuple[float, float, int]:
-        checking = verifiers.checking(truths)
+        checking = verifiers.checking(prompts)
         start = time.perf_counter()
         shares = generators.generate(prompt_ids, n=algo.group_size, temperature=gen.temperature, top_p=gen.top_p,
                                      max_tokens=gen.max_response_tokens, parts=parts,

@@ -40,12 +40,14 @@ def main(argv: list[str]) -> dict:
                                       "<logging.out_dir>/eval/<checkpoint>-<time>.json)")
     args, cfg = parse_job_args(parser, argv)
     from rayrep.eval.evaluate import evaluate_checkpoint  # Ray, torch, vLLM: once the command line holds
+    from rayrep.verifier.group import check_checkers
 
     if args.prompts:
         cfg = cfg.replace(**{"data.test_files": args.prompts})
 
     # Bad input stops here, before a policy is built or an actor starts.
     prompts = load_split(cfg.data, "test")
+    check_checkers(cfg, prompts)
     out = Path(args.out) if args.out else None
     if out:
         check_report_path(out)

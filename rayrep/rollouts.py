@@ -150,7 +150,7 @@ class Rollouts:
         record.count({"sampling_rounds": 1, **started.counts})
         plans = started.plan.split() + [c.plan for c in started.carried]  # one per group, in call order
         questions = [p for plan in plans for p in plan.prompts]
-        checking = self.runtime.verifiers.checking([p.ground_truth for p in questions])
+        checking = self.runtime.verifiers.checking(questions)
         with record.timed("generate"):
             recovery: Counter = Counter()
             _, answers = self.runtime.generators.complete(started.shares, recovery, on_arrival=checking.send)
@@ -158,26 +158,28 @@ class Rollouts:
         with record.timed("verify"):
             verdicts = checking.result()
         record.count(verdicts.statuses, prefix="verifier_")
-        return self.take(plans, answers, verdicts.correct, len(started.plan.prompts),
+        record.note({f"verifier_{status}": detail for status, detail in verdicts.details.items()})
+        return self.take(plans, answers, list(zip(verdicts.correct, verdicts.scores)), len(started.plan.prompts),
                          sum(a.length for c in started.carried for a in c.answers), record)
 
-    def take(self, plans: list[StepPlan], answers: list[list[Answer]], correct: list[list[bool]],
-             carried_from: int, tokens_before: int, record: StepRecord) -> list[Group]:
+    def take(self, plans: list[StepPlan], answers: list[list[Answer]],
+             verdicts: list[tuple[list[bool], list[float | None]]], carried_from: int, tokens_before: int,
+             record: StepRecord) -> list[Group]:
         """The step's groups of a round's (one plan each, in call order, those from
         `carried_from` on carried over from the last round, holding `tokens_before` tokens as
-        the round began; the verdicts of those done, in that order), each with its planned
+        the round began; the verdicts (and scores) of those done, in that order), each with its planned
         replays. Without partial rollouts every group is done, and the step takes them all.
         With them, it takes B, the carried ones first (their tokens are the oldest); the others
         are carried to the next round: those stopped, and any done beyond B; and the tokens
         the round generated are counted (`partial_round_tokens`)."""
         partial = self.cfg.run.partial_rollouts
         done = [i for i, own in enumerate(answers) if not any(a.finish_reason == PAUSED for a in own)]
-        marks = dict(zip(done, correct))
+        marks = dict(zip(done, verdicts))
         taken = sorted(done, key=lambda i: (i < carried_from, i))  # (without carried groups: call order)
         if partial:
             taken = taken[:self.cfg.algorithm.prompts_per_step]
         groups = [group for i in taken for group in plans[i].complete(
-            [Group.sampled(plans[i].prompts[0], answers[i], marks[i])])]
+            [Group.sampled(plans[i].prompts[0], answers[i], *marks[i])])]
         carried = [Carried(plans[i], tuple(answers[i])) for i in range(len(plans)) if i not in set(taken)]
         # (Added to any that no round took yet: with asynchronous rollouts two or more steps
         # ahead, the round after this one was started before this one's groups were carried.)
@@ -272,13 +274,24 @@ def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
 
 
 def rollout_stats(groups: Sequence[Group], generate_seconds: float) -> dict[str, float]:
-    """What this step's fresh rollouts looked like (every verified group, trained or not)."""
+    """What this step's fresh rollouts looked like (every verified group, trained or not);
+    with questions of several data sources, the accuracy and mean reward of each
+    (`accuracy/<source>`, `reward/<source>`)."""
     fresh = [a for g in groups for a in g.fresh()]
     tokens = sum(a.length for a in fresh)
-    return {
+    stats = {
         "accuracy": sum(bool(a.correct) for a in fresh) / max(1, len(fresh)),
         "response_length": tokens / max(1, len(fresh)),
         "truncated": sum(a.finish_reason == "length" for a in fresh) / max(1, len(fresh)),
         "generated_tokens": tokens,
         "tokens_per_second": tokens / max(generate_seconds, 1e-9),
     }
+    by_source: dict[str, list[Answer]] = {}
+    for group in groups:
+        by_source.setdefault(group.prompt.data_source, []).extend(group.fresh())
+    if len(by_source) > 1:
+        for source, answers in sorted(by_source.items()):
+            if answers:
+                stats[f"accuracy/{source}"] = sum(bool(a.correct) for a in answers) / len(answers)
+                stats[f"reward/{source}"] = sum(a.reward or 0.0 for a in answers) / len(answers)
+    return stats

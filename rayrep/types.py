@@ -195,6 +195,9 @@ class Answer(NamedTuple):
     run: str = ""
     checkpoint: str = ""
     """The run (its folder) that sampled it and the checkpoint that run started from."""
+    score: float | None = None
+    """Its checker's score, for a checker that gives one (a user's); None: the reward is the
+    verdict's, in the run's reward style."""
 
     @classmethod
     def sampled(cls, at: object, key: object, rollout: Rollout) -> "Answer":
@@ -304,10 +307,13 @@ class Group:
     join it before it trains, and count as correct answers meanwhile."""
 
     @classmethod
-    def sampled(cls, prompt: Prompt, answers: Sequence[Answer], correct: Sequence[bool]) -> "Group":
-        """The answers sampled for `prompt` this step, with their verdicts."""
-        return cls(prompt, tuple(a._replace(correct=bool(ok))
-                                 for a, ok in zip(answers, correct, strict=True)))
+    def sampled(cls, prompt: Prompt, answers: Sequence[Answer], correct: Sequence[bool],
+                scores: Sequence[float | None] | None = None) -> "Group":
+        """The answers sampled for `prompt` this step, with their verdicts (and their
+        checker's scores, where it gives them)."""
+        scores = scores if scores is not None else [None] * len(correct)
+        return cls(prompt, tuple(a._replace(correct=bool(ok), score=score)
+                                 for a, ok, score in zip(answers, correct, scores, strict=True)))
 
     @property
     def size(self) -> int:
@@ -320,6 +326,10 @@ class Group:
     @property
     def replayed(self) -> tuple[bool, ...]:
         return tuple(a.replayed for a in self.answers)
+
+    @property
+    def scores(self) -> tuple[float | None, ...]:
+        return tuple(a.score for a in self.answers)
 
     @property
     def rewards(self) -> tuple[float, ...]:

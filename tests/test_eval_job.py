@@ -302,3 +302,36 @@ def test_slices_give_the_same_numbers_and_report_progress(verifiers, monkeypatch
     # running pooled pass@1: a1 2/4; then m1 2/2 -> 0.75; a2 1/4 -> 1.75/3; m2 1/2 -> 2.25/4; m3 0 -> 2.25/5
     running = [re.search(r"pass@1 (\S+)", line).group(1) for line in lines[1:]]
     assert running == ["0.500", "0.750", "0.583", "0.562", "0.450"]
+
+
+ROUTED = [Prompt("c1", ({"role": "user", "content": "capital of France?"},), "Paris", "capitals"),
+          Prompt("q1", ({"role": "user", "content": "which is prime?"},), "C", "quiz", {"extra_info": {"choices": ["4", "9", "7"]}}),
+          Prompt("m1", ({"role": "user", "content": "say 3"},), "3", "mine")]
+ROUTED_ANSWERS = [
+    ["answer: paris", "answer: Lyon", "answer: Lyon", "\\boxed{PARIS.}"],  # 2 of 4; Lyon 2 - paris 2: the earlier paris wins
+    ["answer: (B)", "answer: 7", "the answer is C"],  # 2 of 3 (7 is option C); C wins
+    ["3", "three", "3", "raise"],  # scored by the function: 2 of 4, one error; no majority to vote on
+]
+MINE = "def score(completion, ground_truth, row):\n    if completion == 'raise':\n        raise ValueError('no')\n" \
+       "    return float(completion == ground_truth)\n"
+
+
+def test_each_benchmark_is_scored_by_its_checker_and_voted_on_as_it_reads_answers(ray_cluster, tiny_cfg, tmp_path):
+    """Rows routed by data_source to `exact`, `choice` and a user's function in one
+    evaluation: pass@k per benchmark by each checker's verdicts, maj@k by what `exact` and
+    `choice` read (none for the function, which reads no answer), the function's error counted."""
+    from rayrep.verifier.group import VerifierGroup
+
+    (tmp_path / "mine.py").write_text(MINE)
+    cfg = tiny_cfg.replace(**{"verifier.num_workers": 1, "verifier.by_source": [
+        "capitals=exact", "quiz=choice", f"mine={tmp_path / 'mine.py'}:score"]})
+    routed = VerifierGroup.create(cfg)
+    try:
+        metrics = score_answers(routed, ROUTED, ROUTED_ANSWERS)
+    finally:
+        routed.shutdown()
+    assert (metrics["capitals/pass@1"], metrics["quiz/pass@1"], metrics["mine/pass@1"]) == (0.5, 2 / 3, 0.5)
+    assert (metrics["capitals/maj@4"], metrics["quiz/maj@3"]) == (1.0, 1.0) and "mine/maj@4" not in metrics
+    assert metrics["mean_maj@k"] == 1.0 and metrics["verifier_errors"] == 1
+    rows = table_rows(format_table(metrics))
+    assert rows["mine"]["maj@k"] == "-" and rows["capitals"]["maj@k"] == "100.0"

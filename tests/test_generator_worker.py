@@ -189,9 +189,8 @@ def test_answers_arrive_in_parts_as_they_finish_and_are_those_of_one_part(pool, 
     assert sorted(sorted(part.indices) for part in whole_parts) == [list(range(16)), list(range(16, 32))]
     verifiers = VerifierGroup.create(cfg.replace(**{"verifier.num_workers": 1}))  # (one CPU is left free)
     try:
-        truths = [p.ground_truth for p in prompts]
-        expected = verifiers.check(whole_parts, truths)  # (the verifiers up and warm)
-        checking = verifiers.checking(truths)
+        expected = verifiers.check(whole_parts, prompts)  # (the verifiers up and warm)
+        checking = verifiers.checking(prompts)
         scored_before = []  # at each part's arrival: how many earlier parts' verdicts were done
 
         def send(part):

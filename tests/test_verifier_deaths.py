@@ -19,7 +19,7 @@ from conftest import kill_and_wait
 from rayrep.cluster.placement import Placement, make_plan
 from rayrep.cluster.supervisor import MAX_RETRIES
 from rayrep.generator.group import PendingRollouts
-from rayrep.types import Rollout
+from rayrep.types import Prompt, Rollout
 from rayrep.verifier.group import VerifierGroup
 
 
@@ -28,12 +28,16 @@ def share(texts_per_prompt, start=0):
     return PendingRollouts(range(start, start + len(rollouts)), ray.put(rollouts))
 
 
+def math_question(q: int) -> Prompt:
+    return Prompt(str(q), ({"role": "user", "content": f"question {q}"},), str(q), "math")
+
+
 def questions(count, answers_each, start=0):
     """Prompt q (from `start`) has truth q; its answer j is `q + j` (right for j = 0 only),
     written as a fraction so that math-verify, in the sandbox, does the comparing."""
     texts = [[f"so \\boxed{{\\frac{{{2 * (q + j)}}}{{2}}}}" for j in range(answers_each)]
              for q in range(start, start + count)]
-    truths = [str(q) for q in range(start, start + count)]
+    truths = [math_question(q) for q in range(start, start + count)]
     expected = [[j == 0 for j in range(answers_each)] for _ in range(count)]
     return texts, truths, expected
 
@@ -130,7 +134,7 @@ def test_a_share_that_kills_every_verifier_ends_in_a_clear_error(placed):
     deadly = PendingRollouts(range(0, 1), ray.put([[KillsItsReader()]]))
     texts, truths, expected = questions(1, 2, start=1)
     with pytest.raises(RuntimeError, match=rf"verifier 0 died {MAX_RETRIES + 1} times .*ActorDiedError"):
-        pool.check([deadly, share(texts, start=1)], ["1"] + truths)
+        pool.check([deadly, share(texts, start=1)], [math_question(1)] + truths)
     # The pool still works: the last dead verifier is replaced on the next check.
     verdicts = pool.check([share(texts), share(texts, start=1)], truths * 2)
     assert verdicts.correct == expected * 2
@@ -151,5 +155,5 @@ def test_a_share_lost_upstream_is_not_taken_for_a_verifier_death(placed):
     lost = PendingRollouts(range(0, 1), generator.rollouts.remote())  # its generator is gone
     workers, pids = list(pool.workers), ray.get([w.pid.remote() for w in pool.workers])
     with pytest.raises(ray.exceptions.RayActorError):
-        pool.check([lost], ["1"])
+        pool.check([lost], [math_question(1)])
     assert pool.workers == workers and ray.get([w.pid.remote() for w in pool.workers]) == pids

@@ -121,12 +121,13 @@ class GRPO:
     # ------------------------------------------------------------------ parts of build
 
     def score(self, group: Group) -> Group:
-        """The group with its rewards: the verdict (+1/-1 or 1/0) plus DAPO's overlong shaping."""
+        """The group with its rewards: the checker's score, or the verdict (+1/-1 or 1/0), plus
+        DAPO's overlong shaping."""
         verifier = self.cfg.verifier
         values = rewards(
             group.correct, [a.length for a in group.answers], style=verifier.reward_style,
             max_len=self.cfg.generator.max_response_tokens, overlong_buffer=verifier.overlong_buffer,
-            overlong_factor=verifier.overlong_factor,
+            overlong_factor=verifier.overlong_factor, scores=group.scores,
         )
         return group.with_rewards(values)
 

@@ -36,12 +36,13 @@ from rayrep.algos.grpo import GRPO
 from rayrep.algos.interface import AlgorithmInputs
 from rayrep.algos.sampling.rlep import draw_answers
 from rayrep.buffer.answers import Origin, fresh_successes
-from rayrep.buffer.files import BufferFileError, read_pool
+from rayrep.buffer.files import BufferFileError, pool_checkers, read_pool
 from rayrep.buffer.replay import ReplayStore
 from rayrep.config import Config, ConfigError
 from rayrep.data import PromptSampler
 from rayrep.learner.group import LearnerGroup
 from rayrep.types import Answer, Group, StepBatch, StepPlan
+from rayrep.verifier.checkers import Routing
 
 ExperiencePool = dict[str, tuple[np.ndarray, list[Answer]]]
 """{question uid: (its prompt tokens, its stored successes)}, as `read_pool` returns it."""
@@ -125,9 +126,21 @@ def load_pool(cfg: Config, prompt_ids: dict[str, list[int]]) -> ExperiencePool:
     settings = cfg.algorithm.rlep
     if not settings.pool:
         raise ConfigError("algorithm.rlep.pool: RLEP needs an experience pool (jobs/collect.py writes one)")
+    check_pool_checkers(cfg, settings.pool)
     pool = read_pool(settings.pool)
     check_pool(pool, prompt_ids, settings.pool, settings.old_logprobs)
     return pool
+
+
+def check_pool_checkers(cfg: Config, path: str) -> None:
+    """A pool's successes are successes by the checker that judged them: this run must score
+    each of its data sources with the same one."""
+    routing = Routing.of(cfg.verifier)
+    for source, checker in sorted(pool_checkers(path).items()):
+        if routing.checker(source) != checker:
+            raise BufferFileError(
+                f"{path}: its answers of data_source {source!r} were judged by checker {checker!r}; this run scores "
+                f"{source!r} with {routing.checker(source)!r} (verifier.reward, verifier.by_source)")
 
 
 def check_pool(pool: dict, prompt_ids: dict[str, list[int]], path: str, old_logprobs: str) -> None:

@@ -420,11 +420,12 @@ POOL_SCHEMA = pa.schema([
 ])
 
 
-def write_pool(rows: list[dict], path: Path, source_checkpoint: str) -> Path:
+def write_pool(rows: list[dict], path: Path, source_checkpoint: str, checkers: dict[str, str] | None = None) -> Path:
     """Write an experience pool: one row per verified success (see POOL_SCHEMA).
 
     `rows` hold: uid, prompt (chat messages), ground_truth, data_source, prompt_ids,
-    response_ids, logprobs, text, reward, version.
+    response_ids, logprobs, text, reward, version. `checkers`: the checker that judged each
+    data source's answers (`pool_checkers`; unsaid: math-verify).
     """
     path = Path(path)
     for index, r in enumerate(rows):
@@ -453,10 +454,22 @@ def write_pool(rows: list[dict], path: Path, source_checkpoint: str) -> Path:
             "version": [int(r.get("version", 0)) for r in rows],
             "source_checkpoint": [source_checkpoint] * len(rows),
         },
-        schema=POOL_SCHEMA.with_metadata({"rayrep.kind": "experience-pool", "rayrep.schema_version": str(POOL_VERSION)}),
+        schema=POOL_SCHEMA.with_metadata({"rayrep.kind": "experience-pool", "rayrep.schema_version": str(POOL_VERSION),
+                                          "rayrep.checkers": json.dumps(checkers or {}, sort_keys=True)}),
     )
     _write_atomic(path, table.schema, [table])
     return Path(path)
+
+
+def pool_checkers(path: str | Path) -> dict[str, str]:
+    """{data_source: the checker that judged its successes} of a pool file, for every data
+    source it holds; math-verify for those it does not name (pools written before the
+    record, and pools whose writer used math-verify)."""
+    path = Path(path)
+    schema = _open(path, "experience-pool", POOL_VERSION).schema_arrow
+    named = json.loads((schema.metadata or {}).get(b"rayrep.checkers", b"{}"))
+    sources = pq.read_table(path, columns=["data_source"])["data_source"].unique().to_pylist()
+    return {source: named.get(source, "math") for source in sources}
 
 
 def check_pool_file(path: str | Path) -> None:

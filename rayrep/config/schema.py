@@ -107,11 +107,45 @@ class VerifierConfig:
     reward_style: Literal["binary", "dapo"] = option("dapo", "binary: 1 correct / 0 wrong; dapo: +1 / -1")
     overlong_buffer: int = option(512, "DAPO overlong shaping: the penalty ramps over the last this-many tokens", min=0)
     overlong_factor: float = option(1.0, "DAPO overlong shaping: the penalty at the maximum length (0 disables shaping)", min=0.0)
+    reward: str = option("math", "the checker of every row verifier.by_source does not route: math, exact, choice, or your own function, path/to/file.py:function or package.module:function (docs/your-own-task.md)", added=True)
+    by_source: tuple[str, ...] = option((), "rows routed to checkers by their data_source, as data_source=checker entries (e.g. gsm8k=math my_task=rewards/my_task.py:score)", added=True)
+    success_threshold: float = option(1.0, "a checker that gives a score and no verdict: an answer scoring at least this is a success (accuracy, replay)", added=True)
 
     def check(self, cfg: Config) -> None:
         if self.overlong_buffer > cfg.generator.max_response_tokens:
             raise ConfigError(f"verifier.overlong_buffer={self.overlong_buffer} exceeds "
                               f"generator.max_response_tokens={cfg.generator.max_response_tokens}")
+        self.routes  # (a malformed entry or checker name fails here)
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """`by_source` as {data_source: checker}, each checker's name checked (`checker_name`)."""
+        routes = {}
+        for entry in self.by_source:
+            source, sep, checker = entry.partition("=")
+            if not sep or not source.strip() or not checker.strip():
+                raise ConfigError(f"verifier.by_source: {entry!r} is not data_source=checker")
+            if source.strip() in routes:
+                raise ConfigError(f"verifier.by_source: data_source {source.strip()!r} is routed twice")
+            routes[source.strip()] = checker_name(checker.strip(), "verifier.by_source")
+        checker_name(self.reward, "verifier.reward")
+        return routes
+
+
+CHECKERS = ("math", "exact", "choice")
+"""The checkers rayrep ships (`rayrep.verifier.checkers`), by name."""
+
+
+def checker_name(name: str, field: str) -> str:
+    """`name` if it names a checker: a built-in one, or a user's function as
+    path/to/file.py:function or package.module:function (ConfigError naming `field`)."""
+    where, sep, function = name.rpartition(":")
+    if name not in CHECKERS and not (sep and where and function.isidentifier()
+                                     and (where.endswith(".py") or "/" in where
+                                          or all(p.isidentifier() for p in where.split(".")))):
+        raise ConfigError(f"{field}: {name!r} is not a checker: {', '.join(CHECKERS)}, "
+                          f"path/to/file.py:function or package.module:function")
+    return name
 
 
 @dataclass

@@ -69,7 +69,7 @@ def _score_in_slices(
         pending = upcoming
         if position + 1 < len(slices):
             upcoming = sample_slice(slices[position + 1])  # the generators go on while this slice is scored
-        checking = verifiers.checking([prompts[i].ground_truth for i in part], majority=True)
+        checking = verifiers.checking([prompts[i] for i in part], majority=True)
         if complete is not None:
             _, answers = complete(pending, recovery, on_arrival=checking.send)
             lengths.extend(a.length for sampled in answers for a in sampled)

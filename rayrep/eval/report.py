@@ -52,7 +52,7 @@ def format_table(metrics: Mapping[str, float]) -> str:
     pooled = {name: value for name, value in metrics.items() if "/" not in name}
     k = k_of(pooled)
     rows.append(row(POOLED, int(pooled["questions"]), k, pooled, pooled.get(f"maj@{k}")))
-    rows.append(row(MEAN, None, None, {"pass@1": metrics["mean_pass@1"]}, metrics["mean_maj@k"]))
+    rows.append(row(MEAN, None, None, {"pass@1": metrics["mean_pass@1"]}, metrics.get("mean_maj@k")))
     widths = [max(len(r[column]) for r in rows) for column in range(len(header))]
     lines = ["  ".join([r[0].ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(r[1:], widths[1:]))])
              for r in rows]

@@ -14,6 +14,7 @@ from rayrep.data import PromptSampler, encode_prompts, load_split
 from rayrep.progress import Progress
 from rayrep.roles.system import Runtime
 from rayrep.types import Prompt
+from rayrep.verifier.group import check_checkers
 
 
 def questions_to_collect(cfg: Config, prompts: list[Prompt]) -> list[Prompt]:
@@ -40,6 +41,7 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     prompts = questions_to_collect(cfg, load_split(cfg.data, "train"))
     prompt_ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_tokens)
+    check_checkers(cfg, prompts)  # a user's checker: loaded and called once, before any actor starts
     start = time.perf_counter()
     runtime = Runtime.start(cfg, checkpoint, train=False, log_dir=Path(out_path).parent)
     rows, kept_questions, samples = [], 0, 0
@@ -57,27 +59,30 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
                 seeds=seeds[begin : begin + size], parts=cfg.generator.answer_parts,
             )
             # Scored as they arrive; a dead generator: replaced, its unanswered prompts asked again.
-            checking = runtime.verifiers.checking([p.ground_truth for p in part])
+            checking = runtime.verifiers.checking(part)
             arrived, _ = runtime.generators.complete(shares, recovery, on_arrival=checking.send)
-            correct = checking.result().correct
+            verdicts = checking.result()
             rollouts = runtime.generators.read(arrived)  # (this process writes the pool file: it reads the answers)
-            for prompt, sampled, marks in zip(part, rollouts, correct):
+            for prompt, sampled, marks, scores in zip(part, rollouts, verdicts.correct, verdicts.scores):
                 samples += len(sampled)
-                successes = [r for r, ok in zip(sampled, marks) if ok]
+                successes = [(r, 1.0 if score is None else score)
+                             for r, ok, score in zip(sampled, marks, scores) if ok]
                 if len(successes) < settings.min_successes:
                     continue
                 kept_questions += 1
                 rows += [{
                     "uid": prompt.uid, "prompt": prompt.messages, "ground_truth": prompt.ground_truth,
                     "data_source": prompt.data_source, "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
-                    "logprobs": r.logprobs, "text": r.text, "reward": 1.0, "version": r.version,
-                } for r in successes]
+                    "logprobs": r.logprobs, "text": r.text, "reward": reward, "version": r.version,
+                } for r, reward in successes]
             progress.update(begin + len(part), kept=kept_questions, successes=len(rows))
     finally:
         runtime.shutdown()
     if not rows:
         raise RuntimeError(f"no question had {settings.min_successes} verified successes: the pool would be empty")
-    write_pool(rows, Path(out_path), source_checkpoint=str(checkpoint))
+    routing = runtime.verifiers.routing
+    write_pool(rows, Path(out_path), source_checkpoint=str(checkpoint),
+               checkers={source: routing.checker(source) for source in {row["data_source"] for row in rows}})
     return {
         "pool": str(out_path), "questions": len(prompts), "kept_questions": kept_questions, "successes": len(rows),
         "samples": samples, "success_rate": len(rows) / max(1, samples), "seconds": time.perf_counter() - start,

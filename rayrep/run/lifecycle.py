@@ -36,6 +36,7 @@ from rayrep.run.log import MetricsLog, keep_metrics_until, step_fields
 from rayrep.run.record import StepRecord
 from rayrep.run.restarts import learner_death
 from rayrep.roles.system import Runtime
+from rayrep.verifier.group import check_checkers
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Run:
         # policy versions count the updates since) and its sampling temperature.
         origin = Origin(str(folder.path.resolve()), str(policy), cfg.generator.temperature)
         inputs = check_inputs(cfg, train_prompts, prompt_ids, origin)
+        check_checkers(cfg, [*train_prompts, *test_prompts])  # a user's checker: loaded and called once
         if algorithm_class(cfg).replays:
             store_kind(cfg).check_before_start(cfg, prompt_ids)
         checkpoint, state = resume_point(cfg, folder) if resume else (None, None)
@@ -172,6 +174,8 @@ class Training:
         if self.cfg.saves_checkpoint(step):
             self.save(step)
         self.progress.update(step, **record.progress_fields())
+        for count, message in record.notes.items():
+            self.log(f"step {step}: {count} {record.counts.get(count, 0)}, the first: {message}")
         self.last_step = step
 
     def save(self, step: int) -> None:

@@ -22,6 +22,9 @@ class StepRecord:
     """Events, by name: `generator_replaced`, `verifier_timeout`, `sampling_rounds`, ..."""
     values: dict[str, float] = field(default_factory=dict)
     """Everything else measured: the learners', the algorithm's, the buffer's, the evaluation's."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """The first message behind a count, by the count's name, for the step's log (the
+    first of the step's `verifier_error`s, say)."""
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -37,6 +40,10 @@ class StepRecord:
 
     def add(self, values: Mapping[str, float]) -> None:
         self.values.update(values)
+
+    def note(self, messages: Mapping[str, str]) -> None:
+        for kind, message in messages.items():
+            self.notes.setdefault(kind, message)
 
     def as_dict(self) -> dict:
         return {"step": self.step, **self.values, **self.counts, **{f"time_{k}": v for k, v in self.times.items()}}

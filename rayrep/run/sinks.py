@@ -90,7 +90,11 @@ TRAIN_GAUGES = {  # exported as ray_rayrep_train_<name>{run=...}: (the record's 
 DERIVED_GAUGES = {
     "trained_tokens_per_second": "tokens the learners trained on (fresh and replayed) per second of the last step",
     "phase_share": "share of the last step's wall time spent in each phase (label phase)",
+    "accuracy_by_source": "share of the last step's fresh answers of each data source that were correct (label data_source; runs on several sources)",
+    "reward_by_source": "mean reward of the last step's fresh answers of each data source (label data_source; runs on several sources)",
 }
+LABELS = {"phase_share": "phase", "accuracy_by_source": "data_source", "reward_by_source": "data_source"}
+"""The gauges with a label besides `run`, and its name."""
 COUNTERS = {  # exported as ray_rayrep_train_<name>_total
     "steps": "training steps taken",
     "generated_tokens": "tokens the generators sampled",
@@ -123,7 +127,7 @@ class RayMetricsSink:
         self.tags = {"run": run_label(run_dir)}
         described = {**{name: description for name, (_, description) in TRAIN_GAUGES.items()}, **DERIVED_GAUGES}
         self.gauges = {name: Gauge(f"rayrep_train_{name}", description,
-                                   tag_keys=("run", "phase") if name == "phase_share" else ("run",))
+                                   tag_keys=("run", LABELS[name]) if name in LABELS else ("run",))
                        for name, description in described.items()}
         self.counters = {name: Counter(f"rayrep_train_{name}", description,
                                        tag_keys=("run", "role") if name == "actor_replacements" else ("run",))
@@ -147,6 +151,10 @@ class RayMetricsSink:
                 phases = [p for p in PHASES if f"time_{p}" in record]
                 for phase, seconds in phase_seconds(record, phases).items():
                     self._set("phase_share", seconds / step_seconds, {**self.tags, "phase": phase})
+            for key, value in record.items():
+                measure, slash, source = key.partition("/")
+                if slash and measure in ("accuracy", "reward") and isinstance(value, (int, float)):
+                    self._set(f"{measure}_by_source", value, {**self.tags, "data_source": source})
         if step_seconds:
             self._add("steps", 1, self.tags)
         self._add("generated_tokens", record.get("generated_tokens"), self.tags)

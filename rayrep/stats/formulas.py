@@ -117,7 +117,7 @@ def standard_error(values: Sequence[float]) -> float:
 
 
 def summarize_by_source(
-    sources: Sequence[str], correct: Sequence[Sequence[object]], majority: Sequence[bool]
+    sources: Sequence[str], correct: Sequence[Sequence[object]], majority: Sequence[bool | None]
 ) -> dict[str, float]:
     """Every metric per benchmark (`data_source`), and the aggregates the papers report.
 
@@ -126,7 +126,9 @@ def summarize_by_source(
     question weighs the same), with its standard error `pass@1_se`; `mean_pass@1` and
     `mean_maj@k`, the plain mean of the benchmarks' scores (ExGRPO's average, where a
     large benchmark does not dominate). When every question has the same k, the pooled `avg@k`, `pass@j` and `maj@k` too (RLEP
-    reports its benchmarks one by one: the per-source entries).
+    reports its benchmarks one by one: the per-source entries). A question whose majority is
+    None (its checker reads no answer to vote on) has no maj@k: nor has its source, nor the
+    pooled figure.
     """
     if not (len(sources) == len(correct) == len(majority)):
         raise ValueError(f"sources, correct and majority differ in length: {len(sources)}, {len(correct)}, {len(majority)}")
@@ -139,12 +141,12 @@ def summarize_by_source(
         matrix = [correct[i] for i in rows]
         k = len(matrix[0])
         part = summarize(matrix, ks=pass_ks(k))
-        vote = sum(bool(majority[i]) for i in rows) / len(rows)
         out.update({f"{source}/{name}": value for name, value in part.items() if "@" in name})
-        out[f"{source}/maj@{k}"] = vote
+        if all(majority[i] is not None for i in rows):
+            out[f"{source}/maj@{k}"] = sum(bool(majority[i]) for i in rows) / len(rows)
+            votes.append(out[f"{source}/maj@{k}"])
         out[f"{source}/questions"] = len(rows)
         pass1.append(part["pass@1"])
-        votes.append(vote)
     per_question = [sum(map(float, row)) / len(row) for row in correct]
     out["pass@1"] = sum(per_question) / len(per_question)
     # The standard error of pass@1 as an estimate of the policy's accuracy on questions of
@@ -152,12 +154,14 @@ def summarize_by_source(
     # together) over the square root of the number of questions.
     out["pass@1_se"] = standard_error(per_question)
     out["mean_pass@1"] = sum(pass1) / len(pass1)
-    out["mean_maj@k"] = sum(votes) / len(votes)
+    if votes:
+        out["mean_maj@k"] = sum(votes) / len(votes)
     widths = {len(row) for row in correct}
     if len(widths) == 1:
         (k,) = widths
         out.update({name: value for name, value in summarize(correct, ks=pass_ks(k)).items() if "@" in name})
-        out[f"maj@{k}"] = sum(map(bool, majority)) / len(majority)
+        if None not in majority:
+            out[f"maj@{k}"] = sum(map(bool, majority)) / len(majority)
     out["questions"] = len(correct)
     return out
 

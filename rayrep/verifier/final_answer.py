@@ -16,9 +16,10 @@ from typing import Literal, NamedTuple
 
 from rayrep.verifier.reward import Style, correctness_reward
 
-Status = Literal["ok", "no_answer", "timeout", "error"]
+Status = Literal["ok", "no_answer", "timeout", "error", "bad_value"]
 """ok: the answer was checked; no_answer: nothing to check; timeout: over the limit;
-error: rejected by a guard, a resource limit, or a crash."""
+error: rejected by a guard, a resource limit, or a crash (a user's checker that raised);
+bad_value: a user's checker returned something that is not a score."""
 
 MAX_ANSWER_CHARS = 1000
 """Longer final answers (and ground truths) are rejected before the sandbox: real answers
@@ -53,10 +54,16 @@ class Verdict:
     """The final answer that was checked (box content or math-verify's extraction)."""
     detail: str = ""
     """Why, for statuses other than "ok"; meant for logs."""
+    score: float | None = None
+    """A user's checker's score; None for a checker that only judges (the reward is then
+    the verdict's, in the run's style)."""
+    components: tuple[tuple[str, float], ...] = ()
+    """A user's checker's named parts of its score."""
 
     def reward(self, style: Style = "binary") -> float:
-        """The reward this verdict earns: 1/0 (``binary``) or +1/-1 (``dapo``)."""
-        return correctness_reward(self.correct, style)
+        """The reward this verdict earns: its checker's score, or for a verdict alone 1/0
+        (``binary``) or +1/-1 (``dapo``)."""
+        return correctness_reward(self.correct, style) if self.score is None else self.score
 
 
 class _Box(NamedTuple):
@@ -154,11 +161,13 @@ def _guard(text: str, depth: int, what: str, max_chars: int = MAX_ANSWER_CHARS) 
     return None
 
 
-# A sandbox work item: (kind, prediction, reference).
+# A sandbox work item: (kind, prediction, reference) for math-verify, or
+# ("check", checker, completion, ground truth, row) for the other checkers.
 #   "answer":  prediction is an extracted final answer, compared with the reference
 #   "text":    prediction is free text; math-verify extracts the answer, then compares
 #   "extract": prediction is free text; only the extracted answer comes back
-Item = tuple[str, str, str]
+#   "check":   the checker named (`rayrep.verifier.checkers`) judges the completion
+Item = tuple
 
 
 def completion_item(completion: str, kind_for_text: str) -> tuple[str, str] | Verdict:

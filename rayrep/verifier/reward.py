@@ -39,10 +39,13 @@ def rewards(
     max_len: int,
     overlong_buffer: int,
     overlong_factor: float,
+    scores: Sequence[float | None] | None = None,
 ) -> list[float]:
-    """Each response's reward: its verdict in `style`, plus the overlong penalty when
-    `overlong_factor` > 0 (see `overlong_penalty`)."""
-    base = [correctness_reward(ok, style) for ok in correct]
+    """Each response's reward: its checker's score where `scores` has one, else its verdict
+    in `style`; plus the overlong penalty when `overlong_factor` > 0 (see `overlong_penalty`)."""
+    scores = scores if scores is not None else [None] * len(correct)
+    base = [correctness_reward(ok, style) if score is None else float(score)
+            for ok, score in zip(correct, scores, strict=True)]
     if not overlong_factor:
         return base
     penalty = overlong_penalty(list(response_lengths), max_len, overlong_buffer, overlong_factor)

@@ -1,4 +1,5 @@
-"""MathSandbox: math-verify in a child process, with a hard wall-clock limit on every item.
+"""MathSandbox: the checkers (math-verify, the text checkers, a user's) in a child process,
+with a hard wall-clock limit on every item.
 
 Why a child process: math-verify bounds its own work with SIGALRM, which only works on
 the main thread, and no Python signal can interrupt a long computation inside C code (a
@@ -15,6 +16,7 @@ which re-imports the caller's main module), so scoring works from any script, gu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -27,6 +29,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Sequence
 
+from rayrep.verifier.checkers import Plugin
 from rayrep.verifier.final_answer import Item, Verdict, completion_item, reference_problem
 
 __all__ = ["DEFAULT_MEMORY_LIMIT_BYTES", "DEFAULT_TIMEOUT_S", "MathSandbox", "SandboxError"]
@@ -56,7 +59,7 @@ def _check_timeout(timeout_s: float) -> float:
 class _Child:
     """One sandbox process and our end of its socket pair."""
 
-    def __init__(self, memory_limit_bytes: int | None) -> None:
+    def __init__(self, memory_limit_bytes: int | None, plugins: tuple[Plugin, ...]) -> None:
         if not sys.executable:
             raise SandboxError("cannot start the math sandbox: sys.executable is unknown in this interpreter")
         ours, theirs = socket.socketpair()
@@ -80,6 +83,10 @@ class _Child:
         self.pid: int = self.process.pid
         self.conn = Connection(ours.detach())
         self.ready = False
+        try:
+            self.conn.send(("plugins", list(plugins)))
+        except OSError:
+            pass  # (it died at once: `wait_ready` says so)
 
     def wait_ready(self, timeout_s: float) -> None:
         if self.ready:
@@ -97,7 +104,7 @@ class _Child:
                 f"math sandbox exited during start-up (exit code {code}; its traceback is on stderr)"
             ) from None
         if message[0] != "ready":
-            raise SandboxError(f"math sandbox failed to start: {message[1]}")
+            raise SandboxError(f"the verifier sandbox failed to start: {message[1]}")
         self.ready = True
 
     def exit_code(self) -> int | None:
@@ -117,8 +124,10 @@ class _Children:
     """The active child and the warm spare. Kept apart from MathSandbox so that its
     finalizer can close them without keeping the sandbox alive."""
 
-    def __init__(self, memory_limit_bytes: int | None, keep_spare: bool, startup_timeout_s: float):
+    def __init__(self, memory_limit_bytes: int | None, keep_spare: bool, startup_timeout_s: float,
+                 plugins: tuple[Plugin, ...]):
         self._memory_limit_bytes = memory_limit_bytes
+        self._plugins = plugins
         self._keep_spare = keep_spare
         self._startup_timeout_s = startup_timeout_s
         self._owner_pid = os.getpid()
@@ -133,14 +142,14 @@ class _Children:
         if os.getpid() != self._owner_pid:
             raise RuntimeError("MathSandbox was inherited through fork(): create a new one in this process")
         if self.active is None:
-            candidate = self.spare or _Child(self._memory_limit_bytes)
+            candidate = self.spare or _Child(self._memory_limit_bytes, self._plugins)
             self.spare = None
             try:
                 candidate.wait_ready(self._startup_timeout_s)
             except SandboxError:
                 candidate.kill()
                 # One fresh try: a spare can die of something transient while it waits.
-                candidate = _Child(self._memory_limit_bytes)
+                candidate = _Child(self._memory_limit_bytes, self._plugins)
                 try:
                     candidate.wait_ready(self._startup_timeout_s)
                 except SandboxError:
@@ -150,7 +159,7 @@ class _Children:
         if self._keep_spare and self.spare is None:
             # Start the replacement now, so that it has finished importing sympy (~0.5 s)
             # by the time a kill needs it.
-            self.spare = _Child(self._memory_limit_bytes)
+            self.spare = _Child(self._memory_limit_bytes, self._plugins)
         return self.active
 
     def discard_active(self) -> None:
@@ -189,9 +198,12 @@ class MathSandbox:
         memory_limit_bytes: int | None = DEFAULT_MEMORY_LIMIT_BYTES,
         keep_spare: bool = True,
         startup_timeout_s: float = 60.0,
+        plugins: tuple[Plugin, ...] = (),
     ) -> None:
+        """`plugins`: the user's checkers its children load as they start (a child that
+        cannot load one fails to start, with SandboxError naming it)."""
         self._lock = threading.Lock()
-        self._children = _Children(memory_limit_bytes, keep_spare, startup_timeout_s)
+        self._children = _Children(memory_limit_bytes, keep_spare, startup_timeout_s, tuple(plugins))
         # Runs on close(), on garbage collection, and at interpreter exit.
         self._finalizer = weakref.finalize(self, self._children.close)
 
@@ -239,20 +251,42 @@ class MathSandbox:
             raise ValueError(
                 f"completions and ground_truths differ in length: {len(completions)} != {len(ground_truths)}"
             )
+        return self.check_batch([("math", completion, truth, {}) for completion, truth in zip(completions, ground_truths)],
+                                timeout_s)
+
+    def check_batch(self, checks: Sequence[tuple[str, str, str, dict]], timeout_s: float = DEFAULT_TIMEOUT_S,
+                    success_threshold: float = 1.0) -> list[Verdict]:
+        """One Verdict per (checker, completion, ground truth, row), in one round trip:
+        `math` as `verify_batch` checks, the others by name (`rayrep.verifier.checkers`). A
+        user's checker that gives a score and no verdict has its answer correct when the score
+        reaches `success_threshold`."""
         verdicts: list[Verdict | None] = []
         items: list[Item] = []
-        for completion, truth in zip(completions, ground_truths):
-            problem = reference_problem(truth, "ground truth")
-            prepared = completion_item(completion, "text")
-            if isinstance(prepared, Verdict):
-                verdicts.append(prepared)
-            elif problem:
-                verdicts.append(Verdict(False, "error", None, problem))
+        for checker, completion, truth, row in checks:
+            if checker == "math":
+                decided = self._math_item(completion, truth)
+            elif not isinstance(completion, str):
+                raise TypeError(f"completion must be str, got {type(completion).__name__}")
             else:
-                verdicts.append(None)
-                items.append((prepared[0], prepared[1], truth))
+                decided = ("check", checker, completion, truth, row)
+            verdicts.append(decided if isinstance(decided, Verdict) else None)
+            if not isinstance(decided, Verdict):
+                items.append(decided)
         checked = iter(self._run(items, timeout_s))
-        return [v if v is not None else next(checked) for v in verdicts]
+        verdicts = [v if v is not None else next(checked) for v in verdicts]
+        return [dataclasses.replace(v, correct=v.score >= success_threshold) if v.correct is None else v
+                for v in verdicts]
+
+    def _math_item(self, completion: str, truth: str) -> Item | Verdict:
+        """The item that checks `completion` against `truth` with math-verify, or the Verdict
+        when a guard decides."""
+        problem = reference_problem(truth, "ground truth")
+        prepared = completion_item(completion, "text")
+        if isinstance(prepared, Verdict):
+            return prepared
+        if problem:
+            return Verdict(False, "error", None, problem)
+        return prepared[0], prepared[1], truth
 
     def equivalent(self, a: str, b: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
         """Whether two extracted answers are equivalent (`a` is taken as the reference)."""
@@ -331,10 +365,10 @@ class MathSandbox:
             self._children.discard_active()
             return Verdict(False, "timeout", None, f"sandbox killed after {timeout_s:.2f}s")
         try:
-            correct, status, answer, detail = child.conn.recv()
+            reply = child.conn.recv()
         except (EOFError, OSError):
             exit_code = child.exit_code()
             logger.warning("math sandbox %s died (exit code %s); replacing it", child.pid, exit_code)
             self._children.discard_active()
             return Verdict(False, "error", None, f"sandbox process died (exit code {exit_code})")
-        return Verdict(correct, status, answer, detail)
+        return Verdict(*reply)

@@ -1,4 +1,4 @@
-"""The math sandbox's child process: math-verify behind a pipe, one item at a time.
+"""The verifier sandbox's child process: the checkers behind a pipe, one item at a time.
 
 Started by `rayrep.verifier.sandbox.MathSandbox` as its own interpreter:
 
@@ -7,8 +7,10 @@ Started by `rayrep.verifier.sandbox.MathSandbox` as its own interpreter:
 never through multiprocessing, whose spawn re-imports the caller's main module (a script
 that scores at import time, `python -c`, code piped on stdin would all break). FD is
 this process's end of a socket pair; messages are pickled by
-`multiprocessing.connection.Connection`. Each item runs under a soft deadline (SIGALRM,
-on this process's main thread); the parent kills us when even that does not end it.
+`multiprocessing.connection.Connection`. The parent's first message names the user's
+checkers (`rayrep.verifier.checkers.Plugin`), which are loaded, with math-verify, before the
+child says it is ready. Each item runs under a soft deadline (SIGALRM, on this process's
+main thread); the parent kills us when even that does not end it.
 """
 
 from __future__ import annotations
@@ -21,10 +23,21 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rayrep.verifier import checkers
 from rayrep.verifier.final_answer import BOXED, MAX_ANSWER_CHARS, Item
+
+Reply = tuple[bool | None, str, str | None, str, float | None, tuple]
+"""(correct, status, answer, detail, score, components): see `rayrep.verifier.final_answer.Verdict`."""
+
+MAX_DETAIL_CHARS = 300
+"""A user's checker's error message is cut to this much."""
 
 # An unescaped dollar sign, or \( or \[: text math-verify reads as LaTeX without boxing it.
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\\(|\\\[")
+
+
+class _StartFailed(Exception):
+    """The child cannot serve: its message goes to the parent as it is."""
 
 
 class _SoftDeadline(BaseException):
@@ -45,20 +58,70 @@ def _limit_address_space(limit_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, hard))
 
 
+def _load(plugin: checkers.Plugin):
+    """The user's checker function (a file's source, as read where the job started, imported
+    as a module of its own; or a module imported by name), checked to take (completion,
+    ground_truth, row). Running it is the point: it is the user's own code, named by them."""
+    import importlib
+    import importlib.abc
+    import importlib.util
+    import inspect
+
+    class ShippedSource(importlib.abc.SourceLoader):
+        """The file's source as shipped, under the file's own name (in tracebacks too)."""
+
+        def get_filename(self, fullname: str) -> str:
+            return plugin.path
+
+        def get_data(self, path: str) -> bytes:
+            return plugin.source.encode()
+
+    if plugin.source is not None:
+        folder = os.path.dirname(plugin.path)
+        if os.path.isdir(folder) and folder not in sys.path:
+            sys.path.append(folder)  # (its helpers beside it, where the file exists)
+        spec = importlib.util.spec_from_loader(f"rayrep_checker_{len(sys.modules)}", ShippedSource(),
+                                               origin=plugin.path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses and pickle look their module up)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(plugin.module)
+    function = getattr(module, plugin.function, None)
+    if not callable(function):
+        raise LookupError(f"{plugin.function!r} is not a function of {plugin.path or plugin.module}")
+    try:
+        inspect.signature(function).bind("completion", "ground truth", {})
+    except TypeError:
+        raise TypeError(f"{plugin.function}{inspect.signature(function)} does not take "
+                        f"(completion, ground_truth, row)") from None
+    except ValueError:
+        pass  # (a builtin without a signature: its first call will tell)
+    return function
+
+
 class _ChildWorker:
-    """Parses and compares inside the child; holds the cache of parsed references."""
+    """Checks inside the child: math-verify (holding the cache of parsed references), the
+    text checkers and the user's checkers."""
 
     CACHE_SIZE = 4096
 
-    def __init__(self) -> None:
+    def __init__(self, plugins: list[checkers.Plugin]) -> None:
         from math_verify import parse, verify
 
         self._parse = parse
         self._verify = verify
         self._references: OrderedDict[str, list] = OrderedDict()
+        self._text = {"exact": checkers.exact, "choice": checkers.choice}
+        self._plugins = {}
+        for plugin in plugins:
+            try:
+                self._plugins[plugin.spec] = _load(plugin)
+            except BaseException as exc:
+                raise _StartFailed(f"checker {plugin.spec!r}: {_described(exc)}") from None
 
-    def run(self, item: Item, soft_s: float) -> tuple[bool, str, str | None, str]:
-        """(correct, status, answer, detail) for one item, within soft_s seconds."""
+    def run(self, item: Item, soft_s: float) -> Reply:
+        """The reply for one item, within soft_s seconds."""
         import signal
 
         try:
@@ -66,17 +129,42 @@ class _ChildWorker:
             # own timeouts are off: they count whole seconds and would reset this timer.
             signal.setitimer(signal.ITIMER_REAL, soft_s)
             try:
-                return self._handle(*item)
+                if item[0] == "check":
+                    return self._check(*item[1:])
+                return (*self._handle(*item), None, ())
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except _SoftDeadline:
-            return False, "timeout", None, f"stopped in the sandbox after {soft_s:.2f}s"
+            return False, "timeout", None, f"stopped in the sandbox after {soft_s:.2f}s", None, ()
         except MemoryError:
-            return False, "error", None, "memory limit of the sandbox reached"
+            return False, "error", None, "memory limit of the sandbox reached", None, ()
         except RecursionError:
-            return False, "error", None, "expression nested too deeply"
+            return False, "error", None, "expression nested too deeply", None, ()
         except Exception as exc:  # a bug or an exotic input: report it, keep serving
-            return False, "error", None, f"{type(exc).__name__} in math-verify"
+            where = item[1] if item[0] == "check" else "math-verify"
+            return False, "error", None, f"{type(exc).__name__} in {where}", None, ()
+
+    def _check(self, checker: str, completion: str, truth: str, row: dict) -> Reply:
+        """A text checker's or a user's checker's reply; what the user's raises or returns
+        amiss is its status (`error`, `bad_value`), never the child's end."""
+        text = self._text.get(checker)
+        if text is not None:
+            try:
+                correct, answer, where = text(completion, truth, row)
+            except ValueError as exc:
+                return False, "error", None, str(exc)[:MAX_DETAIL_CHARS], None, ()
+            return correct, "ok" if answer is not None else "no_answer", answer, where, None, ()
+        try:
+            value = self._plugins[checker](completion, truth, row)
+        except _SoftDeadline:
+            raise
+        except BaseException as exc:  # (SystemExit and KeyboardInterrupt too: the user's code)
+            return False, "error", None, _described(exc), None, ()
+        try:
+            correct, score, components = checkers.score_value(value)
+        except ValueError as exc:
+            return False, "bad_value", None, str(exc)[:MAX_DETAIL_CHARS], None, ()
+        return correct, "ok", None, "", score, components
 
     def _handle(self, kind: str, prediction: str, reference: str) -> tuple[bool, str, str | None, str]:
         if kind == "answer":
@@ -138,8 +226,13 @@ class _ChildWorker:
         return False
 
 
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
+
+
 def _sandbox_main(conn: Any, memory_limit_bytes: int | None) -> None:
-    """Entry point of the child: import, warm up, say ready, then serve batches."""
+    """Entry point of the child: read the user's checkers, import, warm up, say ready, then
+    serve batches."""
     import signal
 
     # Ctrl-C in a terminal reaches the whole process group; the parent decides our fate.
@@ -151,14 +244,19 @@ def _sandbox_main(conn: Any, memory_limit_bytes: int | None) -> None:
         for name in ("math_verify", "latex2sympy2_extended"):
             # Its warnings ("timeout is disabled", parse failures) would flood the job's log.
             logging.getLogger(name).setLevel(logging.CRITICAL)
-        worker = _ChildWorker()
+        kind, plugins = conn.recv()
+        assert kind == "plugins", kind
+        worker = _ChildWorker(plugins)
         # The first parse compiles regexes and loads the ANTLR grammar: pay for it before
         # any call's clock runs. It doubles as a check of the install (an ANTLR runtime
         # that does not match latex2sympy makes every LaTeX answer silently wrong).
-        correct, status, _, detail = worker.run(("answer", "\\frac{1}{2}", "0.5"), 30.0)
+        correct, status, _, detail, *_ = worker.run(("answer", "\\frac{1}{2}", "0.5"), 30.0)
         if not correct:
             conn.send(("failed", f"math-verify self-check 1/2 == 0.5 failed ({status} {detail})".rstrip()))
             return
+    except _StartFailed as exc:
+        conn.send(("failed", str(exc)))
+        return
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
