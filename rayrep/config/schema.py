@@ -108,7 +108,7 @@ class VerifierConfig:
     overlong_buffer: int = option(512, "DAPO overlong shaping: the penalty ramps over the last this-many tokens", min=0)
     overlong_factor: float = option(1.0, "DAPO overlong shaping: the penalty at the maximum length (0 disables shaping)", min=0.0)
     reward: str = option("math", "the checker of every row verifier.by_source does not route: math, exact, choice, or your own function, path/to/file.py:function or package.module:function (docs/your-own-task.md)", added=True)
-    by_source: tuple[str, ...] = option((), "rows routed to checkers by their data_source, as data_source=checker entries (e.g. gsm8k=math my_task=rewards/my_task.py:score)", added=True)
+    by_source: tuple[str, ...] = option((), "rows routed to checkers by their data_source, as data_source=checker entries (on the command line comma-separated: gsm8k=math,my_task=rewards/my_task.py:score)", added=True)
     success_threshold: float = option(1.0, "a checker that gives a score and no verdict: an answer scoring at least this is a success (accuracy, replay)", added=True)
 
     def check(self, cfg: Config) -> None:
