@@ -159,15 +159,16 @@ class Rollouts:
             verdicts = checking.result()
         record.count(verdicts.statuses, prefix="verifier_")
         record.note({f"verifier_{status}": detail for status, detail in verdicts.details.items()})
-        return self.take(plans, answers, list(zip(verdicts.correct, verdicts.scores)), len(started.plan.prompts),
+        return self.take(plans, answers, list(zip(verdicts.correct, verdicts.scores, verdicts.components)),
+                         len(started.plan.prompts),
                          sum(a.length for c in started.carried for a in c.answers), record)
 
     def take(self, plans: list[StepPlan], answers: list[list[Answer]],
-             verdicts: list[tuple[list[bool], list[float | None]]], carried_from: int, tokens_before: int,
+             verdicts: list[tuple[list[bool], list[float | None], list[tuple]]], carried_from: int, tokens_before: int,
              record: StepRecord) -> list[Group]:
         """The step's groups of a round's (one plan each, in call order, those from
         `carried_from` on carried over from the last round, holding `tokens_before` tokens as
-        the round began; the verdicts (and scores) of those done, in that order), each with its planned
+        the round began; the verdicts (scores, their parts) of those done, in that order), each with its planned
         replays. Without partial rollouts every group is done, and the step takes them all.
         With them, it takes B, the carried ones first (their tokens are the oldest); the others
         are carried to the next round: those stopped, and any done beyond B; and the tokens
@@ -276,7 +277,8 @@ def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
 def rollout_stats(groups: Sequence[Group], generate_seconds: float) -> dict[str, float]:
     """What this step's fresh rollouts looked like (every verified group, trained or not);
     with questions of several data sources, the accuracy and mean reward of each
-    (`accuracy/<source>`, `reward/<source>`)."""
+    (`accuracy/<source>`, `reward/<source>`); the mean of each named part of the answers'
+    scores, over the answers that have it (`checker_<name>`, `format_<term>`)."""
     fresh = [a for g in groups for a in g.fresh()]
     tokens = sum(a.length for a in fresh)
     stats = {
@@ -294,4 +296,9 @@ def rollout_stats(groups: Sequence[Group], generate_seconds: float) -> dict[str,
             if answers:
                 stats[f"accuracy/{source}"] = sum(bool(a.correct) for a in answers) / len(answers)
                 stats[f"reward/{source}"] = sum(a.reward or 0.0 for a in answers) / len(answers)
+    parts: dict[str, list[float]] = {}
+    for answer in fresh:
+        for name, value in answer.components:
+            parts.setdefault(name, []).append(value)
+    stats.update({name: sum(values) / len(values) for name, values in sorted(parts.items())})
     return stats

@@ -196,8 +196,10 @@ class Answer(NamedTuple):
     checkpoint: str = ""
     """The run (its folder) that sampled it and the checkpoint that run started from."""
     score: float | None = None
-    """Its checker's score, for a checker that gives one (a user's); None: the reward is the
-    verdict's, in the run's reward style."""
+    """Its checker's score, for a checker that gives one (a user's), with the format terms
+    added where there are any; None: the reward is the verdict's, in the run's reward style."""
+    components: tuple[tuple[str, float], ...] = ()
+    """The named parts of its score, as logged (`checker_<name>`, `format_<term>`)."""
 
     @classmethod
     def sampled(cls, at: object, key: object, rollout: Rollout) -> "Answer":
@@ -308,12 +310,13 @@ class Group:
 
     @classmethod
     def sampled(cls, prompt: Prompt, answers: Sequence[Answer], correct: Sequence[bool],
-                scores: Sequence[float | None] | None = None) -> "Group":
+                scores: Sequence[float | None] | None = None, components: Sequence[tuple] | None = None) -> "Group":
         """The answers sampled for `prompt` this step, with their verdicts (and their
-        checker's scores, where it gives them)."""
+        checker's scores and their parts, where it gives them)."""
         scores = scores if scores is not None else [None] * len(correct)
-        return cls(prompt, tuple(a._replace(correct=bool(ok), score=score)
-                                 for a, ok, score in zip(answers, correct, scores, strict=True)))
+        components = components if components is not None else [()] * len(correct)
+        return cls(prompt, tuple(a._replace(correct=bool(ok), score=score, components=tuple(parts))
+                                 for a, ok, score, parts in zip(answers, correct, scores, components, strict=True)))
 
     @property
     def size(self) -> int:

@@ -5,6 +5,7 @@ sandbox), and the check of a user's checker before a run starts (one line, exit 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import psutil
@@ -135,8 +136,9 @@ def test_a_users_checker_scores_in_the_sandbox_and_what_goes_wrong_is_a_status(m
         statuses = [v.status for v in verdicts]
         assert statuses == ["ok", "ok", "error", "bad_value", "bad_value", "error", "timeout", "timeout", "ok"]
         assert [v.correct for v in verdicts] == [True, False, False, False, False, False, False, False, True]
-        assert verdicts[0].score == 1.0 and dict(verdicts[0].components) == {"words": 1.0, "source_seen": 1.0}
-        assert verdicts[1].score == 0.0 and dict(verdicts[1].components)["words"] == 2.0
+        assert verdicts[0].score == 1.0 and dict(verdicts[0].components) == {"checker_words": 1.0,
+                                                                              "checker_source_seen": 1.0}
+        assert verdicts[1].score == 0.0 and dict(verdicts[1].components)["checker_words"] == 2.0
         assert verdicts[2].detail == "KeyError: 'no such key'"
         assert verdicts[3].detail == "the score is nan" and verdicts[4].detail == "returned str, not a number, bool or dict"
         assert verdicts[5].detail == "SystemExit: 3"
@@ -233,3 +235,18 @@ def test_a_module_checker_is_imported_by_name():
     assert verdict.status == "bad_value" and "returned tuple" in verdict.detail
     with pytest.raises(CheckerError, match="no such file"):
         plugin("nowhere/mine.py:score")
+
+
+def test_format_terms_are_read_as_written_and_their_values_named_as_logged(tiny_cfg):
+    from rayrep.verifier.checkers import format_values
+
+    cfg = tiny_cfg.replace(**{"verifier.format_terms": ["think=0.2", "boxed=0.1", "chars:10-40=-0.5"]})
+    assert cfg.verifier.terms == (("think", 0.2), ("boxed", 0.1), ("chars:10-40", -0.5))
+    assert format_values("<think>so 3</think> It is \\boxed{3}.", cfg.verifier.terms) == [
+        ("format_think", 1.0), ("format_boxed", 1.0), ("format_chars", 1.0)]
+    assert format_values("It is \\boxed{3 <think>", cfg.verifier.terms) == [
+        ("format_think", 0.0), ("format_boxed", 0.0), ("format_chars", 1.0)]
+    assert format_values("<think>only thinking</think>   ", cfg.verifier.terms)[0] == ("format_think", 0.0)
+    for bad in ("think", "think=x", "stars=1", "chars:40-10=1", "boxed=nan"):
+        with pytest.raises(ConfigError, match=f"verifier.format_terms: {re.escape(repr(bad))} is not term=weight"):
+            tiny_cfg.replace(**{"verifier.format_terms": [bad]})

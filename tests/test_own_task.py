@@ -51,7 +51,8 @@ def task(tmp_path_factory, tiny_cfg):
     return folder, {"data.train_files": [str(folder / "mixed.jsonl")], "verifier.by_source": routes,
                     "run.steps": 3, "run.save_every": 2, "run.eval_every": 0, "algorithm.prompts_per_step": 12,
                     "learner.mini_batch_prompts": 12, "data.arithmetic_test_size": 16, "logging.plots": False,
-                    "verifier.overlong_factor": 0.0}  # (rewards are the checkers' alone)
+                    "verifier.overlong_factor": 0.0,  # (rewards are the checkers' and the format term's alone)
+                    "verifier.format_terms": ["boxed=0.1"]}
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +104,15 @@ def test_a_mixed_run_reports_each_data_source_and_resumes_exactly(run):
         assert not any(k.startswith("verifier_") and k != "verifier_ok" for k in record)  # no errors, no timeouts
         # The user's checker's scores are the rewards of its rows (1 right, 0.1 boxed and wrong, 0
         # unboxed), its verdicts the accuracy: the mean reward lies between the accuracy and the
-        # accuracy plus a tenth of the rest.
+        # accuracy plus a tenth of the rest; the format term adds 0.1 for each boxed answer (a
+        # right one is boxed: at least the accuracy's tenth).
         accuracy, reward = record["accuracy/mine"], record["reward/mine"]
-        assert accuracy - 1e-6 <= reward <= accuracy + 0.1 * (1 - accuracy) + 1e-6
-        # math-verify's and exact's rows earn the run's DAPO style: +1 right, -1 wrong.
+        assert accuracy * 1.1 - 1e-6 <= reward <= accuracy + 0.1 * (1 - accuracy) + 0.1 + 1e-6
+        # math-verify's and exact's rows earn the run's DAPO style, +1 right and -1 wrong, and the term.
         for source in ("rayrep/arithmetic", "plain"):
-            assert record[f"reward/{source}"] == pytest.approx(2 * record[f"accuracy/{source}"] - 1, abs=1e-6)
+            assert 0 <= record[f"reward/{source}"] - (2 * record[f"accuracy/{source}"] - 1) <= 0.1 + 1e-6
+        # Each part logged: the format term over every answer, the checker's own over its rows.
+        assert 0 < record["format_boxed"] <= 1 and 0 <= record["checker_boxed"] <= 1
     # The embedded task's answers are boxed integers: every checker finds some right.
     assert all(sum(r[f"accuracy/{s}"] for r in steps) > 0 for s in SOURCES)
     # Ray's metrics: each source's last step's figures, labelled data_source.

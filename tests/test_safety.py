@@ -134,9 +134,20 @@ def test_the_audit_sees_the_whole_package():
             "bench/buffer.py", "rayrep/verifier/sandbox.py"} <= files
 
 
+RUNS_UNTRUSTED_CODE = {"rayrep/verifier/code_harness.py": ["exec() runs text as code"]}
+"""The one file that runs untrusted code on purpose: the code checker's harness, inside its
+sandboxed process (tests/test_code_checker.py holds it to its limits), and what it may do."""
+
+
 def test_no_unpickling_eval_shell_or_remote_code_in_the_sources():
-    problems = [problem for path in audited_files()
-                for problem in audit_source(path.read_text(encoding="utf-8"), path.relative_to(ROOT).as_posix())]
+    problems = []
+    for path in audited_files():
+        name = path.relative_to(ROOT).as_posix()
+        found = audit_source(path.read_text(encoding="utf-8"), name)
+        allowed = RUNS_UNTRUSTED_CODE.get(name, [])
+        problems += [p for p in found if p.partition(": ")[2] not in allowed]
+        # (an allowance that is no longer used goes too)
+        assert all(any(p.endswith(a) for p in found) for a in allowed), (name, allowed)
     assert not problems, "\n".join(problems)
 
 

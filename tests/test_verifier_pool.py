@@ -1,5 +1,6 @@
 """VerifierGroup on a real local Ray cluster: parallel scoring, time limits, counted statuses."""
 
+import os
 import time
 
 import pytest
@@ -23,7 +24,8 @@ def asked(*truths: str, source: str = "math", extra: dict | None = None) -> list
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_cfg):
-    cfg = tiny_cfg.replace(**{"verifier.num_workers": 2, "verifier.timeout_s": 1.0})
+    cfg = tiny_cfg.replace(**{"verifier.num_workers": 2, "verifier.timeout_s": 1.0, "verifier.by_source": ["code=code"],
+                              "verifier.code_timeout_s": 2.0, "verifier.code_memory_mib": 256})
     verifiers = VerifierGroup.create(cfg)
     yield verifiers
     verifiers.shutdown()
@@ -62,3 +64,27 @@ def test_a_hanging_input_costs_at_most_the_limit_and_is_counted(pool):
 def test_zero_workers_score_in_process(ray_cluster):
     verdicts = VerifierGroup(Settings(timeout_s=1.0)).check([chunk([["\\boxed{2}"]])], asked("2"))
     assert verdicts.correct == [[True]]
+
+
+def test_hostile_programs_cost_their_completions_and_leave_the_verifiers_and_the_machine_as_they_were(pool):
+    """The code checker on the verifier actors: a fork bomb, an infinite loop, a 10 GB
+    allocation, a kill of its parent and a program that reads its verifier's environment each
+    score 0 with their status; both actors answer from the same processes, and no process of
+    the programs' users is left (tests/test_code_checker.py: every limit, one by one)."""
+    import psutil
+
+    from rayrep.verifier.code import _UID_BASE
+
+    tests = '["assert add(1, 2) == 3"]'
+    hostile = ["import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+               "while True:\n    pass", "x = bytearray(10 * 1024**3)", "import os\nos.kill(os.getppid(), 9)",
+               "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())",
+               "def add(a, b):\n    return a + b"]
+    pids = ray.get([w.pid.remote() for w in pool.workers])
+    chunks = [chunk([[f"```python\n{p}\n```" for p in hostile[:3]]]), chunk([[f"```python\n{p}\n```" for p in hostile[3:]]], 1)]
+    verdicts = pool.check(chunks, asked(tests, tests, source="code"))
+    assert verdicts.correct == [[False, False, False], [False, False, True]]
+    assert verdicts.statuses == {"timeout": 2, "error": 3, "ok": 1}
+    assert ray.get([w.pid.remote() for w in pool.workers]) == pids
+    if os.geteuid() == 0:
+        assert [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real >= _UID_BASE] == []

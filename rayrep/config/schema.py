@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -110,12 +112,20 @@ class VerifierConfig:
     reward: str = option("math", "the checker of every row verifier.by_source does not route: math, exact, choice, or your own function, path/to/file.py:function or package.module:function (docs/your-own-task.md)", added=True)
     by_source: tuple[str, ...] = option((), "rows routed to checkers by their data_source, as data_source=checker entries (on the command line comma-separated: gsm8k=math,my_task=rewards/my_task.py:score)", added=True)
     success_threshold: float = option(1.0, "a checker that gives a score and no verdict: an answer scoring at least this is a success (accuracy, replay)", added=True)
+    format_terms: tuple[str, ...] = option((), "terms added to every answer's reward, as term=weight entries (comma-separated on the command line): think (a <think>...</think> block, then an answer), boxed (a \\boxed{} answer), chars:MIN-MAX (a length in characters within the band); each logged as format_<term>", added=True)
+    code_timeout_s: float = option(5.0, "the code checker: wall-clock limit of one run of the program (each stdin/stdout case is a run of its own)", min=0.1, added=True)
+    code_cpu_s: int = option(5, "the code checker: CPU-time limit of one run of the program, seconds", min=1, added=True)
+    code_memory_mib: int = option(512, "the code checker: address-space limit of the program's process, MiB", min=64, added=True)
+    code_processes: int = option(16, "the code checker: processes the program may have at once (root only: it runs as a user of its own)", min=1, added=True)
+    code_file_mib: int = option(16, "the code checker: the largest file the program may write (its output included), MiB", min=1, added=True)
+    code_partial_credit: bool = option(False, "the code checker: score the share of tests passed (the reward) instead of 1 only when all pass", added=True)
+    code_whole_text: bool = option(False, "the code checker: run the whole completion as the program, not its last fenced Python block", added=True)
 
     def check(self, cfg: Config) -> None:
         if self.overlong_buffer > cfg.generator.max_response_tokens:
             raise ConfigError(f"verifier.overlong_buffer={self.overlong_buffer} exceeds "
                               f"generator.max_response_tokens={cfg.generator.max_response_tokens}")
-        self.routes  # (a malformed entry or checker name fails here)
+        self.routes, self.terms  # (a malformed entry, checker name or term fails here)
 
     @property
     def routes(self) -> dict[str, str]:
@@ -131,8 +141,27 @@ class VerifierConfig:
         checker_name(self.reward, "verifier.reward")
         return routes
 
+    @property
+    def terms(self) -> tuple[tuple[str, float], ...]:
+        """`format_terms` as (term, weight) pairs, each checked."""
+        terms = []
+        for entry in self.format_terms:
+            term, sep, weight = entry.rpartition("=")
+            band = re.fullmatch(r"chars:(\d+)-(\d+)", term)
+            try:
+                value = float(weight)
+            except ValueError:
+                value = math.nan
+            if not sep or not (term in FORMAT_TERMS or band and int(band[1]) <= int(band[2])) or not math.isfinite(value):
+                raise ConfigError(f"verifier.format_terms: {entry!r} is not term=weight with a term of "
+                                  f"{', '.join(FORMAT_TERMS)} or chars:MIN-MAX (MIN <= MAX) and a finite weight")
+            terms.append((term, value))
+        return tuple(terms)
 
-CHECKERS = ("math", "exact", "choice")
+
+CHECKERS = ("math", "exact", "choice", "code")
+FORMAT_TERMS = ("think", "boxed")
+"""The format terms by name (`rayrep.verifier.checkers.format_values`); besides them, chars:MIN-MAX."""
 """The checkers rayrep ships (`rayrep.verifier.checkers`), by name."""
 
 

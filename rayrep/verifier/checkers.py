@@ -38,8 +38,8 @@ from rayrep.config.schema import VerifierConfig
 from rayrep.errors import InputError
 from rayrep.verifier.final_answer import MAX_ANSWER_CHARS, last_boxed_content
 
-__all__ = ["BUILTIN", "CheckerError", "Plugin", "Routing", "choice", "exact", "final_answer", "normalise", "plugin",
-           "score_value"]
+__all__ = ["BUILTIN", "CheckerError", "Plugin", "Routing", "choice", "exact", "final_answer", "format_values",
+           "normalise", "plugin", "score_value"]
 
 
 class CheckerError(InputError):
@@ -168,6 +168,27 @@ def choice(completion: str, ground_truth: str, row: dict) -> tuple[bool, str | N
         return False, None, where
     letter = _as_letter(answer, options)
     return letter == truth, letter or answer, where
+
+
+_THINK = re.compile(r"\s*<think>.*?</think>\s*\S", re.DOTALL)
+
+
+def format_values(completion: str, terms: tuple[tuple[str, float], ...]) -> list[tuple[str, float]]:
+    """Each format term's value for `completion`, 1 or 0, in the order of `terms`, named as
+    logged (`format_<term>`): `think`, a ``<think>...</think>`` block first and an answer
+    after it; `boxed`, a ``\\boxed{}`` answer that closes; `chars:MIN-MAX`, a length in
+    characters within the band."""
+    values = []
+    for term, _ in terms:
+        if term == "think":
+            value = _THINK.match(completion) is not None
+        elif term == "boxed":
+            value = last_boxed_content(completion, MAX_ANSWER_CHARS) is not None
+        else:
+            low, high = map(int, term.removeprefix("chars:").split("-"))
+            value, term = low <= len(completion) <= high, "chars"
+        values.append((f"format_{term}", float(value)))
+    return values
 
 
 def score_value(value) -> tuple[bool | None, float, tuple[tuple[str, float], ...]]:

@@ -58,7 +58,8 @@ class Verdict:
     """A user's checker's score; None for a checker that only judges (the reward is then
     the verdict's, in the run's style)."""
     components: tuple[tuple[str, float], ...] = ()
-    """A user's checker's named parts of its score."""
+    """The named parts of its score, as logged: a user's checker's (`checker_<name>`), the
+    format terms' (`format_<term>`)."""
 
     def reward(self, style: Style = "binary") -> float:
         """The reward this verdict earns: its checker's score, or for a verdict alone 1/0

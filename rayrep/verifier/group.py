@@ -20,6 +20,7 @@ With `verifier.num_workers = 0` the group scores in-process through the same san
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -35,7 +36,9 @@ from rayrep.config import Config
 from rayrep.generator.group import PendingRollouts
 from rayrep.library_output import route_library_output
 from rayrep.types import Prompt, Rollout
-from rayrep.verifier.checkers import CheckerError, Plugin, Routing, normalise
+from rayrep.verifier.checkers import CheckerError, Plugin, Routing, format_values, normalise
+from rayrep.verifier.code import CodeLimits, parse_tests
+from rayrep.verifier.final_answer import Verdict
 from rayrep.verifier.sandbox import MathSandbox, SandboxError
 from rayrep.verifier.voting import maj_at_k
 
@@ -55,7 +58,8 @@ class Question(NamedTuple):
 
 
 def check_checkers(cfg: Config, prompts: Sequence[Prompt]) -> None:
-    """Every user's checker the config names, tried before any actor starts: its file read,
+    """The code checker's rows' tests read, and every user's checker the config names tried,
+    before any actor starts: its file read,
     loaded in a sandbox child as the verifiers load it (it imports; its function takes
     (completion, ground_truth, row)), and called, under the verifiers' time limit, on the
     first of `prompts` routed to it, with that row's ground truth as the completion; it must
@@ -63,7 +67,14 @@ def check_checkers(cfg: Config, prompts: Sequence[Prompt]) -> None:
     routing = Routing.of(cfg.verifier)
     first: dict[str, Prompt] = {}
     for prompt in prompts:
-        first.setdefault(routing.checker(prompt.data_source), prompt)
+        checker = routing.checker(prompt.data_source)
+        first.setdefault(checker, prompt)
+        if checker == "code":
+            try:
+                parse_tests(prompt.ground_truth)
+            except ValueError as err:
+                raise CheckerError(f"question {prompt.uid!r} (data_source {prompt.data_source!r}), scored by the code "
+                                   f"checker: {err}") from None
     for user_checker in routing.plugins():
         sandbox = MathSandbox(plugins=(user_checker,), keep_spare=False)
         try:
@@ -103,14 +114,22 @@ class Verdicts:
     """Per answer, its checker's score (None: a checker that only judges, or no score)."""
     details: dict[str, str] = field(default_factory=dict)
     """The first detail of each status other than ok (for the step's log)."""
+    components: list[list[tuple]] | None = None
+    """Per answer, the named parts of its score (a user's checker's, the format terms')."""
 
 
 @dataclass(frozen=True)
 class Settings:
-    """How a verifier checks: its time limit per completion, and a score's success threshold."""
+    """How a verifier checks: its time limit per completion, a score's success threshold,
+    the code checker's limits on each run of a program."""
 
     timeout_s: float
     success_threshold: float = 1.0
+    code: CodeLimits = CodeLimits()
+    terms: tuple[tuple[str, float], ...] = ()
+    """`verifier.format_terms`: (term, weight), added to each answer's score."""
+    style: str = "binary"
+    """`verifier.reward_style`: a verdict's score, where format terms are added to it."""
 
 
 def _check(sandbox: MathSandbox, rollouts: list[list[Rollout]], questions: list[Question], settings: Settings,
@@ -118,6 +137,8 @@ def _check(sandbox: MathSandbox, rollouts: list[list[Rollout]], questions: list[
     checks = [(q.checker, rollout.text, q.ground_truth, q.row) for q, per_prompt in zip(questions, rollouts)
               for rollout in per_prompt]
     verdicts = sandbox.check_batch(checks, settings.timeout_s, settings.success_threshold)
+    if settings.terms:
+        verdicts = [_with_format_terms(v, text, settings) for v, (_, text, _, _) in zip(verdicts, checks)]
     flat = iter(verdicts)
     judged = [[next(flat) for _ in per_prompt] for per_prompt in rollouts]
     details: dict[str, str] = {}
@@ -129,7 +150,16 @@ def _check(sandbox: MathSandbox, rollouts: list[list[Rollout]], questions: list[
         votes = [_majority(sandbox, [r.text for r in per_prompt], question, own, settings.timeout_s)
                  for per_prompt, question, own in zip(rollouts, questions, judged)]
     return Verdicts([[v.correct for v in own] for own in judged], Counter(v.status for v in verdicts), votes,
-                    [[v.score for v in own] for own in judged], details)
+                    [[v.score for v in own] for own in judged], details, [[v.components for v in own] for own in judged])
+
+
+def _with_format_terms(verdict: Verdict, completion: str, settings: Settings) -> Verdict:
+    """The verdict with the format terms' weighted values added to its score (a checker that
+    only judges: to its verdict's reward in the run's style) and kept as its components."""
+    values = format_values(completion, settings.terms)
+    base = verdict.reward(settings.style)
+    bonus = sum(weight * value for (_, weight), (_, value) in zip(settings.terms, values))
+    return dataclasses.replace(verdict, score=base + bonus, components=verdict.components + tuple(values))
 
 
 def _majority(sandbox: MathSandbox, texts: list[str], question: Question, verdicts, timeout_s: float) -> bool | None:
@@ -156,7 +186,7 @@ class VerifierWorker:
     def __init__(self, settings: Settings, plugins: tuple[Plugin, ...] = ()):
         route_library_output()
         self.settings = settings
-        self.sandbox = MathSandbox(plugins=plugins).start()
+        self.sandbox = MathSandbox(plugins=plugins, code_limits=settings.code).start()
 
     def check(self, rollouts: list[list[Rollout]], questions: list[Question], majority: bool) -> Verdicts:
         return _check(self.sandbox, rollouts, questions, self.settings, majority)
@@ -196,7 +226,9 @@ class VerifierGroup:
 
     @staticmethod
     def create(cfg: Config, placement: Placement | None = None) -> "VerifierGroup":
-        settings = Settings(cfg.verifier.timeout_s, cfg.verifier.success_threshold)
+        verifier = cfg.verifier
+        settings = Settings(verifier.timeout_s, verifier.success_threshold, CodeLimits.of(verifier), verifier.terms,
+                            verifier.reward_style)
         routing = Routing.of(cfg.verifier)
         plugins = routing.plugins()
         workers = [_start_worker(settings, plugins, placement, i) for i in range(cfg.verifier.num_workers)]
@@ -218,7 +250,7 @@ class VerifierGroup:
     def local_sandbox(self) -> MathSandbox:
         """The sandbox that scores in this process (a group without actors)."""
         if self._local is None:
-            self._local = MathSandbox(plugins=self.plugins).start()
+            self._local = MathSandbox(plugins=self.plugins, code_limits=self.settings.code).start()
         return self._local
 
     def shutdown(self) -> None:
@@ -285,12 +317,14 @@ class Checking:
             results = [by_key[key] for key in range(len(self.parts))]
         correct: dict[int, list[bool]] = {}
         scores: dict[int, list[float | None]] = {}
+        components: dict[int, list[tuple]] = {}
         majority: dict[int, bool | None] = {}
         statuses: Counter = Counter()
         details: dict[str, str] = {}
         for part, verdicts in zip(self.parts, results):
             correct.update(zip(part.indices, verdicts.correct))
             scores.update(zip(part.indices, verdicts.scores))
+            components.update(zip(part.indices, verdicts.components))
             if self.majority:
                 majority.update(zip(part.indices, verdicts.majority))
             statuses.update(verdicts.statuses)
@@ -298,4 +332,4 @@ class Checking:
         statuses.update(counts)
         order = sorted(correct)
         return Verdicts([correct[i] for i in order], statuses, [majority[i] for i in order] if self.majority else None,
-                        [scores[i] for i in order], details)
+                        [scores[i] for i in order], details, [components[i] for i in order])

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rayrep.verifier.checkers import Plugin
+from rayrep.verifier.code import CodeLimits
 from rayrep.verifier.final_answer import Item, Verdict, completion_item, reference_problem
 
 __all__ = ["DEFAULT_MEMORY_LIMIT_BYTES", "DEFAULT_TIMEOUT_S", "MathSandbox", "SandboxError"]
@@ -59,7 +60,7 @@ def _check_timeout(timeout_s: float) -> float:
 class _Child:
     """One sandbox process and our end of its socket pair."""
 
-    def __init__(self, memory_limit_bytes: int | None, plugins: tuple[Plugin, ...]) -> None:
+    def __init__(self, memory_limit_bytes: int | None, plugins: tuple[Plugin, ...], code_limits: CodeLimits) -> None:
         if not sys.executable:
             raise SandboxError("cannot start the math sandbox: sys.executable is unknown in this interpreter")
         ours, theirs = socket.socketpair()
@@ -84,7 +85,7 @@ class _Child:
         self.conn = Connection(ours.detach())
         self.ready = False
         try:
-            self.conn.send(("plugins", list(plugins)))
+            self.conn.send(("setup", list(plugins), code_limits))
         except OSError:
             pass  # (it died at once: `wait_ready` says so)
 
@@ -125,9 +126,9 @@ class _Children:
     finalizer can close them without keeping the sandbox alive."""
 
     def __init__(self, memory_limit_bytes: int | None, keep_spare: bool, startup_timeout_s: float,
-                 plugins: tuple[Plugin, ...]):
+                 plugins: tuple[Plugin, ...], code_limits: CodeLimits):
         self._memory_limit_bytes = memory_limit_bytes
-        self._plugins = plugins
+        self._plugins, self._code_limits = plugins, code_limits
         self._keep_spare = keep_spare
         self._startup_timeout_s = startup_timeout_s
         self._owner_pid = os.getpid()
@@ -142,14 +143,14 @@ class _Children:
         if os.getpid() != self._owner_pid:
             raise RuntimeError("MathSandbox was inherited through fork(): create a new one in this process")
         if self.active is None:
-            candidate = self.spare or _Child(self._memory_limit_bytes, self._plugins)
+            candidate = self.spare or _Child(self._memory_limit_bytes, self._plugins, self._code_limits)
             self.spare = None
             try:
                 candidate.wait_ready(self._startup_timeout_s)
             except SandboxError:
                 candidate.kill()
                 # One fresh try: a spare can die of something transient while it waits.
-                candidate = _Child(self._memory_limit_bytes, self._plugins)
+                candidate = _Child(self._memory_limit_bytes, self._plugins, self._code_limits)
                 try:
                     candidate.wait_ready(self._startup_timeout_s)
                 except SandboxError:
@@ -159,7 +160,7 @@ class _Children:
         if self._keep_spare and self.spare is None:
             # Start the replacement now, so that it has finished importing sympy (~0.5 s)
             # by the time a kill needs it.
-            self.spare = _Child(self._memory_limit_bytes, self._plugins)
+            self.spare = _Child(self._memory_limit_bytes, self._plugins, self._code_limits)
         return self.active
 
     def discard_active(self) -> None:
@@ -199,11 +200,14 @@ class MathSandbox:
         keep_spare: bool = True,
         startup_timeout_s: float = 60.0,
         plugins: tuple[Plugin, ...] = (),
+        code_limits: CodeLimits = CodeLimits(),
     ) -> None:
         """`plugins`: the user's checkers its children load as they start (a child that
-        cannot load one fails to start, with SandboxError naming it)."""
+        cannot load one fails to start, with SandboxError naming it); `code_limits`: the
+        `code` checker's limits on each run of a program."""
         self._lock = threading.Lock()
-        self._children = _Children(memory_limit_bytes, keep_spare, startup_timeout_s, tuple(plugins))
+        self.code_limits = code_limits
+        self._children = _Children(memory_limit_bytes, keep_spare, startup_timeout_s, tuple(plugins), code_limits)
         # Runs on close(), on garbage collection, and at interpreter exit.
         self._finalizer = weakref.finalize(self, self._children.close)
 
@@ -262,6 +266,7 @@ class MathSandbox:
         reaches `success_threshold`."""
         verdicts: list[Verdict | None] = []
         items: list[Item] = []
+        limits: list[float] = []
         for checker, completion, truth, row in checks:
             if checker == "math":
                 decided = self._math_item(completion, truth)
@@ -272,7 +277,9 @@ class MathSandbox:
             verdicts.append(decided if isinstance(decided, Verdict) else None)
             if not isinstance(decided, Verdict):
                 items.append(decided)
-        checked = iter(self._run(items, timeout_s))
+                # A program's check runs it, maybe once per case: its own budget.
+                limits.append(max(timeout_s, self.code_limits.budget_s(truth)) if checker == "code" else timeout_s)
+        checked = iter(self._run(items, limits))
         verdicts = [v if v is not None else next(checked) for v in verdicts]
         return [dataclasses.replace(v, correct=v.score >= success_threshold) if v.correct is None else v
                 for v in verdicts]
@@ -331,19 +338,21 @@ class MathSandbox:
 
     # -- the round trip
 
-    def _run(self, items: list[Item], timeout_s: float) -> list[Verdict]:
-        timeout_s = _check_timeout(timeout_s)
+    def _run(self, items: list[Item], timeout_s: float | list[float]) -> list[Verdict]:
+        """Each item's verdict, within its limit (`timeout_s`: one for all, or one each)."""
+        limits = [_check_timeout(t) for t in timeout_s] if isinstance(timeout_s, list) else \
+            [_check_timeout(timeout_s)] * len(items)
         if not items:
             return []
         # Leave the child time to unwind and reply before the parent's hard limit strikes.
-        soft_s = timeout_s - min(0.25, timeout_s / 2)
+        softs = [limit - min(0.25, limit / 2) for limit in limits]
         results: list[Verdict] = []
         failed_sends = 0
         with self._lock:
             while len(results) < len(items):
                 child = self._children.get_active()
                 try:
-                    child.conn.send((items[len(results) :], soft_s))
+                    child.conn.send((items[len(results) :], softs[len(results) :]))
                 except (OSError, ValueError):
                     # The child died while idle (killed from outside?): use another one.
                     self._children.discard_active()
@@ -352,7 +361,7 @@ class MathSandbox:
                         raise SandboxError("cannot send work to the math sandbox") from None
                     continue
                 while len(results) < len(items):
-                    verdict = self._receive(child, timeout_s)
+                    verdict = self._receive(child, limits[len(results)])
                     results.append(verdict)
                     if self._children.active is not child:
                         break  # it was killed: the rest go to the next child

@@ -106,13 +106,14 @@ class _ChildWorker:
 
     CACHE_SIZE = 4096
 
-    def __init__(self, plugins: list[checkers.Plugin]) -> None:
+    def __init__(self, plugins: list[checkers.Plugin], code_limits) -> None:
         from math_verify import parse, verify
 
         self._parse = parse
         self._verify = verify
         self._references: OrderedDict[str, list] = OrderedDict()
         self._text = {"exact": checkers.exact, "choice": checkers.choice}
+        self._code_limits = code_limits
         self._plugins = {}
         for plugin in plugins:
             try:
@@ -147,6 +148,14 @@ class _ChildWorker:
     def _check(self, checker: str, completion: str, truth: str, row: dict) -> Reply:
         """A text checker's or a user's checker's reply; what the user's raises or returns
         amiss is its status (`error`, `bad_value`), never the child's end."""
+        if checker == "code":
+            from rayrep.verifier.code import check_code
+
+            try:
+                correct, score, status, detail = check_code(completion, truth, self._code_limits)
+            except ValueError as exc:  # (tests it cannot read)
+                return False, "error", None, str(exc)[:MAX_DETAIL_CHARS], None, ()
+            return correct, status, None, detail[:MAX_DETAIL_CHARS], score, ()
         text = self._text.get(checker)
         if text is not None:
             try:
@@ -164,7 +173,7 @@ class _ChildWorker:
             correct, score, components = checkers.score_value(value)
         except ValueError as exc:
             return False, "bad_value", None, str(exc)[:MAX_DETAIL_CHARS], None, ()
-        return correct, "ok", None, "", score, components
+        return correct, "ok", None, "", score, tuple((f"checker_{name}", value) for name, value in components)
 
     def _handle(self, kind: str, prediction: str, reference: str) -> tuple[bool, str, str | None, str]:
         if kind == "answer":
@@ -244,9 +253,9 @@ def _sandbox_main(conn: Any, memory_limit_bytes: int | None) -> None:
         for name in ("math_verify", "latex2sympy2_extended"):
             # Its warnings ("timeout is disabled", parse failures) would flood the job's log.
             logging.getLogger(name).setLevel(logging.CRITICAL)
-        kind, plugins = conn.recv()
-        assert kind == "plugins", kind
-        worker = _ChildWorker(plugins)
+        kind, plugins, code_limits = conn.recv()
+        assert kind == "setup", kind
+        worker = _ChildWorker(plugins, code_limits)
         # The first parse compiles regexes and loads the ANTLR grammar: pay for it before
         # any call's clock runs. It doubles as a check of the install (an ANTLR runtime
         # that does not match latex2sympy makes every LaTeX answer silently wrong).
@@ -263,8 +272,8 @@ def _sandbox_main(conn: Any, memory_limit_bytes: int | None) -> None:
     try:
         conn.send(("ready", os.getpid()))
         while True:
-            items, soft_s = conn.recv()
-            for item in items:
+            items, softs = conn.recv()
+            for item, soft_s in zip(items, softs):
                 conn.send(worker.run(item, soft_s))
     except (EOFError, OSError):
         return  # the parent closed the pipe or died: nobody is waiting for answers
