@@ -137,10 +137,10 @@ def check_pool_checkers(cfg: Config, path: str) -> None:
     each of its data sources with the same one."""
     routing = Routing.of(cfg.verifier)
     for source, checker in sorted(pool_checkers(path).items()):
-        if routing.checker(source) != checker:
+        if (ours := routing.checker(source)) != checker:
             raise BufferFileError(
                 f"{path}: its answers of data_source {source!r} were judged by checker {checker!r}; this run scores "
-                f"{source!r} with {routing.checker(source)!r} (verifier.reward, verifier.by_source)")
+                f"{source!r} with {ours!r} (verifier.reward, verifier.by_source)")
 
 
 def check_pool(pool: dict, prompt_ids: dict[str, list[int]], path: str, old_logprobs: str) -> None:

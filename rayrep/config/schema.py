@@ -160,9 +160,9 @@ class VerifierConfig:
 
 
 CHECKERS = ("math", "exact", "choice", "code")
+"""The checkers rayrep ships (`rayrep.verifier.checkers`, `rayrep.verifier.code`), by name."""
 FORMAT_TERMS = ("think", "boxed")
 """The format terms by name (`rayrep.verifier.checkers.format_values`); besides them, chars:MIN-MAX."""
-"""The checkers rayrep ships (`rayrep.verifier.checkers`), by name."""
 
 
 def checker_name(name: str, field: str) -> str:

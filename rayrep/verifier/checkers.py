@@ -92,11 +92,10 @@ class Routing:
     def checker(self, data_source: str) -> str:
         return dict(self.by_source).get(data_source, self.default)
 
-    def plugins(self, sources=None) -> tuple[Plugin, ...]:
-        """The user's checkers named (for rows of `sources` only, when given), files read."""
-        named = [self.default, *(checker for _, checker in self.by_source)] if sources is None else \
-            [self.checker(source) for source in sources]
-        return tuple(plugin(checker) for checker in dict.fromkeys(named) if checker not in BUILTIN)
+    def plugins(self) -> tuple[Plugin, ...]:
+        """The user's checkers named, each once, their files read."""
+        named = dict.fromkeys([self.default, *(checker for _, checker in self.by_source)])
+        return tuple(plugin(checker) for checker in named if checker not in BUILTIN)
 
 
 # ---------------------------------------------------------------- the built-in text checkers

@@ -35,6 +35,7 @@ program is never handed, but it runs in the same interpreter).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import re
@@ -130,23 +131,23 @@ def check_code(completion: str, ground_truth: str, limits: CodeLimits) -> tuple[
     program = extract_program(completion, limits.whole_text)
     if program is None:
         return False, _score(0, 1, limits), "no_answer", "no fenced Python block"
-    if mode == "stdio":
-        passed, detail = 0, ""
-        for stdin, expected in zip(tests["inputs"], tests["outputs"]):
-            outcome = run_program(program, "script", None, limits, stdin)
-            if outcome.status != "ok":
-                detail = detail or outcome.detail
-            elif _lines(outcome.output) == _lines(expected):
-                passed += 1
-        total = len(tests["inputs"])
-    else:
+    if mode != "stdio":
         outcome = run_program(program, mode, tests, limits)
         if outcome.status != "ok":
             return False, _score(0, 1, limits), outcome.status, outcome.detail
         passed, total = outcome.passed, outcome.total
-        detail = ""
-    status = "ok" if passed or not detail else ("timeout" if detail.startswith("wall") else "error")
-    return passed == total, _score(passed, total, limits), status, detail or f"{passed} of {total} tests passed"
+        return passed == total, _score(passed, total, limits), "ok", f"{passed} of {total} tests passed"
+    passed, failed = 0, None  # (the first run that did not finish: its status, unless some case passed)
+    for stdin, expected in zip(tests["inputs"], tests["outputs"]):
+        outcome = run_program(program, "script", None, limits, stdin)
+        if outcome.status != "ok":
+            failed = failed or outcome
+        elif _lines(outcome.output) == _lines(expected):
+            passed += 1
+    total = len(tests["inputs"])
+    status = "ok" if passed or failed is None else failed.status
+    return passed == total, _score(passed, total, limits), status, \
+        failed.detail if failed else f"{passed} of {total} tests passed"
 
 
 def _score(passed: int, total: int, limits: CodeLimits) -> float | None:
@@ -241,21 +242,17 @@ def _python() -> str:
     return shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or own
 
 
-_network_checked: list[bool] = []
-
-
+@functools.cache
 def _network_namespace_allowed() -> bool:
     """Whether this machine lets a process take a network namespace of its own (tried once,
     in a child that exits at once)."""
-    if not _network_checked:
-        try:
-            probe = subprocess.run([sys.executable, "-I", "-S", "-c", "import ctypes, sys; sys.exit("
-                                    f"ctypes.CDLL(None, use_errno=True).unshare({_CLONE_NEWNET}) != 0)"],
-                                   env={}, timeout=10, capture_output=True)
-            _network_checked.append(probe.returncode == 0)
-        except (OSError, subprocess.TimeoutExpired):
-            _network_checked.append(False)
-    return _network_checked[0]
+    try:
+        probe = subprocess.run([sys.executable, "-I", "-S", "-c", "import ctypes, sys; sys.exit("
+                                f"ctypes.CDLL(None, use_errno=True).unshare({_CLONE_NEWNET}) != 0)"],
+                               env={}, timeout=10, capture_output=True)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
 
 
 def _confine(limits: CodeLimits, uid: int | None, isolated: bool) -> None:
