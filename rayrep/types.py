@@ -428,6 +428,19 @@ class StepPlan:
                 for group in fresh]
 
 
+Objective = Literal["ppo", "gspo", "cispo", "sapo"]
+"""The policy-gradient objective of the tokens that are not ExGRPO's shaped replay
+(`rayrep.learner.loss`): PPO's clipped token ratio, GSPO's clipped sequence ratio, CISPO's
+clipped and detached weight on the log-prob, SAPO's soft gate."""
+OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
+CLIPPED_OBJECTIVES = ("ppo", "gspo", "cispo")
+"""The objectives `clip_low` / `clip_high` bound (SAPO's gate takes their place)."""
+KLEstimator = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
+"""An estimator of KL(pi_theta || pi_ref) per token, by verl's names (`kl` is `k1`, `mse` is
+`k2`, `low_var_kl` is `k3`); a `+` takes the value of the named one and the gradient of k2
+(`rayrep.learner.loss.kl_penalty`)."""
+KL_ESTIMATORS: tuple[str, ...] = typing.get_args(KLEstimator)
+
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 """How per-token losses become one number (see `rayrep.learner.loss.policy_loss`)."""
 AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
@@ -505,12 +518,18 @@ class LossSpec:
     """How the learner turns log-probs into a loss; checked once, when it is built.
 
     Every response token is trained with one of two objectives:
-    - **PPO**: the clipped ratio (clip-higher range, dual clip for negative advantages).
-      Fresh tokens use it, clipped or not (`clip_fresh`); replayed tokens use it, always
-      clipped, unless `replay_loss` is "shaped".
+    - **the policy objective** (`objective`: PPO's clipped ratio, with clip-higher and the
+      dual clip for negative advantages; or GSPO, CISPO, SAPO). Fresh tokens use it, clipped
+      or not (`clip_fresh`); replayed tokens use it, always clipped, unless `replay_loss` is
+      "shaped".
     - **shaped** (ExGRPO): replayed tokens train with `-A * w / (w + replay_beta)`, with
       `w` the ratio to the RECORDED behaviour log-probs, never clipped.
+
+    A KL penalty to the reference policy (`kl_coef`) adds to either.
     """
+
+    objective: Objective = "ppo"
+    """The policy objective (`rayrep.learner.loss`'s docstring has each formula)."""
 
     clip_low: float = 0.2
     """Ratio floor 1 - clip_low; in [0, 1)."""
@@ -538,6 +557,15 @@ class LossSpec:
     """The mismatch correction of the fresh answers; None: none (the metrics are recorded
     all the same). Its weights and `behaviour_cap` would weigh the same tokens twice: one or
     the other."""
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature for tokens of positive advantage (verl `tau_pos`); > 0."""
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature for the others (verl `tau_neg`); > 0."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy in the loss (verl `kl_loss_coef`); >= 0,
+    0: no penalty (and no reference log-probs needed)."""
+    kl_estimator: KLEstimator = "k3"
+    """The penalty's per-token estimator (verl `kl_loss_type`; its default `low_var_kl` is k3)."""
 
     def __post_init__(self):
         values = {**vars(self), "correction__weights": getattr(self.correction, "weights", "none")}
@@ -554,10 +582,20 @@ class LossSpec:
                 bound = f"{'>' if low_open else '>='} {low}" + (f" and < {high}" if high != math.inf else "")
                 raise broken(f"{{{name}}} must be a number {bound}{off}", name)
 
+        if self.objective not in OBJECTIVES:
+            raise broken(f"{{objective}} must be one of {OBJECTIVES}", "objective")
         number("clip_low", 0.0, 1.0)
         number("clip_high", 0.0)
         if self.dual_clip is not None:
             number("dual_clip", 1.0, low_open=True, off=", or off")
+            if self.objective != "ppo":
+                raise broken("{dual_clip} bounds PPO's token ratio; it means nothing with {objective}: turn it off",
+                             "dual_clip", "objective")
+        number("sapo_tau_pos", 0.0, low_open=True)
+        number("sapo_tau_neg", 0.0, low_open=True)
+        number("kl_coef", 0.0)
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise broken(f"{{kl_estimator}} must be one of {KL_ESTIMATORS}", "kl_estimator")
         number("replay_beta", 0.0, low_open=True)
         number("entropy_coef", 0.0)
         if self.behaviour_cap is not None:

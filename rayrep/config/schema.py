@@ -15,7 +15,8 @@ from typing import Any, Literal
 from rayrep.config.fields import build, check_fields, get_dotted, option, set_dotted
 from rayrep.config.strategies import SHARDING_STRATEGIES, ShardingStrategy
 from rayrep.errors import ConfigError
-from rayrep.types import TOKEN_SUM_AGGREGATIONS, Aggregation, LossSpec, MismatchCorrection, SpecError
+from rayrep.types import (TOKEN_SUM_AGGREGATIONS, Aggregation, KLEstimator, LossSpec, MismatchCorrection, Objective,
+                          SpecError)
 
 
 @dataclass
@@ -268,6 +269,12 @@ class CorrectionConfig:
 
 
 @dataclass
+class KLConfig:
+    coef: float = option(0.0, "weight of a KL penalty to the reference policy (the run's starting policy, model.path) in the loss (verl use_kl_loss + kl_loss_coef; TRL beta); 0: none, and no reference pass", min=0.0, added=True)
+    estimator: KLEstimator = option("k3", "its per-token estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl); a trailing + gives the named value with k2's gradient (verl kl_loss_type)", added=True)
+
+
+@dataclass
 class LearnerConfig:
     num_workers: int = option(1, "learner actors forming one data-parallel group", min=1)
     strategy: Literal["fsdp2", "deepspeed"] = option("fsdp2", "sharding: torch FSDP2, or DeepSpeed ZeRO-2")
@@ -284,9 +291,13 @@ class LearnerConfig:
     epochs: int = option(1, "passes over each rollout batch", min=1)
     gradient_checkpointing: bool = option(False, "keep only each layer's input for backward and recompute the rest (the paper presets: on)")
     shared_prompts: bool = option(True, "forward passes compute each prompt of a micro-batch once, its answers attending to it (a question's G answers share their prompt; the same log-probs, fewer positions); where ranks hold whole parameters (one fp32 rank, DeepSpeed), without gradient checkpointing; else every row whole")
-    clip_low: float = option(0.2, "PPO clip range below 1 (1 - eps_low)", min=0.0, max=0.999)
-    clip_high: float = option(0.28, "PPO clip range above 1 (clip-higher, 1 + eps_high)", min=0.0)
-    dual_clip: float = option(10.0, "dual-clip bound c for negative advantages (0 disables)", min=0.0)
+    objective: Objective = option("ppo", "the policy-gradient objective (docs/objectives.md): ppo (the clipped token ratio), gspo (the clipped sequence ratio), cispo (the clipped ratio as a constant weight on the log-prob), sapo (a soft gate instead of a clip)", added=True)
+    clip_low: float = option(0.2, "clip range below 1 (1 - eps_low) of ppo's and gspo's ratio and cispo's weight", min=0.0, max=0.999)
+    clip_high: float = option(0.28, "clip range above 1 (clip-higher, 1 + eps_high) of ppo's and gspo's ratio and cispo's weight", min=0.0)
+    dual_clip: float = option(10.0, "dual-clip bound c for negative advantages, objective ppo only (0 disables)", min=0.0)
+    sapo_tau_pos: float = option(1.0, "objective sapo: the gate's temperature for tokens of positive advantage (verl tau_pos)", min=1e-6, added=True)
+    sapo_tau_neg: float = option(1.05, "objective sapo: the gate's temperature for the others (verl tau_neg)", min=1e-6, added=True)
+    kl: KLConfig = field(default_factory=KLConfig)
     loss_agg: Aggregation = option("token-mean", "how per-token losses are aggregated")
     loss_norm_constant: float = option(0.0, "divisor of token sums in the seq-mean-token-sum(-norm) aggregations (Dr.GRPO: max response length; ExGRPO: 8192)", min=0.0)
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ExGRPO: 0.001)", min=0.0)
@@ -301,9 +312,15 @@ class LearnerConfig:
     def loss_spec(self) -> LossSpec:
         """The loss these settings ask for (an algorithm may change its replay terms)."""
         return LossSpec(
+            objective=self.objective,
             clip_low=self.clip_low,
             clip_high=self.clip_high,
-            dual_clip=self.dual_clip or None,
+            # The dual clip bounds PPO's token ratio: the other objectives have none.
+            dual_clip=(self.dual_clip or None) if self.objective == "ppo" else None,
+            sapo_tau_pos=self.sapo_tau_pos,
+            sapo_tau_neg=self.sapo_tau_neg,
+            kl_coef=self.kl.coef,
+            kl_estimator=self.kl.estimator,
             agg=self.loss_agg,
             norm_constant=self.loss_norm_constant if self.loss_agg in TOKEN_SUM_AGGREGATIONS else None,
             entropy_coef=self.entropy_coef,
@@ -511,6 +528,8 @@ def derive_seed(run_seed: int, role: str, index: int = 0) -> int:
 
 
 LOSS_SETTINGS = {
+    "objective": "learner.objective", "sapo_tau_pos": "learner.sapo_tau_pos", "sapo_tau_neg": "learner.sapo_tau_neg",
+    "kl_coef": "learner.kl.coef", "kl_estimator": "learner.kl.estimator",
     "clip_low": "learner.clip_low", "clip_high": "learner.clip_high", "dual_clip": "learner.dual_clip",
     "agg": "learner.loss_agg", "norm_constant": "learner.loss_norm_constant", "entropy_coef": "learner.entropy_coef",
     "behaviour_cap": "learner.behaviour_cap", "correction__weights": "learner.correction.weights",

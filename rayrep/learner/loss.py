@@ -7,16 +7,38 @@ composed of one small function per step below.
 
 Per valid token, with ``r = exp(logp - old_logp)`` and ``A`` the token's advantage:
 
-* tokens under the PPO objective (fresh tokens; replayed ones unless
-  ``spec.replay_loss == "shaped"``)::
+* tokens under the policy objective (fresh tokens; replayed ones unless
+  ``spec.replay_loss == "shaped"``), by ``spec.objective``:
+
+  - ``"ppo"``::
 
       clipped:    loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
                   and, for A < 0, loss = min(loss, -A * dual_clip)   (dual clip)
       unclipped:  loss = -A r        (fresh tokens when not spec.clip_fresh)
 
-  The asymmetric range is DAPO's clip-higher (0.2 / 0.28); the dual clip bounds the
-  loss of a negative-advantage token whose ratio has exploded (RLEP uses c = 10).
-  Replayed tokens under PPO are always clipped.
+    The asymmetric range is DAPO's clip-higher (0.2 / 0.28); the dual clip bounds the
+    loss of a negative-advantage token whose ratio has exploded (RLEP uses c = 10).
+  - ``"gspo"`` (GSPO; verl ``compute_policy_loss_gspo``): PPO's clip on the answer's
+    geometric-mean ratio ``s = exp(mean_t log r_t)`` over its tokens under the objective,
+    in the per-token form whose value is ``s`` and whose gradient is ``s`` times the token's
+    log-prob's::
+
+      log s_t = min(logp_t - sg(logp_t) + sg(log s), 10)
+      loss    = max(-A s_t, -A clip(s_t, 1 - clip_low, 1 + clip_high))   (unclipped: -A s_t)
+
+    so every token of an answer is clipped, or not, together. No dual clip.
+  - ``"cispo"`` (MiniMax-M1's CISPO; verl ``compute_policy_loss_cispo``): the clipped ratio
+    as a constant weight on the log-prob, so that no token's gradient is dropped::
+
+      loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp      (unclipped: sg(r))
+
+  - ``"sapo"`` (SAPO; verl ``compute_policy_loss_sapo``): a soft gate instead of a clip,
+    whose slope is 1 at r = 1 and fades away from it (tau: ``sapo_tau_pos`` for A > 0, else
+    ``sapo_tau_neg``)::
+
+      loss = -A * sigmoid(tau (r - 1)) * 4 / tau
+
+  Replayed tokens under the objective are always clipped.
 * replayed tokens with ``spec.replay_loss == "shaped"`` (ExGRPO)::
 
       loss = -A * w / (w + replay_beta),  w = r, never clipped
@@ -64,6 +86,10 @@ tokens, whose ``behaviour_logp`` are the engines' log-probs at (about) the same 
 rank must know the mini-batch's counts first) and passes its truncated weights, which
 multiply those tokens' PPO losses as the decoupled weights do.
 
+KL penalty to the reference policy (``spec.kl_coef > 0``; verl's ``use_kl_loss``): the loss
+adds ``kl_coef x`` the aggregation (as above, over the same tokens and units) of a per-token
+estimate of KL(pi_theta || pi_ref) from ``ref_logp`` (`kl_penalty`; ``spec.kl_estimator``).
+
 Entropy bonus: with ``spec.entropy_coef > 0`` the loss subtracts ``entropy_coef x``
 the sum of ``entropy`` over valid tokens / ``totals.tokens``; ``entropy`` must then
 carry gradients. With a zero coefficient, pass it detached (computed under
@@ -90,7 +116,8 @@ import torch
 
 from rayrep.types import AGGREGATIONS, Aggregation, LossSpec
 
-__all__ = ["LOG_RATIO_LIMIT", "LossMetrics", "Totals", "mini_batch_totals", "policy_loss"]
+__all__ = ["GSPO_LOG_RATIO_CAP", "KL_CLAMP", "LOG_RATIO_LIMIT", "LossMetrics", "Totals", "kl_penalty",
+           "mini_batch_totals", "policy_loss"]
 
 LOG_RATIO_LIMIT = 20.0
 """|log pi_theta - log pi_old| is clamped to this before ``exp``.
@@ -100,6 +127,13 @@ single diverged token (or a stale recorded log-prob) from turning the loss into 
 NaN, at the price of a zero gradient on that token, which clipping would mostly give
 it anyway.
 """
+
+GSPO_LOG_RATIO_CAP = 10.0
+"""GSPO's sequence log-ratio is capped above at this, as verl's ``compute_policy_loss_gspo``
+caps it (an answer's ratio of e^10 is clipped whatever its advantage's sign)."""
+
+KL_CLAMP = 10.0
+"""The k3 estimate of each token is clamped to +-this, as verl's ``low_var_kl`` clamps it."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +185,7 @@ def policy_loss(
     totals: Totals | None = None,
     behaviour_logp: torch.Tensor | None = None,
     correction_weights: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossMetrics]:
     """Clipped policy-gradient loss with ExGRPO's shaping of replayed tokens and an
     optional entropy bonus, as `spec` says: the formulas, aggregations, decoupled PPO and the
@@ -177,6 +212,8 @@ def policy_loss(
             mismatch correction's truncated importance weights, 1 on rows it leaves alone;
             `rayrep.learner.mismatch.correct`); its rejection is the caller's, in ``mask``
             and ``totals``.
+        ref_logp: [B, T] the reference policy's log-probs of the same tokens; required when
+            ``spec.kl_coef > 0`` (and only then used). A constant.
 
     Returns:
         ``(loss, metrics)``. ``loss`` is a 0-d float tensor (float32, or float64 when
@@ -187,14 +224,15 @@ def policy_loss(
         ValueError: a shape mismatch, a mask that is not 0/1, totals smaller than this
             call's own counts, or an entropy that cannot carry the bonus's gradient.
     """
-    _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp, correction_weights)
+    _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp, correction_weights,
+                     ref_logp)
     # bf16 log-probs lose most of a ratio's precision in exp; compute in at least fp32.
     compute_dtype = torch.promote_types(logp.dtype, torch.float32)
     tokens = _TokenSets.of(mask, replay_mask, spec)
     log_ratio, ratio = _clamped_ratio(logp, old_logp, tokens.valid, compute_dtype)
     token_advantages = _token_advantages(advantages, tokens.valid, ratio, compute_dtype)
 
-    token_loss, clip_active, dual_active = _ppo_token_loss(ratio, token_advantages, tokens, spec)
+    token_loss, clip_active, dual_active = _objective_token_loss(logp, log_ratio, ratio, token_advantages, tokens, spec)
     weights = None
     if spec.behaviour_cap is not None:
         weights = _behaviour_weights(old_logp, behaviour_logp, tokens.valid, spec.behaviour_cap, compute_dtype)
@@ -210,6 +248,10 @@ def policy_loss(
     # A zero count means nothing is valid and the sum is exactly 0: dividing by 1 keeps the
     # loss 0.0 (not NaN) and its graph, so backward still runs.
     loss = _aggregate(token_loss, tokens.valid, spec) / max(totals.units, 1.0)
+    kl = None
+    if spec.kl_coef:
+        kl = kl_penalty(logp, ref_logp, spec.kl_estimator, tokens.valid, compute_dtype)
+        loss = loss + spec.kl_coef * _aggregate(kl, tokens.valid, spec) / max(totals.units, 1.0)
     if spec.entropy_coef:
         loss = loss - spec.entropy_coef * (entropy.to(compute_dtype) * tokens.valid).sum() / max(totals.tokens, 1.0)
 
@@ -224,11 +266,13 @@ def policy_loss(
     )
     if weights is not None:
         _behaviour_metrics(weights, tokens.ppo, spec.behaviour_cap, metrics)
+    if kl is not None:
+        metrics.means["kl_ref"] = (float(kl.detach().sum()), float(tokens.valid.sum()))
     return loss, metrics
 
 
 def _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entropy, behaviour_logp,
-                     correction_weights) -> None:
+                     correction_weights, ref_logp) -> None:
     """A wrong argument fails here, naming itself, before any arithmetic."""
     if not isinstance(spec, LossSpec):
         raise TypeError(f"spec must be a LossSpec, got {type(spec).__name__}")
@@ -237,8 +281,11 @@ def _check_arguments(logp, old_logp, advantages, mask, spec, replay_mask, entrop
     batch_size = logp.shape[0]
     if spec.behaviour_cap is not None and behaviour_logp is None:
         raise ValueError("behaviour_logp is required when spec.behaviour_cap is set")
+    if spec.kl_coef and ref_logp is None:
+        raise ValueError("ref_logp (the reference policy's log-probs) is required when spec.kl_coef > 0")
     for name, tensor in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy),
-                         ("behaviour_logp", behaviour_logp), ("correction_weights", correction_weights)):
+                         ("behaviour_logp", behaviour_logp), ("correction_weights", correction_weights),
+                         ("ref_logp", ref_logp)):
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"{name} must have logp's shape {tuple(logp.shape)}, got {tuple(tensor.shape)}")
     if advantages.shape not in (logp.shape, (batch_size,)):
@@ -351,6 +398,66 @@ def _ppo_token_loss(ratio, token_advantages, tokens: _TokenSets, spec: LossSpec)
     dual_bound = -token_advantages * spec.dual_clip  # a constant: zero gradient once active
     dual_active = (token_advantages < 0) & (token_loss > dual_bound) & tokens.clipped
     return torch.where(dual_active, dual_bound, token_loss), clip_active, dual_active
+
+
+def _objective_token_loss(logp, log_ratio, ratio, token_advantages, tokens: _TokenSets, spec: LossSpec):
+    """``spec.objective`` at every token (the module's docstring): ``(loss, clip_active,
+    dual_active)``, the masks being where a clip bound is the active branch (for CISPO: where
+    the weight is clipped, its gradient kept) and where the dual clip is."""
+    none = torch.zeros_like(tokens.valid)
+    if spec.objective == "ppo":
+        return _ppo_token_loss(ratio, token_advantages, tokens, spec)
+    if spec.objective == "gspo":
+        return _ppo_token_loss(_gspo_ratio(logp, log_ratio, tokens.ppo), token_advantages, tokens, spec)
+    if spec.objective == "cispo":
+        weight = torch.where(tokens.clipped, ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high), ratio)
+        # Padding's log-prob may be -inf: zeroed, so that 0 * -inf cannot reach the sum.
+        log_prob = torch.where(tokens.valid, logp.to(ratio.dtype), 0.0)
+        return -weight.detach() * token_advantages * log_prob, (weight != ratio) & tokens.clipped, none
+    tau = torch.where(token_advantages > 0, spec.sapo_tau_pos, spec.sapo_tau_neg).to(ratio.dtype)
+    return -token_advantages * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau), none, none
+
+
+def _gspo_ratio(logp, log_ratio, objective_tokens) -> torch.Tensor:
+    """[B, T] GSPO's per-token sequence ratio: the value of each row's geometric-mean ratio over
+    its objective tokens, the gradient of that value times the token's own log-prob's."""
+    count = objective_tokens.sum(-1).clamp(min=1)
+    log_sequence = torch.where(objective_tokens, log_ratio, 0.0).sum(-1) / count
+    log_prob = torch.where(objective_tokens, logp.to(log_ratio.dtype), 0.0)
+    log_token = log_prob - log_prob.detach() + log_sequence.detach()[:, None]
+    return log_token.clamp(max=GSPO_LOG_RATIO_CAP).exp()
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, valid: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, T] a per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens' log-probs,
+    by verl's ``kl_penalty`` names (``d = logp - ref_logp``; the gradient flows through
+    ``logp``), 0 where not `valid`:
+
+    - ``k1`` / ``kl``: d; ``abs``: |d|; ``k2`` / ``mse``: d^2 / 2;
+    - ``k3`` / ``low_var_kl``: exp(-d) + d - 1 with -d clamped to +-20 first and the result to
+      +-`KL_CLAMP`;
+    - a name with ``+``: the named estimate's value with k2's gradient (straight through), an
+      unbiased gradient of the KL whatever value is logged."""
+    base = estimator.removesuffix("+")
+    valid = torch.ones_like(logp, dtype=torch.bool) if valid is None else valid
+    # Padding may hold anything, -inf included: zeroed before any arithmetic sees it.
+    d = torch.where(valid, logp.to(dtype), 0.0) - torch.where(valid, ref_logp.detach().to(dtype), 0.0)
+    k2 = 0.5 * d.square()
+    if base in ("k1", "kl"):
+        value = d
+    elif base == "abs":
+        value = d.abs()
+    elif base in ("k2", "mse"):
+        value = k2
+    elif base in ("k3", "low_var_kl"):
+        reverse = (-d).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        value = (reverse.exp() - reverse - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}")
+    if estimator.endswith("+"):
+        value = k2 - k2.detach() + value.detach()
+    return value.masked_fill(~valid, 0.0)
 
 
 @dataclass(frozen=True)
