@@ -74,16 +74,18 @@ def make_learners(cfg, model_path, workers, strategy="fsdp2"):
 # Two mini-batches of 4 questions, micro-batches of 5 rows: rows per rank and micro-batch
 # counts differ, and token counts differ between ranks: token-mean must still be global.
 TWO_MINI_BATCHES = {"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 4, "learner.micro_batch_size": 5,
-                    "learner.lr": 1e-3, "learner.warmup_steps": 2}
+                    "learner.lr": 1e-3, "learner.warmup_steps": 2, "learner.kl.coef": 0.05}
 
 
 # A mismatch correction that takes about a third of the fresh tokens out of the loss (the
 # band), and the answers with a very unlikely token (the veto), and truncates a third of the
 # weights, on `synthetic_batch` rows whose engines' log-probs are -12.2 at every token (about
 # the tiny policy's median log-prob of their random tokens): the mini-batch counts then hold
-# only what every rank kept.
+# only what every rank kept. With a KL penalty to the reference policy (the starting one,
+# which the second mini-batch has moved away from), as `TWO_MINI_BATCHES`' learners start.
 CORRECTED = LossSpec(correction=MismatchCorrection(weights="token", weight_cap=2.0, reject="token",
-                                                   reject_upper=5.0, reject_lower=0.2, veto=0.05))
+                                                   reject_upper=5.0, reject_lower=0.2, veto=0.05),
+                     kl_coef=0.05, kl_estimator="k3")
 
 
 def mismatched_batch() -> TrainBatch:
@@ -141,6 +143,9 @@ def test_two_ranks_take_the_same_update_as_one(one_rank_update, tiny_cfg, tiny_p
         pytest.approx(batch.response_mask.sum().item() * (1 - m1["mismatch_masked_tokens"]))
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)  # same gradients
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
+    # The reference's pass on each rank (FSDP2: its shards; DeepSpeed: whole on each): the same
+    # KL as one rank's, which the first optimizer step made more than round-off.
+    assert m1["kl_ref"] > 1e-9 and m2["kl_ref"] == pytest.approx(m1["kl_ref"], rel=1e-3)
     assert m1["lr"] == pytest.approx(0.5e-3)  # warm-up over 2 rollouts: this first one at half the rate
     assert m2["lr"] == pytest.approx(m1["lr"])
     for name in s1:
@@ -166,7 +171,7 @@ def test_shared_prompts_take_the_same_update_as_whole_rows(one_rank_update, tiny
     whole, s2 = one_update(tiny_cfg.replace(**{**TWO_MINI_BATCHES, "learner.shared_prompts": False}), tiny_policy, 1,
                            loss=CORRECTED)
     assert shared["optimizer_steps"] == whole["optimizer_steps"] == 2
-    for name in ("loss", "grad_norm", "approx_kl", "fresh_entropy"):
+    for name in ("loss", "grad_norm", "approx_kl", "fresh_entropy", "kl_ref"):
         assert shared[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-6), name
     diff = torch.cat([(s1[name] - s2[name]).abs().flatten() for name in s1])
     assert diff.max() <= 2 * 2 * 1e-3  # Adam: an element whose gradient is round-off may move either way

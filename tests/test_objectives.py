@@ -316,3 +316,47 @@ def test_the_config_names_the_objective_and_refuses_what_means_nothing():
         spec("learner.kl.estimator=k4")
     with pytest.raises(SpecError, match="dual_clip"):
         LossSpec(objective="cispo", dual_clip=3.0)
+
+
+# ---------------------------------------------------------------- the reference policy
+
+
+def test_with_lora_the_reference_is_the_base_with_the_adapter_switched_off(tiny_cfg, tiny_policy):
+    """A LoRA run's reference costs no weights: its pass is the policy's own with PEFT's
+    adapter layers switched off, which gives the base policy's log-probs; after it the adapter
+    computes and trains again."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from rayrep.learner.reference import FrozenPolicy, Reference
+    from rayrep.learner.sharding import with_lora
+    from rayrep.models.adapter import lora_config
+    from rayrep.types import TrainBatch
+
+    cfg = tiny_cfg.replace(**{"learner.lora_rank": 8, "learner.kl.coef": 0.01})
+    adapted = with_lora(AutoModelForCausalLM.from_pretrained(tiny_policy), lora_config(cfg, tiny_policy), torch.float32)
+    with torch.no_grad():  # an adapter that has trained: B is no longer 0
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 259) for _ in range(6)] for _ in range(2)]
+    batch = TrainBatch.of_sequences([p for p in prompts for _ in range(3)],
+                                    [[rng.randrange(3, 259) for _ in range(rng.randint(2, 9))] for _ in range(6)],
+                                    [0, 0, 0, 1, 1, 1])
+    steps = [range(0, 2)]
+
+    def logprobs(model, lora: bool) -> torch.Tensor:
+        policy = FrozenPolicy(model=model, module=model, whole_parameters=True)
+        return Reference(cfg, policy, torch.device("cpu"), 0, 1, lora=lora).logprobs(batch, steps)
+
+    base = logprobs(AutoModelForCausalLM.from_pretrained(tiny_policy), lora=False)
+    reference = logprobs(adapted, lora=True)
+    with_adapter = logprobs(adapted, lora=False)
+    mask = batch.response_mask
+    assert torch.allclose(reference[mask], base[mask], atol=1e-5)
+    assert (with_adapter[mask] - base[mask]).abs().max() > 1e-3
+    trained = [p for n, p in adapted.named_parameters() if "lora_" in n]
+    assert trained and all(p.requires_grad for p in trained)
+    assert torch.allclose(logprobs(adapted, lora=False)[mask], with_adapter[mask])

@@ -44,7 +44,10 @@ RUN = ["--algorithm.name", "exgrpo", "--algorithm.std_normalize", "false", "--al
        # LoRA: the learners train an adapter, the syncs send it alone, checkpoints hold it in
        # PEFT's format (the run resumes from it), and the engines keep their base weights
        # while they sleep. (Full-weight resume: test_replay_runs' stopped and resumed run.)
-       "--learner.lora_rank", "8", "--learner.lr", "1e-3"]
+       "--learner.lora_rank", "8", "--learner.lr", "1e-3",
+       # A KL penalty to the reference policy: with LoRA the base with the adapter off, which a
+       # resume finds where it was (the base checkpoint), restoring nothing of its own.
+       "--learner.kl.coef", "0.01"]
 # What differs between two runs that took the same steps: the clock.
 CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
 
@@ -135,6 +138,7 @@ def test_a_killed_run_resumes_and_repeats_the_uninterrupted_one(runs):
     assert resumed[-1]["buffer_answers"] > 0 and resumed[-1]["exgrpo_collecting"] == 1.0
     assert sum(r.get("pruner_skipped", 0) for r in resumed) > 0  # the pruner passed questions by, after the resume too
     assert "memory_resume_gib" in resumed[3]  # the ledger saw the learners' state loaded (into host memory)
+    assert all(r["kl_ref"] > 0 for r in resumed[2:])  # the adapter, trained, is away from the base
     # Each start noted its machine and kernels: the new run's at step 0, each resume's at its step.
     starts = [start["step"] for start in json.loads((out / "killed" / "machine.json").read_text())]
     assert starts[0] == 0 and starts[-1] == 2 and len(starts) >= 2, starts

@@ -3,6 +3,8 @@ tests/test_resume.py); explicit seeds still win."""
 
 import hashlib
 
+import pytest
+
 from conftest import SHORT_RUN
 from rayrep.config import derive_seed, load_preset
 from rayrep.run.log import read_metrics
@@ -28,12 +30,23 @@ def test_another_run_seed_changes_the_run(ray_cluster, tiny_cfg, short_run, tmp_
     tests/test_resume.py (a run killed and resumed, against the uninterrupted one); here
     another seed must change what the run samples. This run also takes verl's geometric
     rejection and veto (`docs/mismatch.md`) beside the short run's decoupled PPO: fp32 engines
-    on CPU leave nothing to reject, and every step records so."""
+    on CPU leave nothing to reject, and every step records so. And a KL penalty to the
+    reference policy: its weights taking turns with the engines beside the policy's, in the
+    device-memory ledger's plan (the short run's learners' hand-over held them less)."""
     cfg = tiny_cfg.replace(**SHORT_RUN, **{"run.seed": 1, "logging.out_dir": str(tmp_path), "logging.run_name": "b",
                                            "learner.correction.reject": "geometric",
-                                           "learner.correction.reject_upper": 1.001, "learner.correction.veto": 1e-4})
+                                           "learner.correction.reject_upper": 1.001, "learner.correction.veto": 1e-4,
+                                           "learner.kl.coef": 0.01})
     records = [r for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl") if r["step"] > 0]
     assert all(r["mismatch_masked_tokens"] == r["mismatch_masked_sequences"] == 0 for r in records)
+    # Each step's second mini-batch trains a policy the first moved away from the reference.
+    assert all(r["kl_ref"] > 0 for r in records) and records[1]["kl_ref"] > records[0]["kl_ref"]
+    from rayrep.cluster.memory import GIB, REFERENCE, memory_plan
+    reference = memory_plan(cfg).sizes["learner"][REFERENCE]
+    assert reference > 0
+    for mine, short in zip(records, [r for r in short_run if r["step"] > 0]):
+        assert mine["memory_hand_over_learner_gib"] - short["memory_hand_over_learner_gib"] == \
+            pytest.approx(reference / GIB, rel=0.01)
     first = [{k: r[k] for k in COMPARED} for r in short_run if r["step"] > 0]
     other = [{k: r[k] for k in COMPARED} for r in records]
     assert len(first) == len(other) == 2

@@ -27,6 +27,11 @@ at most that many padded tokens, one row at least; `c` the compute dtype's bytes
   one adapter of vLLM's size beside its weights and receives a bucket at a time. The
   activations are counted as without the adapter (its inputs of rank r per projection add
   about r / (16 H + 6 I) of a layer's).
+- learner with a KL penalty (`learner.kl.coef`): the reference policy in the compute dtype,
+  sharded as the parameters are (FSDP2 Pc/W, DeepSpeed Pc); with LoRA nothing (the base with
+  the adapter off). It comes to the GPU with the optimizer state and leaves with it (with
+  DeepSpeed too, whose own state stays); its pass
+  (no graph, before the update) holds less than the update.
 - engine (vLLM): `generator.gpu_memory_utilization` of the GPU awake: its weights (split over
   the tensor-parallel group), its runtime (what stays on the GPU asleep), the KV cache in the
   rest. Receiving weights it holds a copy of the tensors of a layer (the loader keeps them
@@ -74,6 +79,7 @@ LEARNER, ENGINE = "learner", "engine"
 # rayrep.sync.transport) name them.
 PARAMETERS = "parameters"
 OPTIMIZER = "optimizer state"
+REFERENCE = "reference policy"
 GRADIENTS = "gradients"
 GATHERED = "gathered layers"
 ACTIVATIONS = "activations"
@@ -89,7 +95,7 @@ KV_CACHE = "KV cache"
 ENGINE_RUNTIME = "engine runtime"
 RECEIVED = "received tensors"
 
-LEARNER_STATE = (PARAMETERS, OPTIMIZER)
+LEARNER_STATE = (PARAMETERS, REFERENCE, OPTIMIZER)
 UPDATE = (GRADIENTS, GATHERED, ACTIVATIONS, LOGITS, LOGPROB_CHUNK)
 """What an update allocates for itself (the old log-prob pass inside it holds less)."""
 FORWARD_PASS = (GATHERED, PASS_ACTIVATIONS, PASS_LOGITS, LOGPROB_CHUNK)
@@ -313,6 +319,9 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
     learner_parts = {
         PARAMETERS: (frozen // W if fsdp else P * c) + 4 * T // W,  # DeepSpeed: the whole compute-dtype model too
         OPTIMIZER: 8 * T // W,
+        # The KL's reference policy in the compute dtype, sharded as the parameters are (LoRA:
+        # the base with the adapter off, nothing more).
+        REFERENCE: (P * c // W if fsdp else P * c) if learner.kl.coef and not lora else 0,
         GRADIENTS: 4 * T // W,
         GATHERED: (embeddings + 2 * shape.layer_parameters) * c if fsdp else 0,
         ACTIVATIONS: L * tokens * H * c + per_layer if learner.gradient_checkpointing else L * per_layer,
@@ -360,9 +369,10 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
     update = {**state, **of(learner, *UPDATE)}
     send = of(learner, WHOLE_TENSOR, SEND_BUFFERS)
     receiving = {**of(engine, WEIGHTS, ENGINE_RUNTIME, RECEIVED)}
-    resident = {} if cfg.learner.sharding.state_moves else state  # (DeepSpeed's state never leaves the GPU)
+    # DeepSpeed's state never leaves the GPU (the KL's reference policy, our own module, does).
+    resident = {} if cfg.learner.sharding.state_moves else of(learner, PARAMETERS, OPTIMIZER)
     saving = {**resident, **of(learner, MASTER_GATHERED)} if resident else {}
-    set_up = resident or of(learner, PARAMETERS)
+    set_up = {**(resident or of(learner, PARAMETERS)), **of(learner, REFERENCE)}
     if cfg.placement.mode != "colocated":
         # A learner's GPU is its own: its allocator keeps the update's peak from one update to the next.
         kept = max(update, {**state, **send}, key=lambda parts: sum(parts.values()))
@@ -398,7 +408,7 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
               {LEARNER: update, ENGINE: asleep}),
         Phase(RunPhase.SYNC, "the optimizer state leaves; each tensor is gathered whole and handed over in buckets; the "
               "engines wake their weights and load them; then the parameters leave and the KV cache wakes",
-              {LEARNER: {**(state if resident else of(learner, PARAMETERS)), **send}, ENGINE: receiving}),
+              {LEARNER: {**(resident or of(learner, PARAMETERS)), **send}, ENGINE: receiving}),
         Phase(RunPhase.REPLACEMENT, "a generator that died starts again (awake) while the learners' state is in host "
               "memory; it sleeps, and a sync reaches it", {LEARNER: resident, ENGINE: awake}),
         Phase(RunPhase.SAVE, "a checkpoint, beside the awake engines: FSDP2 casts its shards in host memory; DeepSpeed "
@@ -415,11 +425,15 @@ def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple
     P, lora = shape.parameters, cfg.learner.lora_rank
     # from_pretrained's fp32 model (a LoRA run's frozen base: in the compute dtype), and this rank's shard beside it
     loading = (P * compute_bytes(cfg) if lora else 4 * P) * (W + 1) // W
+    # The KL's reference policy (not with LoRA): loaded the same way after, in the compute dtype.
+    reference = P * compute_bytes(cfg) if cfg.learner.kl.coef and not lora else 0
+    loading += reference * (W + 1) // W
     host = {RunPhase.LEARNER_SET_UP: (ranks * loading, f"{ranks} learner rank(s), each loading the policy in "
-                                                 f"{cfg.model.dtype if lora else 'fp32'}: "
+                                                 f"{cfg.model.dtype if lora else 'fp32'}"
+                                                 f"{' and its reference' if reference else ''}: "
                                                  f"{loading / 1e9:.1f} GB")}
     if place.mode == "colocated" and cfg.learner.sharding.state_moves:
-        state = ((P * compute_bytes(cfg) if lora else 0) + 12 * trained_parameters(cfg, shape)) // W
+        state = ((P * compute_bytes(cfg) if lora else 0) + reference + 12 * trained_parameters(cfg, shape)) // W
         host["training"] = (ranks * state, f"{ranks} learner rank(s)' parameters and optimizer state while the "
                                            f"engines run: {state / 1e9:.1f} GB each")
     if place.mode == "colocated" and lora:

@@ -24,14 +24,15 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rayrep.cluster.memory import (FORWARD_PASS, GRADIENTS, LEARNER, MASTER_GATHERED, OPTIMIZER, PARAMETERS, UPDATE,
-                                   WHOLE_TENSOR, memory_plan)
+from rayrep.cluster.memory import (FORWARD_PASS, GRADIENTS, LEARNER, MASTER_GATHERED, OPTIMIZER, PARAMETERS, REFERENCE,
+                                   UPDATE, WHOLE_TENSOR, memory_plan)
 from rayrep.cluster.residency import ABSENT, DEVICE, HOST, Holding, Residency
 from rayrep.config import Config
 from rayrep.heap import keep_freed_memory, long_lived
 from rayrep.learner.forward import Entropy, PolicyForward, mini_batches, rows_per_rank
 from rayrep.learner.loss import mini_batch_totals, policy_loss
 from rayrep.learner.mismatch import correct, correction_sums, mismatch_sums
+from rayrep.learner.reference import FrozenPolicy, Reference
 from rayrep.learner.sharding import Sharding, compute_dtype, with_lora
 from rayrep.learner.sums import MetricSums
 from rayrep.library_output import route_library_output
@@ -64,13 +65,18 @@ class LearnerWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.weight_channel: WeightChannel | None = None
         plan = memory_plan(cfg)
-        self.residency = Residency(f"learner rank {rank}", LEARNER, {PARAMETERS: ABSENT, OPTIMIZER: ABSENT},
+        self.residency = Residency(f"learner rank {rank}", LEARNER,
+                                   {PARAMETERS: ABSENT, REFERENCE: ABSENT, OPTIMIZER: ABSENT},
                                    plan.sizes[LEARNER] if plan else None, self.device)
         """Where this rank's parameters and optimizer state are (and, where the run models
         its GPUs, what it holds on its GPU): every operation below checks it first."""
         # The policy, once `setup` has loaded and sharded it:
         self.sharding: Sharding | None = None
         self.forward: PolicyForward | None = None
+        self.reference: Reference | None = None
+        """The KL penalty's reference policy (`learner.kl.coef`), or None."""
+        self.frozen_reference: FrozenPolicy | None = None
+        """Its own weights (None with LoRA: the base with the adapter off is the reference)."""
         self.lora = None
         """The LoRA adapter this group trains on the frozen base (`learner.lora_rank`), or None."""
         self.tied_embedding: str | None = None
@@ -128,6 +134,15 @@ class LearnerWorker:
         self.sharding = make_sharding(model, cfg, world_size, self.device)
         self.sharding.model.train()
         self.forward = PolicyForward(cfg, self.sharding, self.device, rank, world_size)
+        if cfg.learner.kl.coef:
+            # The run's starting policy, whatever a resume loads into the policy after.
+            if self.lora is None:
+                self.frozen_reference = FrozenPolicy.load(model_path, cfg, world_size, self.device,
+                                                          self.config_overrides)
+                self.residency.sizes[REFERENCE] = self.frozen_reference.nbytes()
+                self.residency.move(REFERENCE, DEVICE)
+            self.reference = Reference(cfg, self.frozen_reference or self.sharding, self.device, rank, world_size,
+                                       lora=self.lora is not None)
         if cfg.learner.sharding.shards_parameters:
             # This rank's shards as they are: the parameters (fp32, or a frozen LoRA base in the
             # compute dtype), and for those that train, two fp32 moments and an fp32 gradient.
@@ -200,20 +215,32 @@ class LearnerWorker:
         kept_counts = self._kept_token_counts(batch, steps, old_logprobs, loss) if rejects else None
         if self.rank == 0:
             sums.count("time_old_logprobs", time.perf_counter() - start)
+        ref_logprobs = None
+        if loss.kl_coef:
+            if self.reference is None:
+                raise ValueError(f"the loss has a KL penalty (kl_coef={loss.kl_coef}) but these learners started "
+                                 "without a reference policy: learner.kl.coef was 0")
+            start = time.perf_counter()
+            self.residency.require("the reference pass", *([REFERENCE] if self.frozen_reference else [PARAMETERS]))
+            ref_logprobs = self.reference.logprobs(batch, steps)
+            if self.rank == 0:
+                sums.count("time_ref_logprobs", time.perf_counter() - start)
             sums.add("lr", self.sharding.scheduler.get_last_lr()[0], 1.0)  # the rate of every step of this rollout
         for epoch in range(learner.epochs):
             for index, prompts in enumerate(steps):
                 own_old = recompute_old if epoch == 0 and index == 0 and not rejects else None
-                self._step(batch, prompts, old_logprobs, own_old, loss, sums, kept_counts)
+                self._step(batch, prompts, old_logprobs, own_old, loss, sums, kept_counts, ref_logprobs)
         self.sharding.scheduler.step()  # the schedule counts rollouts, not optimizer steps
         return sums.state()
 
     def _step(self, batch, prompts: range, old_logprobs, recompute_now: torch.Tensor | None, loss: LossSpec,
-              sums: MetricSums, kept_counts: torch.Tensor | None = None) -> None:
+              sums: MetricSums, kept_counts: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None
+              ) -> None:
         """One optimizer step on the questions `prompts`. `recompute_now`: the rows whose old
         log-probs are this pass's own (the first mini-batch of a rollout, before any update),
         or None; their log-probs are kept in `old_logprobs` for the later epochs.
-        `kept_counts`: each row's tokens left by the mismatch correction's rejection."""
+        `kept_counts`: each row's tokens left by the mismatch correction's rejection; `ref_logprobs`:
+        the reference policy's log-probs of every row of this rank (the KL penalty's)."""
         shares = rows_per_rank(batch.prompt_index, prompts, self.world_size)
         # The counts over every rank and micro-batch of this mini-batch.
         rows_of_all = torch.cat(shares)
@@ -244,6 +271,7 @@ class LearnerWorker:
                 logp, old, batch.advantages[rows].to(self.device), trained, loss,
                 replay_mask=batch.replay_mask[rows].to(self.device), entropy=entropy, totals=totals,
                 behaviour_logp=behaviour, correction_weights=weights,
+                ref_logp=None if ref_logprobs is None else ref_logprobs[rows, :width].to(self.device),
             )
             if not dummy:
                 self._note_mismatch(batch, rows, old, mask, sums)
@@ -319,31 +347,37 @@ class LearnerWorker:
     # ------------------------------------------------------------------ taking turns with the generators
 
     def onload(self, optimizer: bool = True) -> list[str]:
-        """Bring the parameters (and the optimizer state) back to the GPU, where the roles take
-        turns (FSDP2; DeepSpeed's state never leaves); returns the parts that moved: none when
-        they are there already (or, the optimizer's, not made yet)."""
-        return self._move((PARAMETERS, OPTIMIZER) if optimizer else (PARAMETERS,), DEVICE)
+        """Bring the parameters (and the optimizer state, and the KL's reference policy: what
+        only an update needs) back to the GPU, where the roles take turns (FSDP2; DeepSpeed's
+        state never leaves, the reference does); returns the parts that moved: none when they are there already
+        (or, the optimizer's, not made yet)."""
+        return self._move((PARAMETERS, REFERENCE, OPTIMIZER) if optimizer else (PARAMETERS,), DEVICE)
 
     def offload(self, parameters: bool = True, optimizer: bool = True) -> list[str]:
-        """Move the parameters and/or the optimizer state to host memory while the colocated
-        engines use the GPU (FSDP2; DeepSpeed's state stays), and release the allocator's
-        cache, which would keep what the last operation freed; returns the parts that moved."""
-        moved = self._move(tuple(part for part, asked in ((PARAMETERS, parameters), (OPTIMIZER, optimizer)) if asked),
-                           HOST)
+        """Move the parameters and/or the optimizer state (with the reference policy) to host
+        memory while the colocated engines use the GPU (FSDP2; DeepSpeed's state stays), and
+        release the allocator's cache, which would keep what the last operation freed; returns
+        the parts that moved."""
+        asked = ((PARAMETERS, parameters), (REFERENCE, optimizer), (OPTIMIZER, optimizer))
+        moved = self._move(tuple(part for part, wanted in asked if wanted), HOST)
         if self.cfg.placement.takes_turns:
             self.residency.release_cache()
         return moved
 
     def _move(self, parts: tuple[str, ...], to: str) -> list[str]:
-        if not (self.cfg.placement.takes_turns and self.cfg.learner.sharding.state_moves):
+        if not self.cfg.placement.takes_turns:
             return []
+        # DeepSpeed's state stays where its engine put it; the reference policy is our own module.
+        movable = (PARAMETERS, REFERENCE, OPTIMIZER) if self.cfg.learner.sharding.state_moves else (REFERENCE,)
         target = self.device if to == DEVICE else torch.device("cpu")
         moved = []
         for part in parts:
-            if self.residency.at(part) in (to, ABSENT):
+            if part not in movable or self.residency.at(part) in (to, ABSENT):
                 continue
             if part == PARAMETERS:
                 self.sharding.model.to(target)  # FSDP2 moves each rank's shards
+            elif part == REFERENCE:
+                self.frozen_reference.model.to(target)
             else:
                 for state in self.sharding.optimizer.state.values():
                     for name, value in state.items():
