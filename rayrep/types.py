@@ -465,13 +465,84 @@ class SpecError(ValueError):
         return self.rule.format(**{field: f"{names[field]}={values[field]!r}" for field in self.values})
 
 
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2",
+              "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+"""verl's rejection options (`rollout_rs`), by the same names: the per-token divergence of the
+learner's from the engine's log-prob (k1 = -d, k2 = d^2 / 2, k3 = exp(d) - 1 - d, d the log ratio
+clamped to +-20), as it is (`token_`) or the answer's sum, mean or largest over its tokens."""
+OWN_REJECTIONS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+"""rayrep's band on the ratio r (`MismatchCorrection.reject`), as the verl option of the same
+statistic: r in [lower, upper] is k1 = -log r in [log(1 / upper), log(1 / lower)]."""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One rejection rule in verl's terms (`rollout_corr_helper.compute_rollout_rejection_mask`):
+    a k1 option keeps what has ``log(lower) <= statistic <= log(upper)`` (a band on the inverse
+    of the ratio, its product or its geometric mean), a k2 / k3 option what has
+    ``statistic <= upper``."""
+
+    option: str
+    upper: float
+    lower: float | None = None
+    """k1 options only; > 0 and at most `upper`."""
+
+    @property
+    def divergence(self) -> str:
+        return self.option.rsplit("_", 1)[1]
+
+    @property
+    def aggregate(self) -> str:
+        """'token', 'seq_sum', 'seq_mean' or 'seq_max'."""
+        return self.option.rsplit("_", 1)[0]
+
+
+def parse_rejections(options: str, thresholds: str) -> tuple[Rejection, ...]:
+    """verl's `rollout_rs` (options, comma-separated) and `rollout_rs_threshold` (one threshold
+    for all, or one per option, comma-separated) as `Rejection`s, parsed as verl parses them
+    (`_parse_rollout_rs_thresholds`): a k1 threshold is "lower_upper" or one number u (lower
+    1 / u); a k2 / k3 threshold one number. A `ValueError` names what is wrong."""
+    names = list(dict.fromkeys(name.strip() for name in options.split(",") if name.strip()))
+    for name in names:
+        if name not in RS_OPTIONS:
+            raise ValueError(f"unknown rejection option {name!r}: one of {', '.join(RS_OPTIONS)}")
+    if not names:
+        if str(thresholds).strip():
+            raise ValueError(f"a threshold ({thresholds!r}) without a rejection option to bound")
+        return ()
+    specs = [spec.strip() for spec in str(thresholds).split(",")] if str(thresholds).strip() else []
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ValueError(f"{len(names)} rejection option(s) ({', '.join(names)}) need one threshold or one each, "
+                         f"got {thresholds!r}")
+    rules = []
+    for name, spec in zip(names, specs):
+        try:
+            numbers = [float(part) for part in spec.split("_", 1)]
+        except ValueError:
+            raise ValueError(f"the threshold {spec!r} of {name} is not a number (or lower_upper for a k1 option)") from None
+        if any(not (value > 0 and math.isfinite(value)) for value in numbers):
+            raise ValueError(f"the threshold {spec!r} of {name} must be positive and finite")
+        if name.endswith("_k1"):
+            lower, upper = numbers if len(numbers) == 2 else (1.0 / numbers[0], numbers[0])
+            if lower > upper:
+                raise ValueError(f"the threshold {spec!r} of {name}: its lower end is above its upper end")
+            rules.append(Rejection(name, upper=upper, lower=lower))
+        elif len(numbers) == 2:
+            raise ValueError(f"the threshold {spec!r} of {name} is one number (a bound on its divergence), not lower_upper")
+        else:
+            rules.append(Rejection(name, upper=numbers[0]))
+    return tuple(rules)
+
+
 @dataclass(frozen=True)
 class MismatchCorrection:
     """How the loss corrects the fresh answers for the training-inference mismatch: the
     engines' log-probs (pi_engine) against the learner's at the weights the update began
     with (pi_old), ``r_t = pi_old(y_t) / pi_engine(y_t)``, as verl's rollout correction
-    (decoupled mode) defines it: truncated importance weights, a rejection band, a veto.
-    The formulas are in `rayrep.learner.mismatch`; replayed answers keep their own
+    (decoupled mode) defines it: truncated importance weights, rejection rules, and rayrep's
+    own veto. The formulas are in `rayrep.learner.mismatch`; replayed answers keep their own
     correction (RLEP's recomputed or decoupled ratio, ExGRPO's shaping)."""
 
     weights: Literal["none", "token", "sequence"] = "none"
@@ -479,22 +550,36 @@ class MismatchCorrection:
     the answer (verl `rollout_is`)."""
     weight_cap: float = 2.0
     """Upper truncation of the weights (verl `rollout_is_threshold`); > 0."""
+    weight_lower: float | None = None
+    """IcePop's weights (verl's "lower_upper" `rollout_is_threshold`): a weight outside
+    [weight_lower, weight_cap] is 0, not truncated; in (0, weight_cap). None: truncated."""
     reject: Literal["none", "token", "sequence", "geometric"] = "none"
     """Tokens whose r (per token; the answer's product; its geometric mean) lies outside
-    [reject_lower, reject_upper] leave the loss and its counts (verl `rollout_rs`; with
-    'token' and a wide band, IcePop's two-sided mask)."""
+    [reject_lower, reject_upper] leave the loss and its counts (verl's `token_k1`, `seq_sum_k1`,
+    `seq_mean_k1` with the band inverted: `OWN_REJECTIONS`)."""
     reject_upper: float = 2.0
     """> 1."""
     reject_lower: float = 0.5
     """In (0, reject_upper)."""
+    rs: tuple[Rejection, ...] = ()
+    """verl's rejection rules by its own names and thresholds (`parse_rejections`); every rule,
+    and `reject`, must keep a token."""
     veto: float | None = None
-    """An answer with any token of r below this leaves the loss whole (verl
-    `rollout_token_veto_threshold`); in (0, 1). None: no veto."""
+    """An answer with any token of r below this leaves the loss whole (verl 0.6's
+    `rollout_token_veto_threshold`, which verl 0.9 has dropped); in (0, 1). None: no veto."""
+
+    @property
+    def rejections(self) -> tuple[Rejection, ...]:
+        """Every rejection rule, `reject`'s band as its verl option."""
+        own = ()
+        if self.reject != "none":
+            own = (Rejection(OWN_REJECTIONS[self.reject], upper=1.0 / self.reject_lower, lower=1.0 / self.reject_upper),)
+        return own + self.rs
 
     @property
     def rejects(self) -> bool:
         """Whether it takes tokens out of the loss (so out of the mini-batch's counts)."""
-        return self.reject != "none" or self.veto is not None
+        return bool(self.rejections) or self.veto is not None
 
     def __post_init__(self):
         def broken(rule: str, *fields: str) -> SpecError:
@@ -502,10 +587,12 @@ class MismatchCorrection:
 
         if self.weights not in ("none", "token", "sequence"):
             raise broken("{weights} must be 'none', 'token' or 'sequence'", "weights")
-        if self.reject not in ("none", "token", "sequence", "geometric"):
+        if self.reject not in ("none", *OWN_REJECTIONS):
             raise broken("{reject} must be 'none', 'token', 'sequence' or 'geometric'", "reject")
         if not self.weight_cap > 0:
             raise broken("{weight_cap} must be > 0", "weight_cap")
+        if self.weight_lower is not None and not 0 < self.weight_lower < self.weight_cap:
+            raise broken("{weight_lower} must be in (0, {weight_cap}), or off", "weight_lower", "weight_cap")
         if not 0 < self.reject_lower < self.reject_upper or not self.reject_upper > 1:
             raise broken("the rejection band [{reject_lower}, {reject_upper}] must hold 1, its lower end above 0",
                          "reject_lower", "reject_upper")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rayrep.learner.loss import mini_batch_totals, policy_loss
-from rayrep.learner.mismatch import (correct, correction_sums, importance_weights, kept_by_band, kept_by_veto,
+from rayrep.learner.mismatch import (correct, correction_sums, importance_weights, kept_by_rejection, kept_by_veto,
                                      mismatch_sums)
-from rayrep.types import LossSpec, MismatchCorrection
+from rayrep.types import LossSpec, MismatchCorrection, parse_rejections
 
 # Three rows of log-probs: learner's, engine's; row 2 is padding after two tokens, row 3 has
 # one extreme token (the learner finds it 30 nats less likely than the engine that sampled it).
@@ -85,21 +85,112 @@ def test_importance_weights_are_the_truncated_ratios(level, cap):
     assert not got.requires_grad
 
 
-@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
-@pytest.mark.parametrize(("upper", "lower"), [(2.0, None), (1.2, 0.5)])
-def test_rejection_keeps_the_tokens_inside_the_band(level, upper, lower):
+def verl_rejection_mask(log_ratio, response_mask, option, lower, upper):
+    """verl 0.9's `compute_rollout_rejection_mask` for one option, transcribed token by token:
+    the log ratio clamped per token to +-20, the option's divergence, the token's own or the
+    answer's sum / mean / largest, kept within log(lower)..log(upper) (k1) or up to upper."""
+    aggregate, divergence = option.rsplit("_", 1)
+    keep = []
+    for i, row in enumerate(log_ratio.tolist()):
+        tokens = [t for t in range(len(row)) if response_mask[i][t]]
+        values = {}
+        for t in tokens:
+            x = clamp(row[t])
+            values[t] = {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1.0 - x}[divergence]
+        if aggregate == "token":
+            stats = values
+        else:
+            if not tokens:
+                row_stat = 0.0
+            elif aggregate == "seq_sum":
+                row_stat = sum(values.values())
+            elif aggregate == "seq_mean":
+                row_stat = sum(values.values()) / len(tokens)
+            else:
+                row_stat = max(values.values())
+            stats = {t: row_stat for t in tokens}
+        kept_row = []
+        for t in range(len(row)):
+            if t not in stats:
+                kept_row.append(False)
+            elif divergence == "k1":
+                kept_row.append(math.log(lower) <= stats[t] <= math.log(upper))
+            else:
+                kept_row.append(stats[t] <= upper)
+        keep.append(kept_row)
+    return keep
+
+
+# Each option with thresholds that keep some tokens and drop others on `tensors()`.
+OPTIONS = [("token_k1", "0.9_1.2"), ("token_k1", "1.5"), ("seq_sum_k1", "0.5_2.0"), ("seq_mean_k1", "0.9_1.1"),
+           ("token_k2", "0.01"), ("token_k3", "0.02"), ("seq_sum_k2", "0.1"), ("seq_sum_k3", "0.1"),
+           ("seq_mean_k2", "0.03"), ("seq_mean_k3", "0.03"), ("seq_max_k2", "0.05"), ("seq_max_k3", "0.05")]
+
+
+@pytest.mark.parametrize(("option", "threshold"), OPTIONS)
+def test_each_rejection_option_keeps_what_verls_keeps(option, threshold):
     learner, engine, mask = tensors()
-    got = kept_by_band(learner - engine, mask, level, upper, lower)
-    low = 1 / upper if lower is None else lower
+    (rule,) = parse_rejections(option, threshold)
+    got = kept_by_rejection(learner - engine, mask, rule)
+    expected = verl_rejection_mask(learner - engine, MASK, option, rule.lower, rule.upper)
+    assert got.tolist() == expected
+    assert 0 < got.sum() < mask.sum()  # the thresholds draw a line through the batch
+
+
+def test_a_k1_threshold_bounds_the_inverse_ratio_and_rayreps_band_is_it_inverted():
+    """verl's k1 options keep log(lower) <= -log r <= log(upper): the band [lower, upper] is on
+    pi_engine / pi_learner. rayrep's `reject` band is on r itself: its [l, u] is verl's
+    "1/u_1/l", and one threshold u (verl's lower 1/u) is the same band either way."""
+    learner, engine, mask = tensors()
+    log_ratio = learner - engine
+    for own, option in (("token", "token_k1"), ("sequence", "seq_sum_k1"), ("geometric", "seq_mean_k1")):
+        mine = correct(learner, engine, mask, MismatchCorrection(reject=own, reject_upper=1.25, reject_lower=0.8)).kept
+        (verls,) = parse_rejections(option, f"{1 / 1.25}_{1 / 0.8}")
+        assert torch.equal(mine, kept_by_rejection(log_ratio, mask, verls)), own
+    # The direction decides row 0's third token, r = e^0.5 = 1.65: 1/r = 0.61 lies in verl's
+    # "0.6_1.2", r outside rayrep's [0.6, 1.2].
+    (rule,) = parse_rejections("token_k1", "0.6_1.2")
+    kept = kept_by_rejection(log_ratio, mask, rule)
+    assert kept[0, 2] and not correct(learner, engine, mask, MismatchCorrection(
+        reject="token", reject_upper=1.2, reject_lower=0.6)).kept[0, 2]
+
+
+def test_rejection_rules_and_the_band_all_must_keep_a_token():
+    learner, engine, mask = tensors()
+    rules = parse_rejections("token_k1,seq_max_k2", "0.9_1.2,0.05")
+    correction = MismatchCorrection(reject="geometric", reject_upper=1.05, rs=rules)
+    expected = kept_by_rejection(learner - engine, mask, rules[0]) & kept_by_rejection(learner - engine, mask, rules[1])
+    expected &= kept_by_rejection(learner - engine, mask, correction.rejections[0])
+    assert torch.equal(correct(learner, engine, mask, correction).kept, expected)
+    assert correction.rejects and len(correction.rejections) == 3
+
+
+@pytest.mark.parametrize(("options", "thresholds", "message"), [
+    ("seq_max_k1", "2", "unknown rejection option 'seq_max_k1'"),
+    ("token_k1,token_k2", "1.5,0.1,0.2", "need one threshold or one each"),
+    ("token_k2", "0.1_0.2", "one number"),
+    ("token_k1", "2_0.5", "lower end is above its upper end"),
+    ("token_k1", "-2", "positive and finite"),
+    ("seq_sum_k3", "", "need one threshold or one each"),
+    ("", "2.0", "without a rejection option"),
+])
+def test_verls_thresholds_parse_as_verl_parses_them_or_fail_naming_them(options, thresholds, message):
+    with pytest.raises(ValueError, match=message):
+        parse_rejections(options, thresholds)
+
+
+def test_icepops_weights_are_zero_outside_their_band():
+    learner, engine, mask = tensors()
+    weights = importance_weights(learner - engine, mask, "token", 1.2, lower=0.9)
     for i in range(3):
-        tokens = valid(i)
         for t in range(4):
-            if not MASK[i][t]:
-                assert not got[i, t]
-                continue
-            exponent = {"token": d(i, t), "sequence": sum(d(i, u) for u in tokens),
-                        "geometric": sum(d(i, u) for u in tokens) / len(tokens)}[level]
-            assert bool(got[i, t]) == (low <= math.exp(clamp(exponent)) <= upper)
+            ratio = math.exp(clamp(d(i, t)))
+            expected = ratio if MASK[i][t] and 0.9 <= ratio <= 1.2 else 0.0
+            assert weights[i, t].item() == pytest.approx(expected, rel=1e-12)
+    correction = MismatchCorrection(weights="token", weight_cap=1.2, weight_lower=0.9)
+    shares = correction_sums(mask, correct(learner, engine, mask, correction), correction)
+    out = sum(1 for i in range(3) for t in valid(i) if not 0.9 <= math.exp(clamp(d(i, t))) <= 1.2)
+    assert shares["mismatch_truncated_tokens"] == (float(out), 10.0) and out > 0
 
 
 def test_the_veto_drops_a_row_with_one_catastrophic_token():

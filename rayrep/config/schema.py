@@ -16,7 +16,7 @@ from rayrep.config.fields import build, check_fields, get_dotted, option, set_do
 from rayrep.config.strategies import SHARDING_STRATEGIES, ShardingStrategy
 from rayrep.errors import ConfigError
 from rayrep.types import (TOKEN_SUM_AGGREGATIONS, Aggregation, KLEstimator, LossSpec, MismatchCorrection, Objective,
-                          SpecError)
+                          SpecError, parse_rejections)
 
 
 @dataclass
@@ -254,17 +254,26 @@ class AlgorithmConfig:
 class CorrectionConfig:
     weights: Literal["none", "token", "sequence"] = option("none", "truncated importance weights of fresh answers, pi_learner / pi_engine at the update's start, per token or per answer (verl rollout_is); with token, what learner.behaviour_cap does for fresh answers: set one", added=True)
     weight_cap: float = option(2.0, "upper truncation of those weights (verl rollout_is_threshold)", min=1e-6, added=True)
-    reject: Literal["none", "token", "sequence", "geometric"] = option("none", "take fresh tokens whose ratio (per token; the answer's product; its geometric mean) leaves [reject_lower, reject_upper] out of the loss and its counts (verl rollout_rs; token with a wide band: IcePop)", added=True)
-    reject_upper: float = option(2.0, "upper end of the rejection band (verl rollout_rs_threshold)", min=1.0, added=True)
-    reject_lower: float = option(0.0, "lower end of the rejection band; 0: 1 / reject_upper (verl rollout_rs_threshold_lower)", min=0.0, added=True)
-    veto: float = option(0.0, "take a fresh answer out of the loss whole if any token's ratio is below this (verl rollout_token_veto_threshold, e.g. 1e-4); 0: off", min=0.0, max=0.999999, added=True)
+    weight_lower: float = option(0.0, "> 0: IcePop's weights instead, 0 outside [weight_lower, weight_cap] (verl rollout_is_threshold \"lower_upper\")", min=0.0, added=True)
+    reject: Literal["none", "token", "sequence", "geometric"] = option("none", "take fresh tokens whose ratio (per token; the answer's product; its geometric mean) leaves [reject_lower, reject_upper] out of the loss and its counts (verl rollout_rs token_k1, seq_sum_k1, seq_mean_k1 with the band inverted: docs/mismatch.md)", added=True)
+    reject_upper: float = option(2.0, "upper end of the rejection band on the ratio", min=1.0, added=True)
+    reject_lower: float = option(0.0, "lower end of the rejection band on the ratio; 0: 1 / reject_upper", min=0.0, added=True)
+    rollout_rs: str = option("", "verl 0.9's rejection options by its names, comma-separated, each must keep a token: token_k1, seq_sum_k1, seq_mean_k1 (a band on the inverse ratio), token_k2/k3, seq_sum_k2/k3, seq_mean_k2/k3, seq_max_k2/k3 (a bound on a divergence)", added=True)
+    rollout_rs_threshold: str = option("", "their thresholds as verl writes them: one for all or one each, comma-separated; k1: \"lower_upper\" or one number u (lower 1/u); k2/k3: one number", added=True)
+    veto: float = option(0.0, "take a fresh answer out of the loss whole if any token's ratio is below this (verl 0.6's rollout_token_veto_threshold, e.g. 1e-4; verl 0.9 has none); 0: off", min=0.0, max=0.999999, added=True)
 
     def correction(self) -> MismatchCorrection | None:
         """The loss's mismatch correction this section asks for; None: none."""
-        if self.weights == "none" and self.reject == "none" and not self.veto:
+        try:
+            rules = parse_rejections(self.rollout_rs, self.rollout_rs_threshold)
+        except ValueError as error:
+            raise ConfigError(f"learner.correction.rollout_rs={self.rollout_rs!r} with rollout_rs_threshold="
+                              f"{self.rollout_rs_threshold!r}: {error}") from None
+        if self.weights == "none" and self.reject == "none" and not rules and not self.veto:
             return None
-        return MismatchCorrection(weights=self.weights, weight_cap=self.weight_cap, reject=self.reject,
-                                  reject_upper=self.reject_upper, reject_lower=self.reject_lower or 1.0 / self.reject_upper,
+        return MismatchCorrection(weights=self.weights, weight_cap=self.weight_cap, weight_lower=self.weight_lower or None,
+                                  reject=self.reject, reject_upper=self.reject_upper,
+                                  reject_lower=self.reject_lower or 1.0 / self.reject_upper, rs=rules,
                                   veto=self.veto or None)
 
 
@@ -534,6 +543,7 @@ LOSS_SETTINGS = {
     "agg": "learner.loss_agg", "norm_constant": "learner.loss_norm_constant", "entropy_coef": "learner.entropy_coef",
     "behaviour_cap": "learner.behaviour_cap", "correction__weights": "learner.correction.weights",
     "weights": "learner.correction.weights", "weight_cap": "learner.correction.weight_cap",
+    "weight_lower": "learner.correction.weight_lower",
     "reject": "learner.correction.reject", "reject_upper": "learner.correction.reject_upper",
     "reject_lower": "learner.correction.reject_lower", "veto": "learner.correction.veto",
 }

@@ -9,22 +9,24 @@ policy from the learner's (``mean(-d)``, and the k3 estimator ``mean(exp(d) - d 
 each policy's perplexity per answer and their ratio, and the chi-square divergences of the
 ratio at token and answer level, with exponents clamped to +-20 where verl clamps them.
 
-`correct` applies what verl's rollout correction applies, with its names and formulas
-(``r = exp(d)``, ``d`` clamped to +-20 before ``exp``): truncated importance weights
-``min(r_t, cap)`` per token or ``min(exp(sum_t d_t), cap)`` per answer
-(`importance_weights`); a rejection band ``lower <= r <= upper`` on the token's r, the
-answer's product or its geometric mean ``exp(mean_t d_t)`` (`kept_by_band`); and a veto that
-drops an answer with any token's ``r_t < veto``, on ``d`` unclamped (`kept_by_veto`).
+`correct` applies what verl 0.9's rollout correction applies, with its names and formulas:
+truncated importance weights ``min(r_t, cap)`` per token or ``min(exp(clamp(sum_t d_t)), cap)``
+per answer, or IcePop's (0 outside ``[lower, cap]``) (`importance_weights`); rejection rules
+on a per-token divergence of ``d`` clamped to +-20 (k1 = -d, k2 = d^2 / 2, k3 = exp(d) - 1 - d),
+as it is or the answer's sum, mean or largest (`kept_by_rejection`; `rayrep.types.Rejection`);
+and rayrep's own veto, which drops an answer with any token's ``r_t < veto``, on ``d``
+unclamped (`kept_by_veto`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from rayrep.types import MismatchCorrection
+from rayrep.types import MismatchCorrection, Rejection
 
 BOUND = 20.0
 """Exponents are clamped to [-BOUND, BOUND] before `exp` (the chi-square terms): exp(20) is about 4.9e8."""
@@ -88,37 +90,52 @@ def mismatch_sums(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: t
 
 
 WeightLevel = Literal["token", "sequence"]
-RejectLevel = Literal["token", "sequence", "geometric"]
 
 
 def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """[N, L] the log ratio a weight or a rejection of `level` looks at, per position: the
-    token's own, or its row's sum ('sequence') or mean ('geometric') over valid tokens."""
+    """[N, L] the log ratio a weight of `level` looks at, per position: the token's own, or its
+    row's sum over valid tokens ('sequence')."""
     if level == "token":
         return log_ratio
     if level == "sequence":
         return _row_sum(log_ratio, mask)[:, None].expand_as(log_ratio)
-    if level == "geometric":
-        return _row_mean(log_ratio, mask)[:, None].expand_as(log_ratio)
-    raise ValueError(f"unknown mismatch level {level!r}: token, sequence or geometric")
+    raise ValueError(f"unknown mismatch level {level!r}: token or sequence")
 
 
-def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: WeightLevel, cap: float) -> torch.Tensor:
-    """[N, L] truncated importance weights pi_learner / pi_engine at `level`, at most `cap`,
-    zero on padding, detached."""
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: WeightLevel, cap: float,
+                       lower: float | None = None) -> torch.Tensor:
+    """[N, L] importance weights pi_learner / pi_engine at `level` (the answer's: the exponent's
+    sum clamped, as verl clamps it), truncated at `cap`, or with `lower` IcePop's: 0 outside
+    [lower, cap]; zero on padding, detached."""
     if level not in ("token", "sequence"):
         raise ValueError(f"importance weights are per token or per sequence, not {level!r}")
-    ratio = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(-BOUND, BOUND))
-    return (ratio * mask).clamp(max=cap).detach()
+    ratio = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(-BOUND, BOUND)) * mask
+    if lower is None:
+        return ratio.clamp(max=cap).detach()
+    return torch.where((ratio >= lower) & (ratio <= cap), ratio, 0.0).detach()
 
 
-def kept_by_band(log_ratio: torch.Tensor, mask: torch.Tensor, level: RejectLevel, upper: float,
-                 lower: float | None = None) -> torch.Tensor:
-    """[N, L] bool: valid tokens whose ratio at `level` lies in [lower, upper] (`lower`:
-    1 / upper unless given); the rest leave the loss."""
-    lower = 1.0 / upper if lower is None else lower
-    ratio = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(-BOUND, BOUND))
-    return mask.bool() & (ratio >= lower) & (ratio <= upper)
+def kept_by_rejection(log_ratio: torch.Tensor, mask: torch.Tensor, rule: Rejection) -> torch.Tensor:
+    """[N, L] bool: the valid tokens `rule` keeps (verl's `compute_rollout_rejection_mask` for
+    one option): each token's log ratio clamped to +-BOUND, its divergence, that or the
+    answer's sum / mean / largest over its valid tokens (an answer's decision is each of its
+    tokens'), kept when ``log(lower) <= k1 statistic <= log(upper)`` or ``k2 / k3 <= upper``."""
+    valid = mask.bool()
+    d = torch.where(valid, log_ratio, 0.0).clamp(-BOUND, BOUND)
+    divergence = {"k1": -d, "k2": 0.5 * d.square(), "k3": torch.exp(d) - 1.0 - d}[rule.divergence]
+    if rule.aggregate == "token":
+        statistic = divergence
+    elif rule.aggregate == "seq_max":
+        largest = divergence.masked_fill(~valid, -torch.inf).amax(-1)
+        statistic = torch.where(valid.any(-1), largest, 0.0)[:, None]
+    else:
+        row = _row_sum(divergence, mask) if rule.aggregate == "seq_sum" else _row_mean(divergence, mask)
+        statistic = row[:, None]
+    if rule.divergence == "k1":
+        kept = (statistic >= math.log(rule.lower)) & (statistic <= math.log(rule.upper))
+    else:
+        kept = statistic <= rule.upper
+    return valid & kept
 
 
 def kept_by_veto(log_ratio: torch.Tensor, mask: torch.Tensor, veto: float) -> torch.Tensor:
@@ -142,19 +159,19 @@ class Corrected:
 def correct(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
             correction: MismatchCorrection) -> Corrected:
     """verl's rollout correction of rows sampled by the engines (decoupled mode: the ratio of
-    the learner's log-probs at the update's start to the engines'): the rejection band and
-    the veto, each on the log ratio as it is, then the truncated weights."""
+    the learner's log-probs at the update's start to the engines'): every rejection rule and
+    the veto (a token stays if each keeps it), then the weights."""
     valid = mask.bool()
     log_ratio = torch.where(valid, learner_logp - engine_logp, 0.0)
     kept = valid
-    if correction.reject != "none":
-        kept = kept & kept_by_band(log_ratio, mask, correction.reject, correction.reject_upper,
-                                   correction.reject_lower)
+    for rule in correction.rejections:
+        kept = kept & kept_by_rejection(log_ratio, mask, rule)
     if correction.veto is not None:
         kept = kept & kept_by_veto(log_ratio, mask, correction.veto)[:, None]
     weights = None
     if correction.weights != "none":
-        weights = importance_weights(log_ratio, mask, correction.weights, correction.weight_cap)
+        weights = importance_weights(log_ratio, mask, correction.weights, correction.weight_cap,
+                                     correction.weight_lower)
     return Corrected(kept=kept, weights=weights)
 
 
@@ -162,8 +179,8 @@ def correction_sums(mask: torch.Tensor, corrected: Corrected, correction: Mismat
                     ) -> dict[str, tuple[float, float]]:
     """What the correction did, as (sum, count) pairs: the share of valid tokens and of
     answers it took out of the loss (`mismatch_masked_tokens`, `mismatch_masked_sequences`),
-    and of its weights, their mean over valid tokens and the share the cap truncated
-    (`mismatch_weight_mean`, `mismatch_truncated_tokens`)."""
+    and of its weights, their mean over valid tokens and the share the cap truncated (IcePop's:
+    the share set to 0) (`mismatch_weight_mean`, `mismatch_truncated_tokens`)."""
     valid = mask.bool()
     rows = valid.any(-1)
     taken = valid & ~corrected.kept
@@ -171,8 +188,10 @@ def correction_sums(mask: torch.Tensor, corrected: Corrected, correction: Mismat
             "mismatch_masked_sequences": (taken.any(-1)[rows].sum(), rows.sum())}
     if corrected.weights is not None:
         sums["mismatch_weight_mean"] = (torch.where(valid, corrected.weights, 0.0).sum(), valid.sum())
-        # Truncated: the weight equals the cap where the ratio went past it (weights are min(r, cap)).
-        sums["mismatch_truncated_tokens"] = ((valid & (corrected.weights >= correction.weight_cap)).sum(), valid.sum())
+        # Truncated: the weight equals the cap where the ratio went past it (weights are min(r, cap));
+        # IcePop's: 0 where the ratio left the band (verl's rollout_is_oob_ratio).
+        cut = corrected.weights >= correction.weight_cap if correction.weight_lower is None else corrected.weights == 0
+        sums["mismatch_truncated_tokens"] = ((valid & cut).sum(), valid.sum())
     # One device-to-host copy for all of them.
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device)
                           for pair in sums.values() for v in pair]).tolist()
