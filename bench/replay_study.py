@@ -47,7 +47,8 @@ rollouts, `run.partial_rollouts 0.5`); and answer-level replay and the generatio
 `prioritized`, `baseline-prune`, `prioritized-prune`, and the ablations
 `prioritized-nodecay` (priority |A| alone) and `prioritized-noevict` (no age bound); and
 the baseline with a LoRA adapter instead of full fine-tuning: `baseline-lora8`,
-`baseline-lora1` (ranks 8 and 1, lr 1e-3).
+`baseline-lora1` (ranks 8 and 1, lr 1e-3); and the baseline under other objectives:
+`baseline-gspo`, `baseline-cispo` (docs/objectives.md).
 
 Every arm is also measured in compute: its mean curve against the tokens it generated and
 the seconds its steps took, and the generated tokens and steps each seed needs to reach the
@@ -115,6 +116,13 @@ ARMS: dict[str, dict] = {
     # rank-limited adapter costs on this task (docs/lora.md).
     "baseline-lora8": {"algorithm.name": "grpo", "learner.lora_rank": 8, "learner.lr": 1e-3},
     "baseline-lora1": {"algorithm.name": "grpo", "learner.lora_rank": 1, "learner.lr": 1e-3},
+    # The baseline under the objectives peers ship (docs/objectives.md), each with its recipe's
+    # settings in verl: GSPO's sequence ratio clipped to [1 - 3e-4, 1 + 4e-4] with verl's
+    # sequence-mean aggregation; CISPO's weight clipped above at 1.2 and (nearly) not below.
+    "baseline-gspo": {"algorithm.name": "grpo", "learner.objective": "gspo", "learner.clip_low": 3e-4,
+                      "learner.clip_high": 4e-4, "learner.loss_agg": "seq-mean-token-mean"},
+    "baseline-cispo": {"algorithm.name": "grpo", "learner.objective": "cispo", "learner.clip_low": 0.999,
+                       "learner.clip_high": 0.2},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 # Paired by seed, a - b, beside every arm against the baseline: what each ablation isolates.
@@ -130,6 +138,7 @@ CONTRASTS = (
     ("prioritized-prune", "prioritized"), ("prioritized-prune", "baseline-prune"),  # what each part adds to the other
     ("prioritized-nodecay", "prioritized"), ("prioritized-noevict", "prioritized"),  # the decay and the eviction
     ("baseline-lora1", "baseline-lora8"),  # rank 1 against rank 8
+    ("baseline-gspo", "baseline-cispo"),  # the two objectives against each other
 )
 
 
