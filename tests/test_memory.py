@@ -107,6 +107,28 @@ def test_the_adapter_count_matches_peft_and_lora_fits_the_rlep_setting_on_one_gp
     assert lora8.problems() == [] and lora8.phase("hand-over").holds(LEARNER) < full8.phase("hand-over").holds(LEARNER) / 5
 
 
+def test_the_kl_reference_is_planned_where_the_policys_weights_are():
+    """`learner.kl.coef`: the reference policy in the compute dtype, sharded like the policy
+    (FSDP2: its shard, DeepSpeed: whole), nothing with LoRA (the base with the adapter off); on
+    the GPU with the optimizer state (hand-over, update), not while the engines hold it."""
+    from rayrep.cluster.memory import REFERENCE
+
+    cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{"learner.num_workers": 8})
+    P = model_shape(cfg).parameters
+    assert memory_plan(cfg).sizes[LEARNER][REFERENCE] == 0  # no KL, no reference
+    kl = cfg.replace(**{"learner.kl.coef": 0.001})
+    fsdp, without = memory_plan(kl), memory_plan(cfg)
+    assert fsdp.sizes[LEARNER][REFERENCE] == 2 * P // 8  # bf16, one eighth
+    for phase, held in (("hand-over", True), ("update", True), ("sync", False), ("generate", False)):
+        extra = fsdp.phase(phase).holds(LEARNER) - without.phase(phase).holds(LEARNER)
+        assert extra == (2 * P // 8 if held else 0), phase
+    assert "reference policy" in fsdp.describe() and fsdp.problems() == []
+    deepspeed = memory_plan(kl.replace(**{"learner.strategy": "deepspeed"}))
+    assert deepspeed.sizes[LEARNER][REFERENCE] == 2 * P
+    assert REFERENCE not in deepspeed.phase("generate").held[LEARNER]  # it leaves; DeepSpeed's own state stays
+    assert memory_plan(kl.replace(**{"learner.lora_rank": 32})).sizes[LEARNER][REFERENCE] == 0
+
+
 def test_a_plan_that_cannot_fit_is_refused_with_its_numbers(tiny_policy):
     cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{"placement.gpu_memory_gib": 24})
     plan = memory_plan(cfg)
