@@ -68,7 +68,8 @@ def trained_tokens(record: dict) -> float:
 def measured_steps(run_dir: Path) -> list[dict]:
     records = [r for r in read_metrics(RunFolder(run_dir).metrics) if r["step"] >= 2 and "time_step" in r]
     for r in records:
-        r["time_update"] -= r.get("time_old_logprobs", 0.0)  # timed by the learner inside its update call
+        for nested in ("old_logprobs", "ref_logprobs"):  # timed by the learner inside its update call
+            r["time_update"] -= r.get(f"time_{nested}", 0.0)
     return records
 
 

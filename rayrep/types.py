@@ -433,8 +433,6 @@ Objective = Literal["ppo", "gspo", "cispo", "sapo"]
 (`rayrep.learner.loss`): PPO's clipped token ratio, GSPO's clipped sequence ratio, CISPO's
 clipped and detached weight on the log-prob, SAPO's soft gate."""
 OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
-CLIPPED_OBJECTIVES = ("ppo", "gspo", "cispo")
-"""The objectives `clip_low` / `clip_high` bound (SAPO's gate takes their place)."""
 KLEstimator = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
 """An estimator of KL(pi_theta || pi_ref) per token, by verl's names (`kl` is `k1`, `mse` is
 `k2`, `low_var_kl` is `k3`); a `+` takes the value of the named one and the gradient of k2

@@ -74,7 +74,7 @@ def make_learners(cfg, model_path, workers, strategy="fsdp2"):
 # Two mini-batches of 4 questions, micro-batches of 5 rows: rows per rank and micro-batch
 # counts differ, and token counts differ between ranks: token-mean must still be global.
 TWO_MINI_BATCHES = {"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 4, "learner.micro_batch_size": 5,
-                    "learner.lr": 1e-3, "learner.warmup_steps": 2, "learner.kl.coef": 0.05}
+                    "learner.lr": 1e-3, "learner.warmup_steps": 2}
 
 
 # A mismatch correction that takes about a third of the fresh tokens out of the loss (the
@@ -82,10 +82,11 @@ TWO_MINI_BATCHES = {"algorithm.prompts_per_step": 8, "learner.mini_batch_prompts
 # weights, on `synthetic_batch` rows whose engines' log-probs are -12.2 at every token (about
 # the tiny policy's median log-prob of their random tokens): the mini-batch counts then hold
 # only what every rank kept. With a KL penalty to the reference policy (the starting one,
-# which the second mini-batch has moved away from), as `TWO_MINI_BATCHES`' learners start.
+# which the second mini-batch has moved away from), as `CORRECTED_SETTINGS`' learners start.
 CORRECTED = LossSpec(correction=MismatchCorrection(weights="token", weight_cap=2.0, reject="token",
                                                    reject_upper=5.0, reject_lower=0.2, veto=0.05),
                      kl_coef=0.05, kl_estimator="k3")
+CORRECTED_SETTINGS = {**TWO_MINI_BATCHES, "learner.kl.coef": CORRECTED.kl_coef}
 
 
 def mismatched_batch() -> TrainBatch:
@@ -110,7 +111,7 @@ def one_update(cfg, tiny_policy, workers, strategy="fsdp2", loss=LossSpec()):
 def one_rank_update(ray_cluster, tiny_cfg, tiny_policy):
     """The one-rank FSDP2 reference of `test_two_ranks_take_the_same_update_as_one`, taken once for both
     strategies, with a mismatch correction that rejects tokens (`CORRECTED`)."""
-    return one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 1, loss=CORRECTED)
+    return one_update(tiny_cfg.replace(**CORRECTED_SETTINGS), tiny_policy, 1, loss=CORRECTED)
 
 
 def test_each_sharding_strategy_has_its_code_and_says_what_it_can_do():
@@ -134,7 +135,7 @@ def test_each_sharding_strategy_has_its_code_and_says_what_it_can_do():
 def test_two_ranks_take_the_same_update_as_one(one_rank_update, tiny_cfg, tiny_policy, strategy):
     batch = synthetic_batch()
     (m1, s1) = one_rank_update
-    m2, s2 = one_update(tiny_cfg.replace(**TWO_MINI_BATCHES), tiny_policy, 2, strategy, CORRECTED)
+    m2, s2 = one_update(tiny_cfg.replace(**CORRECTED_SETTINGS), tiny_policy, 2, strategy, CORRECTED)
     assert m1["optimizer_steps"] == m2["optimizer_steps"] == 2
     # What the mismatch correction took out, the same on both: the ranks exchanged their counts.
     for name in ("mismatch_masked_tokens", "mismatch_masked_sequences", "mismatch_truncated_tokens"):
@@ -168,7 +169,7 @@ def test_shared_prompts_take_the_same_update_as_whole_rows(one_rank_update, tiny
     gradients and weights to float round-off. Two mini-batches, so the old-log-prob pass
     over the second takes shared prompts too."""
     (shared, s1) = one_rank_update
-    whole, s2 = one_update(tiny_cfg.replace(**{**TWO_MINI_BATCHES, "learner.shared_prompts": False}), tiny_policy, 1,
+    whole, s2 = one_update(tiny_cfg.replace(**{**CORRECTED_SETTINGS, "learner.shared_prompts": False}), tiny_policy, 1,
                            loss=CORRECTED)
     assert shared["optimizer_steps"] == whole["optimizer_steps"] == 2
     for name in ("loss", "grad_norm", "approx_kl", "fresh_entropy", "kl_ref"):

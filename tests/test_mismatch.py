@@ -245,3 +245,19 @@ def test_rejected_tokens_leave_the_loss_and_its_counts_and_weights_multiply_the_
     assert loss.item() == pytest.approx(expected / kept, rel=1e-10)
     with pytest.raises(ValueError, match="set one"):
         LossSpec(behaviour_cap=2.0, correction=correction)
+
+
+def test_the_config_takes_verls_options_as_verl_writes_them_or_names_what_is_wrong():
+    from rayrep.config import ConfigError, parse_cli
+
+    def correction(*args):
+        return parse_cli(list(args)).learner.loss_spec().correction
+
+    geo = correction("--learner.correction.rollout_rs", "seq_mean_k1", "--learner.correction.rollout_rs_threshold",
+                     "0.999_1.001")
+    assert geo.rejections == parse_rejections("seq_mean_k1", "0.999_1.001") and geo.rejects
+    assert correction() is None
+    with pytest.raises(ConfigError, match="learner.correction.rollout_rs='seq_max_k1'"):
+        correction("--learner.correction.rollout_rs", "seq_max_k1", "--learner.correction.rollout_rs_threshold", "2")
+    with pytest.raises(ConfigError, match="weight_lower=0.5 bounds importance weights"):
+        correction("--learner.correction.weight_lower", "0.5")

@@ -156,7 +156,7 @@ def test_gspo_clips_an_answers_tokens_together_and_caps_its_log_ratio():
     _, grad, metrics = ours(spec)
     # Row 0 (A > 0, mean log ratio 1.2) and row 2 (A < 0, mean -1.45) are clipped whole; row 1
     # (A < 0, mean -1.475) is below the band with a negative advantage: clipped; row 3 (ratio
-    # about 1) is inside: its gradient is -A s / 1 token.
+    # about 1, one token) is inside: its gradient is -A s over the 4 answers' mean.
     assert (grad[0] == 0).all() and (grad[1] == 0).all() and (grad[2] == 0).all()
     assert grad[3, 0].item() == pytest.approx(-0.9 * math.exp(0.0001) / 4, rel=1e-12)
     assert metrics["fresh_clip_frac"] == pytest.approx(11 / 12)

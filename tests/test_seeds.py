@@ -39,8 +39,8 @@ def test_another_run_seed_changes_the_run(ray_cluster, tiny_cfg, short_run, tmp_
                                            "learner.kl.coef": 0.01})
     records = [r for r in read_metrics(train(cfg, log=lambda _: None).run_dir / "metrics.jsonl") if r["step"] > 0]
     assert all(r["mismatch_masked_tokens"] == r["mismatch_masked_sequences"] == 0 for r in records)
-    # Each step's second mini-batch trains a policy the first moved away from the reference.
-    assert all(r["kl_ref"] > 0 for r in records) and records[1]["kl_ref"] > records[0]["kl_ref"]
+    # From each step's second mini-batch on, the policy has moved away from the reference.
+    assert all(r["kl_ref"] > 0 for r in records)
     from rayrep.cluster.memory import GIB, REFERENCE, memory_plan
     reference = memory_plan(cfg).sizes["learner"][REFERENCE]
     assert reference > 0

@@ -436,6 +436,9 @@ def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple
         state = ((P * compute_bytes(cfg) if lora else 0) + reference + 12 * trained_parameters(cfg, shape)) // W
         host["training"] = (ranks * state, f"{ranks} learner rank(s)' parameters and optimizer state while the "
                                            f"engines run: {state / 1e9:.1f} GB each")
+    elif place.mode == "colocated" and reference:  # DeepSpeed's state stays on the GPU; the reference leaves it
+        host["training"] = (ranks * reference, f"{ranks} learner rank(s)' reference policy while the engines run: "
+                                               f"{reference / 1e9:.1f} GB each")
     if place.mode == "colocated" and lora:
         weights = P * compute_bytes(cfg) // cfg.generator.tensor_parallel_size
         host["engines asleep"] = (ranks * weights, f"{ranks} sleeping engine worker(s)' weights (LoRA: sleep "

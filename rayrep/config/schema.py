@@ -269,6 +269,9 @@ class CorrectionConfig:
         except ValueError as error:
             raise ConfigError(f"learner.correction.rollout_rs={self.rollout_rs!r} with rollout_rs_threshold="
                               f"{self.rollout_rs_threshold!r}: {error}") from None
+        if self.weight_lower and self.weights == "none":
+            raise ConfigError(f"learner.correction.weight_lower={self.weight_lower} bounds importance weights: set "
+                              "learner.correction.weights (token or sequence) too, or leave it 0")
         if self.weights == "none" and self.reject == "none" and not rules and not self.veto:
             return None
         return MismatchCorrection(weights=self.weights, weight_cap=self.weight_cap, weight_lower=self.weight_lower or None,

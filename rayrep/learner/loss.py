@@ -70,7 +70,7 @@ Sequences without any valid token are padding: they add nothing and are not coun
 
 Decoupled PPO (``spec.behaviour_cap`` set; AReaL's form): ``old_logp`` holds the
 proximal policy's log-probs (the learner's weights when the update began) and
-``behaviour_logp`` those the answers were sampled with; every PPO-objective token's
+``behaviour_logp`` those the answers were sampled with; every policy-objective token's
 loss above is multiplied by a constant weight::
 
     loss_t = min(pi_prox / pi_behaviour, behaviour_cap) * loss_t
@@ -84,7 +84,7 @@ The mismatch correction (``spec.correction``; `rayrep.learner.mismatch`) acts on
 tokens, whose ``behaviour_logp`` are the engines' log-probs at (about) the same weights as
 ``old_logp``: the caller takes the tokens it rejects out of ``mask`` and ``totals`` (every
 rank must know the mini-batch's counts first) and passes its truncated weights, which
-multiply those tokens' PPO losses as the decoupled weights do.
+multiply those tokens' policy-objective losses as the decoupled weights do.
 
 KL penalty to the reference policy (``spec.kl_coef > 0``; verl's ``use_kl_loss``): the loss
 adds ``kl_coef x`` the aggregation (as above, over the same tokens and units) of a per-token
@@ -208,7 +208,7 @@ def policy_loss(
         totals: counts of the whole mini-batch; each at least this call's.
         behaviour_logp: [B, T] the recorded behaviour log-probs; required when
             ``spec.behaviour_cap`` is set (and only then used).
-        correction_weights: [B, T] constant weights of the PPO-objective tokens' losses (the
+        correction_weights: [B, T] constant weights of the policy-objective tokens' losses (the
             mismatch correction's truncated importance weights, 1 on rows it leaves alone;
             `rayrep.learner.mismatch.correct`); its rejection is the caller's, in ``mask``
             and ``totals``.
@@ -236,9 +236,9 @@ def policy_loss(
     weights = None
     if spec.behaviour_cap is not None:
         weights = _behaviour_weights(old_logp, behaviour_logp, tokens.valid, spec.behaviour_cap, compute_dtype)
-        token_loss = torch.where(tokens.ppo, token_loss * weights.capped, token_loss)
+        token_loss = torch.where(tokens.objective, token_loss * weights.capped, token_loss)
     if correction_weights is not None:
-        token_loss = torch.where(tokens.ppo, token_loss * correction_weights.detach().to(compute_dtype), token_loss)
+        token_loss = torch.where(tokens.objective, token_loss * correction_weights.detach().to(compute_dtype), token_loss)
     if spec.replay_loss == "shaped":
         shaped = _shaped_token_loss(logp, behaviour_logp, ratio, token_advantages, tokens.valid, spec, compute_dtype)
         token_loss = torch.where(tokens.shaped, shaped, token_loss)
@@ -263,11 +263,10 @@ def policy_loss(
         clip_active=clip_active,
         dual_active=dual_active,
         entropy=None if entropy is None else entropy.detach().to(compute_dtype),
+        kl=None if kl is None else kl.detach(),
     )
     if weights is not None:
-        _behaviour_metrics(weights, tokens.ppo, spec.behaviour_cap, metrics)
-    if kl is not None:
-        metrics.means["kl_ref"] = (float(kl.detach().sum()), float(tokens.valid.sum()))
+        _behaviour_metrics(weights, tokens.objective, spec.behaviour_cap, metrics)
     return loss, metrics
 
 
@@ -345,8 +344,8 @@ class _TokenSets:
     ``spec.clip_fresh``."""
 
     @property
-    def ppo(self) -> torch.Tensor:
-        """Valid tokens under the PPO objective (every valid token that is not shaped)."""
+    def objective(self) -> torch.Tensor:
+        """Valid tokens under the policy objective (every valid token that is not shaped)."""
         return self.valid & ~self.shaped
 
     @classmethod
@@ -408,13 +407,14 @@ def _objective_token_loss(logp, log_ratio, ratio, token_advantages, tokens: _Tok
     if spec.objective == "ppo":
         return _ppo_token_loss(ratio, token_advantages, tokens, spec)
     if spec.objective == "gspo":
-        return _ppo_token_loss(_gspo_ratio(logp, log_ratio, tokens.ppo), token_advantages, tokens, spec)
+        return _ppo_token_loss(_gspo_ratio(logp, log_ratio, tokens.objective), token_advantages, tokens, spec)
     if spec.objective == "cispo":
         weight = torch.where(tokens.clipped, ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high), ratio)
         # Padding's log-prob may be -inf: zeroed, so that 0 * -inf cannot reach the sum.
         log_prob = torch.where(tokens.valid, logp.to(ratio.dtype), 0.0)
         return -weight.detach() * token_advantages * log_prob, (weight != ratio) & tokens.clipped, none
-    tau = torch.where(token_advantages > 0, spec.sapo_tau_pos, spec.sapo_tau_neg).to(ratio.dtype)
+    tau = torch.where(token_advantages > 0, torch.full_like(ratio, spec.sapo_tau_pos),
+                      torch.full_like(ratio, spec.sapo_tau_neg))
     return -token_advantages * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau), none, none
 
 
@@ -514,7 +514,7 @@ def _checked_totals(totals: Totals | None, valid, spec: LossSpec) -> Totals:
 
 def _behaviour_metrics(weights: _BehaviourWeights, ppo_tokens, cap: float, metrics: LossMetrics) -> None:
     """Adds ``behaviour_weight_mean`` (the weights applied) and ``behaviour_truncated_frac``
-    (the share the cap cut), both over PPO-objective tokens, and ``behaviour_weight_max``
+    (the share the cap cut), both over policy-objective tokens, and ``behaviour_weight_max``
     (before the cap), to `metrics`."""
     count = float(ppo_tokens.sum())
     metrics.means["behaviour_weight_mean"] = (float(weights.capped[ppo_tokens].sum()), count)
@@ -533,17 +533,20 @@ def _loss_metrics(
     clip_active: torch.Tensor,
     dual_active: torch.Tensor,
     entropy: torch.Tensor | None,
+    kl: torch.Tensor | None = None,
 ) -> LossMetrics:
     """Diagnostics of one ``policy_loss`` call (all inputs [B, T]):
 
     * counts ``fresh_tokens``, ``replay_tokens``: valid tokens of each kind;
     * means, each over the tokens it names: ``fresh_clip_frac``, ``replay_clip_frac`` (that
-      kind's tokens whose clipped branch is the active one, zero gradient; 0 for unclipped or
-      shaped tokens), ``dual_clip_frac`` (valid tokens bounded by the dual clip),
+      kind's tokens whose clip is active: the clipped branch with zero gradient, or CISPO's
+      clipped weight, whose gradient stays; 0 for unclipped, SAPO's or shaped tokens),
+      ``dual_clip_frac`` (valid tokens bounded by the dual clip),
       ``fresh_ratio_mean``, ``replay_ratio_mean`` (the ratio ``r``), ``fresh_entropy``,
       ``replay_entropy`` (when ``entropy`` is given), ``approx_kl`` (k3 estimate
       ``mean(r - 1 - log r)`` of KL(pi_old || pi_theta) over valid tokens),
-      ``advantage_mean`` (per valid token);
+      ``advantage_mean`` (per valid token), ``kl_ref`` (the KL penalty's estimate, when ``kl``
+      is given);
     * extremes ``fresh_ratio_min``, ``fresh_ratio_max``, ``replay_ratio_min``, ``replay_ratio_max``.
 
     The ratio's and entropy's statistics of a kind without tokens are left out.
@@ -560,6 +563,8 @@ def _loss_metrics(
     }
     if entropy is not None:
         means.update(fresh_entropy=(entropy, fresh), replay_entropy=(entropy, replay))
+    if kl is not None:
+        means["kl_ref"] = (kl, valid)
     stats = []
     for values, selected in means.values():
         stats += [torch.where(selected, values.to(ratio.dtype), 0.0).sum(), selected.sum().to(ratio.dtype)]

@@ -26,10 +26,12 @@ from typing import Literal
 
 import torch
 
+from rayrep.learner.loss import LOG_RATIO_LIMIT
 from rayrep.types import MismatchCorrection, Rejection
 
-BOUND = 20.0
-"""Exponents are clamped to [-BOUND, BOUND] before `exp` (the chi-square terms): exp(20) is about 4.9e8."""
+BOUND = LOG_RATIO_LIMIT
+"""Log ratios are clamped to [-BOUND, BOUND] before `exp` and the divergences, where verl clamps
+them (its SAFETY_BOUND, the loss's own limit): exp(20) is about 4.9e8."""
 
 
 def _row_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

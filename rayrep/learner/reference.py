@@ -6,7 +6,8 @@ Its weights live where the policy's do, in the compute dtype and without gradien
 state or fp32 masters: FSDP2 shards them over the ranks as it shards the policy (one fp32 rank
 holds them whole, as it does the policy), DeepSpeed ZeRO-2 holds them whole on every rank as it
 does the policy's compute copy; where the roles take turns on a GPU they leave it and come back
-with the policy's parameters (`LearnerWorker._move`). The memory plan counts them
+with the optimizer state, which only an update needs too (`LearnerWorker._move`; DeepSpeed's own
+state stays, the reference moves all the same). The memory plan counts them
 (`rayrep.cluster.memory.REFERENCE`).
 
 With LoRA the reference is the frozen base itself: the same weights with the adapter switched

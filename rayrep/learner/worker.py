@@ -215,6 +215,7 @@ class LearnerWorker:
         kept_counts = self._kept_token_counts(batch, steps, old_logprobs, loss) if rejects else None
         if self.rank == 0:
             sums.count("time_old_logprobs", time.perf_counter() - start)
+            sums.add("lr", self.sharding.scheduler.get_last_lr()[0], 1.0)  # the rate of every step of this rollout
         ref_logprobs = None
         if loss.kl_coef:
             if self.reference is None:
@@ -225,7 +226,6 @@ class LearnerWorker:
             ref_logprobs = self.reference.logprobs(batch, steps)
             if self.rank == 0:
                 sums.count("time_ref_logprobs", time.perf_counter() - start)
-            sums.add("lr", self.sharding.scheduler.get_last_lr()[0], 1.0)  # the rate of every step of this rollout
         for epoch in range(learner.epochs):
             for index, prompts in enumerate(steps):
                 own_old = recompute_old if epoch == 0 and index == 0 and not rejects else None

@@ -4,11 +4,12 @@ share (`rayrep.run.sinks.RayMetricsSink`)."""
 
 from __future__ import annotations
 
-PHASES = ("plan", "generate", "verify", "hand_over", "select", "build", "old_logprobs", "update", "sync")
+PHASES = ("plan", "generate", "verify", "hand_over", "select", "build", "old_logprobs", "ref_logprobs", "update", "sync")
 """The driver's timed phases of a step, in the order they run."""
 
-NESTED_PHASES = {"old_logprobs": "update"}
-"""Phases timed inside another one: the learners take the old log-probs within the update call."""
+NESTED_PHASES = {"old_logprobs": "update", "ref_logprobs": "update"}
+"""Phases timed inside another one: the learners take the old log-probs, and the KL's reference
+log-probs, within the update call."""
 
 
 def phase_seconds(record: dict, phases: list[str] | tuple[str, ...]) -> dict[str, float]:
