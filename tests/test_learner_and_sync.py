@@ -696,3 +696,28 @@ def test_model_config_overrides_reach_learners_generators_and_checkpoints(ray_cl
 
     # the generators ran the extended model, not the base one
     assert logprob_gap(extended, per_prompt) < 1e-3 < logprob_gap(base, per_prompt)
+
+
+def test_deepspeeds_state_stays_on_the_gpu_and_the_kl_reference_takes_turns(ray_cluster, tiny_cfg, tiny_policy):
+    """Colocated (emulated GPUs), a DeepSpeed rank keeps its parameters and state on its GPU
+    while the engines hold it, and its KL reference, rayrep's own module, leaves and comes back
+    with the optimizer's turn; an update finds it on the device."""
+    from rayrep.cluster.memory import PARAMETERS, REFERENCE
+    from rayrep.cluster.residency import DEVICE, HOST
+
+    cfg = tiny_cfg.replace(**{**TWO_MINI_BATCHES, "placement.emulate_gpus": True, "learner.kl.coef": 0.05})
+    _, placement, learners = make_learners(cfg, tiny_policy, 1, "deepspeed")
+    try:
+        def where() -> dict[str, str]:
+            return ray.get(learners.memory_reports()[0]).where
+
+        assert (where()[PARAMETERS], where()[REFERENCE]) == (DEVICE, HOST)  # set up, then the engines' turn
+        learners.onload()
+        assert where()[REFERENCE] == DEVICE
+        metrics = learners.update(synthetic_batch(), LossSpec(kl_coef=0.05))
+        assert metrics["kl_ref"] > 0
+        learners.offload(parameters=False)  # the sync's turn: the parameters stay for it
+        assert (where()[PARAMETERS], where()[REFERENCE]) == (DEVICE, HOST)
+    finally:
+        learners.shutdown()
+        placement.remove()
