@@ -382,7 +382,7 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
             Phase(RunPhase.ENGINE_START_UP, "the engines load the policy on GPUs of their own",
                   {LEARNER: state, ENGINE: awake}),
             Phase(RunPhase.RESUME, "a resumed run's learners load their checkpoint", {LEARNER: state, ENGINE: awake}),
-            Phase(RunPhase.UPDATE, "the learners train (ExGRPO's entropy pass first); the engines may sample ahead",
+            Phase(RunPhase.UPDATE, "the learners train (ExGRPO's entropy pass and the KL's reference pass first); the engines may sample ahead",
                   {LEARNER: update, ENGINE: awake}),
             Phase(RunPhase.SYNC, "each tensor gathered whole and broadcast (in the room the update's peak left in the "
                   "learner's allocator); the engines load it beside their KV cache",
@@ -404,7 +404,7 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
               {LEARNER: resident, ENGINE: awake}),
         Phase(RunPhase.HAND_OVER, "the engines sleep (level 2: weights and KV cache dropped; with LoRA level 1, the "
               "weights kept in host memory); the learners' state comes back", {LEARNER: state, ENGINE: asleep}),
-        Phase(RunPhase.UPDATE, "the learners train (ExGRPO's entropy pass first), then release the allocator's cache",
+        Phase(RunPhase.UPDATE, "the learners train (ExGRPO's entropy pass and the KL's reference pass first), then release the allocator's cache",
               {LEARNER: update, ENGINE: asleep}),
         Phase(RunPhase.SYNC, "the optimizer state leaves; each tensor is gathered whole and handed over in buckets; the "
               "engines wake their weights and load them; then the parameters leave and the KV cache wakes",
