@@ -46,7 +46,7 @@ from rayrep.run.layout import RunFolder
 
 from rayrep.cli import job_parser, parse_job_args
 from rayrep.config import parse_cli
-from rayrep.run.phases import PHASES
+from rayrep.run.phases import NESTED_PHASES, PHASES
 from rayrep.run.log import read_metrics
 
 
@@ -68,8 +68,8 @@ def trained_tokens(record: dict) -> float:
 def measured_steps(run_dir: Path) -> list[dict]:
     records = [r for r in read_metrics(RunFolder(run_dir).metrics) if r["step"] >= 2 and "time_step" in r]
     for r in records:
-        for nested in ("old_logprobs", "ref_logprobs"):  # timed by the learner inside its update call
-            r["time_update"] -= r.get(f"time_{nested}", 0.0)
+        for nested, parent in NESTED_PHASES.items():  # the learners' passes inside the update (and the build)
+            r[f"time_{parent}"] = r.get(f"time_{parent}", 0.0) - r.get(f"time_{nested}", 0.0)
     return records
 
 

@@ -721,3 +721,55 @@ def test_deepspeeds_state_stays_on_the_gpu_and_the_kl_reference_takes_turns(ray_
     finally:
         learners.shutdown()
         placement.remove()
+
+
+def test_the_kl_in_the_reward_is_each_answers_summed_estimate_and_lowers_its_reward(ray_cluster, tiny_cfg, tiny_policy):
+    """`learner.kl.in_reward`: two ranks give each row the sum over its response tokens of k1
+    between the weights the update starts from and the starting policy, as the two models
+    compute it here; nothing before any update; the algorithm takes coef x that off each
+    answer's reward before its group's advantages."""
+    from transformers import AutoModelForCausalLM
+
+    from rayrep.algos.grpo import GRPO
+    from rayrep.types import Answer, Group, Prompt, Rollout
+
+    cfg = tiny_cfg.replace(**{**TWO_MINI_BATCHES, "learner.kl.coef": 0.1, "learner.kl.in_reward": True,
+                              "learner.kl.estimator": "k1"})
+    assert cfg.learner.loss_spec().kl_coef == 0  # not in the loss too
+    _, placement, learners = make_learners(cfg, tiny_policy, 2)
+    try:
+        batch = synthetic_batch()
+        before, tokens = learners.kl_to_reference(batch, "k1")
+        assert torch.equal(tokens, batch.response_mask.sum(-1).float()) and before.abs().max() < 1e-9
+        learners.update(batch, LossSpec())
+        after, _ = learners.kl_to_reference(batch, "k1")
+        policy, base = model_with(tiny_policy, full_state(learners)), AutoModelForCausalLM.from_pretrained(tiny_policy)
+        with torch.no_grad():
+            for row in range(len(batch.lengths)):
+                ids = batch.input_ids[row : row + 1, : int(batch.lengths[row])]
+                mask = batch.response_mask[row, 1 : ids.shape[1]]
+                logp = [torch.log_softmax(m(ids).logits[0, :-1].double(), -1).gather(1, ids[0, 1:, None])[:, 0][mask]
+                        for m in (policy, base)]
+                # The learners' log-probs are fp32 (up to about 20 nats, each within a few 1e-6).
+                assert after[row].item() == pytest.approx(float((logp[0] - logp[1]).sum()), rel=1e-5,
+                                                          abs=4e-6 * len(logp[0])), row
+        assert after.abs().sum() > 1e-4
+        # The algorithm's side: each answer's reward less 0.1 x its sum, then the advantages.
+        algorithm = GRPO(cfg, learners=learners)
+        groups = []
+        for question in range(2):
+            rows = torch.nonzero(batch.prompt_index == question).flatten().tolist()
+            prompt = Prompt(uid=f"q{question}", messages=({"role": "user", "content": "?"},), ground_truth="1")
+            answers = [Answer.of(Rollout(batch.input_ids[r, : int(batch.response_mask[r].int().argmax())],
+                                         batch.input_ids[r, batch.response_mask[r]], [-1.0] * int(batch.response_mask[r].sum()),
+                                         "", "stop")) for r in rows]
+            groups.append(Group.sampled(prompt, answers, [True, False] * (len(rows) // 2)))
+        step = algorithm.build(groups, step=0)
+        plain = [GRPO(cfg).score(g).rewards for g in step.groups]
+        sums, _ = learners.kl_to_reference(step.recipe, "k1")
+        penalised = [r for g in step.groups for r in g.rewards]
+        assert penalised == pytest.approx([r - 0.1 * s for r, s in zip([r for g in plain for r in g], sums.tolist())])
+        assert step.metrics["kl_reward_penalty"] == pytest.approx(0.1 * sums.mean().item())
+    finally:
+        learners.shutdown()
+        placement.remove()

@@ -316,6 +316,10 @@ def test_the_config_names_the_objective_and_refuses_what_means_nothing():
         spec("learner.kl.estimator=k4")
     with pytest.raises(SpecError, match="dual_clip"):
         LossSpec(objective="cispo", dual_clip=3.0)
+    # In the reward, the penalty is the algorithm's: the loss has none.
+    assert spec("learner.kl.coef=0.01", "learner.kl.in_reward=true").kl_coef == 0
+    with pytest.raises(ConfigError, match="learner.kl.in_reward puts the KL penalty in the reward"):
+        spec("learner.kl.in_reward=true")
 
 
 # ---------------------------------------------------------------- the reference policy

@@ -73,8 +73,8 @@ class ExGRPO(GRPO):
         where no step replays: tests of the buffer's bookkeeping); `sampler`: the run's
         training set, which retired questions leave (the one the loop plans from)."""
         check_exgrpo_settings(cfg)
-        super().__init__(cfg, origin)
-        self.buffer, self.learners, self.sampler = buffer, learners, sampler
+        super().__init__(cfg, origin, learners)
+        self.buffer, self.sampler = buffer, sampler
         self.prompts = {p.uid: p for p in prompts}
         self.prompt_ids = prompt_ids
         self.collecting = False

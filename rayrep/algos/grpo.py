@@ -12,6 +12,7 @@ matter of rounds: `rayrep.rollouts.keep_informative`.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -43,11 +44,13 @@ class GRPO:
     """Replayed rollouts' old log-probs: recomputed by the learner (ratio starts at 1) or the
     recorded behaviour ones. Fresh rollouts are always recomputed."""
 
-    def __init__(self, cfg: Config, origin: Origin = Origin()):
+    def __init__(self, cfg: Config, origin: Origin = Origin(), learners: LearnerGroup | None = None):
         """`origin`: the run and checkpoint that sample its answers (what the answers it
-        stores in a replay buffer carry)."""
+        stores in a replay buffer carry); `learners`: where the passes it asks for run (the KL
+        in the reward; ExGRPO's entropy choice), None where none does."""
         self.cfg = cfg
         self.origin = origin
+        self.learners = learners
         self.loss = cfg.learner.loss_spec()
 
     @classmethod
@@ -60,7 +63,7 @@ class GRPO:
     def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayStore | None, learners: LearnerGroup | None,
                sampler: PromptSampler) -> GRPO:
         """The algorithm, whole, with the run's replay buffer, learners and training set."""
-        return cls(cfg, inputs.origin)
+        return cls(cfg, inputs.origin, learners)
 
     def state(self) -> dict:
         """What a resumed run needs of the algorithm besides the buffer (JSON values)."""
@@ -97,7 +100,9 @@ class GRPO:
         rollouts together), and write the learners' batch (`BatchRecipe`: its rows by
         reference), its questions in an order drawn for `step` (`mini_batch_order`).
         `dropped`: groups verified but not trained on (dynamic sampling), scored for the record."""
-        trained = [self.score(g) for g in mini_batch_order(groups, self.cfg.seed("data"), step)]
+        ordered = mini_batch_order(groups, self.cfg.seed("data"), step)
+        penalties, penalty_metrics = self.kl_penalties(ordered)
+        trained = [self.score(g, p) for g, p in zip(ordered, penalties)]
         left_out = [self.score(g) for g in dropped]
         algo = self.cfg.algorithm
         index = [i for i, g in enumerate(trained) for _ in g.answers]
@@ -113,23 +118,49 @@ class GRPO:
                   for a, question, advantage in zip(rows, index, advantages.tolist())),
             temperature=self.cfg.generator.temperature)
         return StepBatch(recipe, self.loss_spec(trained), tuple(trained), tuple(left_out),
-                         self.step_metrics(trained, left_out))
+                         {**self.step_metrics(trained, left_out), **penalty_metrics})
 
     def after_update(self, step: int, batch: StepBatch) -> dict[str, float]:
         return {}
 
     # ------------------------------------------------------------------ parts of build
 
-    def score(self, group: Group) -> Group:
+    def score(self, group: Group, penalties: Sequence[float] | None = None) -> Group:
         """The group with its rewards: the checker's score, or the verdict (+1/-1 or 1/0), plus
-        DAPO's overlong shaping."""
+        DAPO's overlong shaping, less each answer's KL penalty where it has one."""
         verifier = self.cfg.verifier
         values = rewards(
             group.correct, [a.length for a in group.answers], style=verifier.reward_style,
             max_len=self.cfg.generator.max_response_tokens, overlong_buffer=verifier.overlong_buffer,
             overlong_factor=verifier.overlong_factor, scores=group.scores,
         )
+        if penalties is not None:
+            values = [value - penalty for value, penalty in zip(values, penalties)]
         return group.with_rewards(values)
+
+    def kl_penalties(self, groups: Sequence[Group]) -> tuple[list[list[float] | None], dict[str, float]]:
+        """The KL in the reward (`learner.kl.in_reward`, verl's `use_kl_in_reward`): per group,
+        each answer's coef x the sum over its tokens of the KL estimate between the policy the
+        update starts from and the reference (the learners' two passes without a graph), and the
+        step's `kl_ref` (its token mean) and `kl_reward_penalty` (the mean penalty per answer);
+        None for every group without it."""
+        kl = self.cfg.learner.kl
+        if not (kl.coef and kl.in_reward):
+            return [None] * len(groups), {}
+        start = time.perf_counter()
+        rows = tuple(BatchRow(answer._replace(advantage=0.0), question, True)  # (advantages come after)
+                     for question, g in enumerate(groups) for answer in g.answers)
+        sums, tokens = self.learners.kl_to_reference(BatchRecipe(rows, temperature=self.cfg.generator.temperature),
+                                                     kl.estimator)
+        penalties = (kl.coef * sums).tolist()
+        per_group, at = [], 0
+        for g in groups:
+            per_group.append(penalties[at : at + len(g.answers)])
+            at += len(g.answers)
+        metrics = {"kl_ref": float(sums.sum() / max(1.0, float(tokens.sum()))),
+                   "kl_reward_penalty": sum(penalties) / max(1, len(penalties)),
+                   "time_kl_reward": time.perf_counter() - start}
+        return per_group, metrics
 
     def loss_spec(self, groups: Sequence[Group]) -> LossSpec:
         """The loss of a step with these groups (ExGRPO switches to its mixed-policy loss)."""

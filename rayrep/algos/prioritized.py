@@ -68,12 +68,12 @@ class Prioritized(GRPO):
     @classmethod
     def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayStore | None, learners: LearnerGroup | None,
                sampler: PromptSampler) -> Prioritized:
-        return cls(cfg, inputs.prompts, inputs.prompt_ids, buffer, inputs.origin)
+        return cls(cfg, inputs.prompts, inputs.prompt_ids, buffer, inputs.origin, learners)
 
     def __init__(self, cfg: Config, prompts: list[Prompt], prompt_ids: dict[str, list[int]], buffer: ReplayStore,
-                 origin: Origin = Origin()):
+                 origin: Origin = Origin(), learners: LearnerGroup | None = None):
         check_prioritized_settings(cfg)
-        super().__init__(cfg, origin)
+        super().__init__(cfg, origin, learners)
         self.settings = cfg.algorithm.prioritized
         self.prompts = {p.uid: p for p in prompts}
         self.prompt_ids = prompt_ids

@@ -72,13 +72,13 @@ class RLEP(GRPO):
     @classmethod
     def create(cls, cfg: Config, inputs: AlgorithmInputs, buffer: ReplayStore | None, learners: LearnerGroup | None,
                sampler: PromptSampler) -> RLEP:
-        return cls(cfg, inputs.prompt_ids, inputs.pool, buffer, inputs.origin)
+        return cls(cfg, inputs.prompt_ids, inputs.pool, buffer, inputs.origin, learners)
 
     def __init__(self, cfg: Config, prompt_ids: dict[str, list[int]], pool: ExperiencePool | None, buffer: ReplayStore,
-                 origin: Origin = Origin()):
+                 origin: Origin = Origin(), learners: LearnerGroup | None = None):
         """`pool`: from `load_pool`, checked against `prompt_ids`; it goes into `buffer`'s
         shards now (None: a shared pool the buffer is attached to holds the successes)."""
-        super().__init__(cfg, origin)
+        super().__init__(cfg, origin, learners)
         self.prompt_ids = prompt_ids
         self.replay_old_logprobs = cfg.algorithm.rlep.old_logprobs
         self.draws_logprobs = self.replay_old_logprobs == "recorded" or bool(cfg.learner.behaviour_cap)

@@ -284,6 +284,7 @@ class CorrectionConfig:
 class KLConfig:
     coef: float = option(0.0, "weight of a KL penalty to the reference policy (the run's starting policy, model.path) in the loss (verl use_kl_loss + kl_loss_coef; TRL beta); 0: none, and no reference pass", min=0.0, added=True)
     estimator: KLEstimator = option("k3", "its per-token estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl); a trailing + gives the named value with k2's gradient (verl kl_loss_type)", added=True)
+    in_reward: bool = option(False, "the penalty in the reward instead of the loss (verl use_kl_in_reward with a fixed coefficient): each answer's reward less coef x the sum over its tokens of the estimate between the policy the update starts from and the reference, before its group's advantages (verl's in-reward estimator is k1, kl)", added=True)
 
 
 @dataclass
@@ -331,7 +332,7 @@ class LearnerConfig:
             dual_clip=(self.dual_clip or None) if self.objective == "ppo" else None,
             sapo_tau_pos=self.sapo_tau_pos,
             sapo_tau_neg=self.sapo_tau_neg,
-            kl_coef=self.kl.coef,
+            kl_coef=0.0 if self.kl.in_reward else self.kl.coef,  # (in the reward: the algorithm's)
             kl_estimator=self.kl.estimator,
             agg=self.loss_agg,
             norm_constant=self.loss_norm_constant if self.loss_agg in TOKEN_SUM_AGGREGATIONS else None,
@@ -357,6 +358,8 @@ class LearnerConfig:
             raise ConfigError(
                 f"learner.skip_grad_norm_above={self.skip_grad_norm_above} is not supported with "
                 f"learner.strategy={self.strategy!r} (it skips only non-finite steps); use fsdp2 or set it to 0")
+        if self.kl.in_reward and not self.kl.coef:
+            raise ConfigError("learner.kl.in_reward puts the KL penalty in the reward: set learner.kl.coef (> 0) too")
         if not self.lora_rank and self.lora_merge:
             raise ConfigError("learner.lora_merge merges a LoRA adapter into its base: set learner.lora_rank (> 0) too")
         if self.lora_rank and not self.lora_target_modules:

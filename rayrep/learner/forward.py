@@ -229,7 +229,7 @@ class PolicyForward:
             if not run.dummy:
                 out[position : position + len(chunk), :run.width] = run.logp.cpu()
                 position += len(chunk)
-        self.sharding.model.train()
+        self._after_pass_without_graph()
         return rows, out
 
     @torch.no_grad()
@@ -246,5 +246,15 @@ class PolicyForward:
             if not run.dummy:
                 mask = batch.response_mask[chunk, :run.width].to(self.device)
                 means.append(((run.entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)).cpu())
-        self.sharding.model.train()
+        self._after_pass_without_graph()
         return torch.cat(chunks), torch.cat(means) if means else torch.zeros(0)
+
+    def _after_pass_without_graph(self) -> None:
+        """Back to training mode, and FSDP2's root sharded again: FSDP2 keeps the root's
+        parameters (the embedding and the head) gathered after its forward, for the backward
+        it expects; a pass without one leaves them whole on every rank, in memory and in
+        `named_parameters` (a checkpoint would gather whole tensors), until a backward comes."""
+        model = self.sharding.model
+        model.train()
+        if hasattr(model, "reshard"):  # (FSDP2's `FSDPModule`; not recursive: the layers reshard themselves)
+            model.reshard()

@@ -47,6 +47,18 @@ class LearnerGroup:
             means.append(values)
         return means
 
+    def kl_to_reference(self, batch: BatchRecipe | TrainBatch, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """([N] the sum over each row's response tokens of the KL estimate between the current
+        weights and the reference policy, [N] its token count) for the rows of `batch` (the
+        KL in the reward, `learner.kl.in_reward`); each rank computes its rows'."""
+        ref = ray.put(batch)
+        shares = ray.get([w.kl_to_reference.remote(ref, estimator) for w in self.workers])
+        count = sum(len(rows) for rows, _, _ in shares)
+        sums, tokens = torch.zeros(count, dtype=torch.float64), torch.zeros(count)
+        for rows, values, counts in shares:
+            sums[rows], tokens[rows] = values, counts
+        return sums, tokens
+
     def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec) -> dict[str, float]:
         """Run the mini-batch updates of one rollout batch; returns merged metrics. The batch
         goes to the ranks as one object in the store, and each collates it (`collate`): a

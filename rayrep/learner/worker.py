@@ -30,7 +30,7 @@ from rayrep.cluster.residency import ABSENT, DEVICE, HOST, Holding, Residency
 from rayrep.config import Config
 from rayrep.heap import keep_freed_memory, long_lived
 from rayrep.learner.forward import Entropy, PolicyForward, mini_batches, rows_per_rank
-from rayrep.learner.loss import mini_batch_totals, policy_loss
+from rayrep.learner.loss import kl_penalty, mini_batch_totals, policy_loss
 from rayrep.learner.mismatch import correct, correction_sums, mismatch_sums
 from rayrep.learner.reference import FrozenPolicy, Reference
 from rayrep.learner.sharding import Sharding, compute_dtype, with_lora
@@ -168,6 +168,21 @@ class LearnerWorker:
         self.residency.require("ExGRPO's entropy pass", PARAMETERS)
         with self.residency.working_on(FORWARD_PASS):
             return self.forward.mean_entropies(batch)
+
+    def kl_to_reference(self, batch: BatchRecipe | TrainBatch, estimator: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, [n] each row's summed KL estimate between these weights and the reference,
+        [n] its valid tokens) for this rank's share of `batch` (the KL in the reward): the
+        policy's log-probs and the reference's, each a pass without a graph."""
+        batch = batch.collate()
+        self.residency.require("the KL in the reward", PARAMETERS, *([REFERENCE] if self.frozen_reference else []))
+        steps = [range(batch.num_prompts)]
+        with self.residency.working_on(FORWARD_PASS):
+            rows, policy = self.forward.old_logprobs(batch, rows_per_rank(batch.prompt_index, steps[0], self.world_size))
+            reference = self.reference.logprobs(batch, steps)[rows]
+        mask = batch.response_mask[rows]
+        kl = kl_penalty(policy.double(), reference.double(), estimator, mask, torch.float64)
+        return rows, kl.sum(-1), mask.sum(-1).float()
 
     def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec) -> dict:
         """Mini-batch policy-gradient updates over `batch`; returns metric sums to merge across ranks.

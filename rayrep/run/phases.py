@@ -4,12 +4,13 @@ share (`rayrep.run.sinks.RayMetricsSink`)."""
 
 from __future__ import annotations
 
-PHASES = ("plan", "generate", "verify", "hand_over", "select", "build", "old_logprobs", "ref_logprobs", "update", "sync")
+PHASES = ("plan", "generate", "verify", "hand_over", "select", "kl_reward", "build", "old_logprobs", "ref_logprobs",
+          "update", "sync")
 """The driver's timed phases of a step, in the order they run."""
 
-NESTED_PHASES = {"old_logprobs": "update", "ref_logprobs": "update"}
+NESTED_PHASES = {"old_logprobs": "update", "ref_logprobs": "update", "kl_reward": "build"}
 """Phases timed inside another one: the learners take the old log-probs, and the KL's reference
-log-probs, within the update call."""
+log-probs, within the update call; the KL in the reward is taken within the algorithm's build."""
 
 
 def phase_seconds(record: dict, phases: list[str] | tuple[str, ...]) -> dict[str, float]:
