@@ -24,7 +24,7 @@ import torch
 
 from rayrep.config import Config
 from rayrep.learner.forward import PolicyForward, rows_per_rank
-from rayrep.learner.sharding import Sharding, compute_dtype
+from rayrep.learner.sharding import Sharding, compute_dtype, fsdp2_shards, shard_layers
 from rayrep.types import TrainBatch
 
 __all__ = ["FrozenPolicy", "Reference"]
@@ -48,16 +48,11 @@ class FrozenPolicy:
         model.config.use_cache = False
         model.requires_grad_(False)
         model.eval()
-        shards = cfg.learner.sharding.shards_parameters and (world_size > 1 or compute_dtype(cfg) != torch.float32)
+        shards = fsdp2_shards(cfg, world_size)
         if shards:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(device.type, (world_size,))
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        model.to(device)  # (FSDP2: this rank's shards)
+            shard_layers(model, world_size, device)
+        else:
+            model.to(device)
         return cls(model=model, module=model, whole_parameters=not shards)
 
     def nbytes(self) -> int:

@@ -110,6 +110,26 @@ def with_lora(model: torch.nn.Module, config, dtype: torch.dtype) -> torch.nn.Mo
     return model
 
 
+def fsdp2_shards(cfg: Config, world_size: int) -> bool:
+    """Whether FSDP2 shards a model over the ranks here: the strategy shards parameters, and
+    this is not one fp32 rank (which holds the model whole: `OneRank`)."""
+    return cfg.learner.sharding.shards_parameters and not (world_size == 1 and compute_dtype(cfg) == torch.float32)
+
+
+def shard_layers(model: torch.nn.Module, world_size: int, device: torch.device, mp_policy=None) -> None:
+    """`fully_shard` on each decoder layer, then on the root, over all ranks; this rank's shards
+    moved to `device`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    options = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    model.to(device)  # only this rank's shards move
+
+
 class FSDP2Sharding:
     """Parameters, gradients and optimizer state sharded with `fully_shard` (per layer and root).
 
@@ -121,15 +141,10 @@ class FSDP2Sharding:
     whole_parameters = False
 
     def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        mesh = init_device_mesh(device.type, (world_size,))
-        precision = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=precision)
-        fully_shard(model, mesh=mesh, mp_policy=precision)
-        model.to(device)  # only this rank's shards move
+        shard_layers(model, world_size, device,
+                     MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32))
         self.model = self.module = model
         self.world_size = world_size
         # Checkpoints gather the shards where they lie, in CPU memory while offloaded, which
@@ -400,6 +415,6 @@ SHARDINGS: dict[str, type[Sharding]] = {"fsdp2": FSDP2Sharding, "deepspeed": Dee
 def make_sharding(model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device) -> Sharding:
     """`learner.strategy`'s sharding of `model`; one fp32 rank of a strategy that shards the
     parameters trains the model itself, as plain PyTorch does (nothing to shard)."""
-    if cfg.learner.sharding.shards_parameters and world_size == 1 and compute_dtype(cfg) == torch.float32:
+    if cfg.learner.sharding.shards_parameters and not fsdp2_shards(cfg, world_size):
         return OneRank(model, cfg, world_size, device)
     return SHARDINGS[cfg.learner.strategy](model, cfg, world_size, device)

@@ -175,7 +175,7 @@ class LearnerWorker:
         [n] its valid tokens) for this rank's share of `batch` (the KL in the reward): the
         policy's log-probs and the reference's, each a pass without a graph."""
         batch = batch.collate()
-        self.residency.require("the KL in the reward", PARAMETERS, *([REFERENCE] if self.frozen_reference else []))
+        self.residency.require("the KL in the reward", PARAMETERS, self._reference_part())
         steps = [range(batch.num_prompts)]
         with self.residency.working_on(FORWARD_PASS):
             rows, policy = self.forward.old_logprobs(batch, rows_per_rank(batch.prompt_index, steps[0], self.world_size))
@@ -183,6 +183,10 @@ class LearnerWorker:
         mask = batch.response_mask[rows]
         kl = kl_penalty(policy.double(), reference.double(), estimator, mask, torch.float64)
         return rows, kl.sum(-1), mask.sum(-1).float()
+
+    def _reference_part(self) -> str:
+        """The part the reference's pass reads: its own weights, or with LoRA the policy's."""
+        return REFERENCE if self.frozen_reference is not None else PARAMETERS
 
     def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec) -> dict:
         """Mini-batch policy-gradient updates over `batch`; returns metric sums to merge across ranks.
@@ -237,7 +241,7 @@ class LearnerWorker:
                 raise ValueError(f"the loss has a KL penalty (kl_coef={loss.kl_coef}) but these learners started "
                                  "without a reference policy: learner.kl.coef was 0")
             start = time.perf_counter()
-            self.residency.require("the reference pass", *([REFERENCE] if self.frozen_reference else [PARAMETERS]))
+            self.residency.require("the reference pass", self._reference_part())
             ref_logprobs = self.reference.logprobs(batch, steps)
             if self.rank == 0:
                 sums.count("time_ref_logprobs", time.perf_counter() - start)
