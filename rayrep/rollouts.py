@@ -34,7 +34,7 @@ from rayrep.data import PromptSampler
 from rayrep.generator.group import Share
 from rayrep.run.record import StepRecord
 from rayrep.roles.system import Runtime
-from rayrep.types import PAUSED, Answer, Group, StepBatch, StepPlan
+from rayrep.types import PAUSED, Answer, Group, StepBatch, StepPlan, ToolUse
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,9 @@ class Rollouts:
         start = time.perf_counter()
         wanted = self.cfg.algorithm.prompts_per_step
         counts = Counter()
+        replaced = self.runtime.replace_dead_tools()
+        if replaced:
+            counts["tool_replaced"] += replaced
         carried, questions = self.carry_on(counts), wanted
         if self.cfg.run.partial_rollouts:
             questions = max(0, math.ceil(wanted * (1 + self.cfg.run.partial_rollouts)) - len(carried))
@@ -196,7 +199,7 @@ class Rollouts:
     def stats(self, step_batch: StepBatch, record: StepRecord, version: int) -> dict[str, float]:
         """What the step's fresh rollouts looked like, and how old the trained answers were
         against `version`, the policy the update started from."""
-        stats = rollout_stats(step_batch.seen, record.times["generate"])
+        stats = rollout_stats(step_batch.seen, record.times["generate"], self.cfg.tools.enabled)
         if self.cfg.run.partial_rollouts:  # what the step's rounds generated, not what its answers hold
             stats["generated_tokens"] = record.counts["partial_round_tokens"]
             stats["tokens_per_second"] = stats["generated_tokens"] / max(record.times["generate"], 1e-9)
@@ -274,20 +277,37 @@ def policy_lag_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
     return stats
 
 
-def rollout_stats(groups: Sequence[Group], generate_seconds: float) -> dict[str, float]:
+def rollout_stats(groups: Sequence[Group], generate_seconds: float, tools: bool = False) -> dict[str, float]:
     """What this step's fresh rollouts looked like (every verified group, trained or not);
+    with `tools` (answers that may call a tool), how they called it (`tool_call_share`,
+    `tool_calls_per_answer`, `turns_per_answer`, `tool_errors`, `tool_timeouts`,
+    `tool_failures`, `tool_seconds`: the calls' summed time in the tool actors,
+    `tool_token_share`: of the answers' tokens, the tools' outputs');
     with questions of several data sources, the accuracy and mean reward of each
     (`accuracy/<source>`, `reward/<source>`); the mean of each named part of the answers'
     scores, over the answers that have it (`checker_<name>`, `format_<term>`)."""
     fresh = [a for g in groups for a in g.fresh()]
     tokens = sum(a.length for a in fresh)
+    used = [a.tools for a in fresh if a.tools is not None]
+    tool_tokens = sum(use.tokens for use in used)
     stats = {
         "accuracy": sum(bool(a.correct) for a in fresh) / max(1, len(fresh)),
         "response_length": tokens / max(1, len(fresh)),
         "truncated": sum(a.finish_reason == "length" for a in fresh) / max(1, len(fresh)),
-        "generated_tokens": tokens,
-        "tokens_per_second": tokens / max(generate_seconds, 1e-9),
+        "generated_tokens": tokens - tool_tokens,  # (the policy's: a tool's output is not generated)
+        "tokens_per_second": (tokens - tool_tokens) / max(generate_seconds, 1e-9),
     }
+    if tools:
+        total = ToolUse(*(sum(values) for values in zip(*used))) if used else ToolUse()
+        stats.update({
+            "tool_call_share": len(used) / max(1, len(fresh)),
+            "tool_calls_per_answer": total.calls / max(1, len(fresh)),
+            "turns_per_answer": 1 + total.calls / max(1, len(fresh)),
+            "tool_errors": total.errors, "tool_timeouts": total.timeouts,
+            "tool_failures": sum(use.failed for use in used),
+            "tool_seconds": total.seconds,
+            "tool_token_share": tool_tokens / max(1, tokens),
+        })
     by_source: dict[str, list[Answer]] = {}
     for group in groups:
         by_source.setdefault(group.prompt.data_source, []).extend(group.fresh())

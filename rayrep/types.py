@@ -7,7 +7,8 @@ Names, used the same way everywhere:
   where its arrays are (`Answer.at`: with the generator that sampled it or the buffer
   shard that drew it, read by the roles that need them with `answer_arrays`);
 - a **rollout** (`Rollout`) is an answer's arrays themselves, token ids and the behaviour
-  log-probs of the policy that produced them, as a generator made them;
+  log-probs of the policy that produced them, as a generator made them (and, in an answer
+  that called a tool, which tokens the tool's output wrote: `tool_mask`);
 - a **group** is one question's answers in one training step (G fresh + M replayed).
 
 A field exists only when something reads it.
@@ -77,10 +78,16 @@ class Rollout:
     token_versions: np.ndarray | None = None
     """Each response token's policy version (int32), for an answer sampled across weight
     syncs (partial rollouts); None: every token's is `version`."""
+    tool_mask: np.ndarray | None = None
+    """Each response token: True where a tool's output wrote it (bool; context the policy
+    reads, never trained on; its log-prob NaN), in an answer that called a tool; None: the
+    policy wrote every token."""
+    tools: ToolUse | None = None
+    """What its tool calls did (None: it called none)."""
 
     def __post_init__(self):
         for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("logprobs", np.float32),
-                            ("token_versions", np.int32)):
+                            ("token_versions", np.int32), ("tool_mask", np.bool_)):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, np.ndarray) and value.dtype == dtype):
                 object.__setattr__(self, name, np.asarray(value, dtype))
@@ -91,6 +98,7 @@ class Rollout:
         return (np.array_equal(self.prompt_ids, other.prompt_ids) and np.array_equal(self.response_ids, other.response_ids)
                 and np.array_equal(self.logprobs, other.logprobs, equal_nan=True)
                 and np.array_equal(self.versions(), other.versions())
+                and np.array_equal(self.tool_tokens(), other.tool_tokens()) and self.tools == other.tools
                 and (self.text, self.finish_reason, self.version) == (other.text, other.finish_reason, other.version))
 
     def versions(self) -> np.ndarray:
@@ -98,6 +106,12 @@ class Rollout:
         if self.token_versions is not None:
             return self.token_versions
         return np.full(len(self.response_ids), self.version, np.int32)
+
+    def tool_tokens(self) -> np.ndarray:
+        """Each response token: whether a tool wrote it."""
+        if self.tool_mask is not None:
+            return self.tool_mask
+        return np.zeros(len(self.response_ids), np.bool_)
 
     @property
     def earlier_tokens(self) -> int:
@@ -113,17 +127,55 @@ class Rollout:
     def response_length(self) -> int:
         return len(self.response_ids)
 
-    def answer_arrays(self, key: object = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(prompt ids, response ids, behaviour log-probs): a rollout is its own source."""
-        return self.prompt_ids, self.response_ids, self.logprobs
+    def answer_arrays(self, key: object = None) -> AnswerArrays:
+        """A rollout is its own source."""
+        return AnswerArrays(self.prompt_ids, self.response_ids, self.logprobs, self.tool_mask)
+
+
+class ToolUse(NamedTuple):
+    """What an answer's tool calls did (`rayrep.generator.turns`): each call ran, failed
+    (`errors`: the tool raised or its output was refused), or ran out of time."""
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    seconds: float = 0.0
+    """The calls' time in the tool workers."""
+    tokens: int = 0
+    """Response tokens the tools' outputs wrote (the chat template's framing of them included)."""
+    failed: bool = False
+    """A call was lost twice (its tool worker died, then the one it was retried on): the
+    answer ended there, and is scored wrong (`TOOL_FAILED`)."""
+
+    def __add__(self, other: "ToolUse") -> "ToolUse":  # type: ignore[override]
+        return ToolUse(*(a + b if not isinstance(a, bool) else a or b for a, b in zip(self, other)))
+
+
+class AnswerArrays(NamedTuple):
+    """An answer's arrays, as every role reads them (`answer_arrays`)."""
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    """The behaviour policy's log-prob of each response token; NaN where unknown (and on a
+    tool's tokens)."""
+    tool_mask: np.ndarray | None = None
+    """Each response token: True where a tool's output wrote it; None: none did."""
+
+    @property
+    def logprobs_known(self) -> bool:
+        """Whether every token the policy wrote has its behaviour log-prob (a tool's tokens
+        have none)."""
+        policy = self.logprobs if self.tool_mask is None else self.logprobs[~self.tool_mask]
+        return not np.isnan(policy).any()
 
 
 class AnswerSource(Protocol):
     """Where answers' arrays are kept: a generator's part of a generate call (`RolloutPart`),
     a draw of stored answers (`rayrep.buffer.answers.PackedAnswers`), or one `Rollout`."""
 
-    def answer_arrays(self, key) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(prompt ids, response ids, behaviour log-probs; NaN where unknown) of answer `key`."""
+    def answer_arrays(self, key) -> AnswerArrays:
+        """Answer `key`'s arrays."""
         ...
 
 
@@ -132,7 +184,7 @@ class RolloutPart(list):
     rollouts (a list of lists, as verifiers read it), kept in the object store; answer
     (p, a) is the a-th rollout of the part's p-th prompt."""
 
-    def answer_arrays(self, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def answer_arrays(self, key: tuple[int, int]) -> AnswerArrays:
         prompt, answer = key
         return self[prompt][answer].answer_arrays()
 
@@ -140,6 +192,10 @@ class RolloutPart(list):
 PAUSED = "paused"
 """The finish reason of an answer that a generator stopped before its end, its tokens and
 log-probs so far kept, to be continued in a later call (partial rollouts)."""
+
+TOOL_FAILED = "tool_failed"
+"""The finish reason of an answer whose tool call was lost twice (`ToolUse.failed`): it ends
+there, and its verdict is wrong."""
 
 VERDICT_NAMES = {True: "correct", False: "wrong", None: "unchecked"}
 """An answer's verdict (`Answer.correct`) as the replay buffer's files name it."""
@@ -200,11 +256,14 @@ class Answer(NamedTuple):
     added where there are any; None: the reward is the verdict's, in the run's reward style."""
     components: tuple[tuple[str, float], ...] = ()
     """The named parts of its score, as logged (`checker_<name>`, `format_<term>`)."""
+    tools: ToolUse | None = None
+    """What its tool calls did, as it was sampled (None: it called none, or it was stored)."""
 
     @classmethod
     def sampled(cls, at: object, key: object, rollout: Rollout) -> "Answer":
         """A rollout as a generator returns it, its arrays at `key` of `at`."""
-        return cls(at, key, rollout.response_length, rollout.finish_reason, rollout.version, rollout.earlier_tokens)
+        answer = cls(at, key, rollout.response_length, rollout.finish_reason, rollout.version, rollout.earlier_tokens)
+        return answer if rollout.tools is None else answer._replace(tools=rollout.tools)
 
     @classmethod
     def of(cls, rollout: Rollout, **facts) -> "Answer":
@@ -231,18 +290,18 @@ class Answer(NamedTuple):
         ray = sys.modules.get("ray")  # (a process that never imported Ray holds no ref: a GPU check's)
         return ray is not None and isinstance(self.at, ray.ObjectRef)
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(prompt ids, response ids, behaviour log-probs), read from where they are: for tools
-        and tests (the roles read many at once, `answer_arrays`)."""
+    def arrays(self) -> AnswerArrays:
+        """Its arrays, read from where they are: for scripts and tests (the roles read many at
+        once, `answer_arrays`)."""
         return answer_arrays([self])[0]
 
     @property
     def response_ids(self) -> np.ndarray:
-        return self.arrays()[1]
+        return self.arrays().response_ids
 
     @property
     def logprobs(self) -> np.ndarray:
-        return self.arrays()[2]
+        return self.arrays().logprobs
 
     def __reduce__(self):
         # Only the fields up to the last that differs from its default: a fresh answer
@@ -267,9 +326,8 @@ def _is_default(value, default) -> bool:
     return value == default or (isinstance(value, float) and math.isnan(value) and math.isnan(default))
 
 
-def answer_arrays(answers: Sequence[Answer]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(prompt ids, response ids, behaviour log-probs) of each answer, in order: the one way
-    arrays are read. Sources held by reference are read from the object store in one call
+def answer_arrays(answers: Sequence[Answer]) -> list[AnswerArrays]:
+    """Each answer's arrays, in order: the one way arrays are read. Sources held by reference are read from the object store in one call
     (each once); those here are read in place."""
     refs = list({a.at: None for a in answers if a.by_reference})
     fetched = dict(zip(refs, sys.modules["ray"].get(refs))) if refs else {}
@@ -277,11 +335,12 @@ def answer_arrays(answers: Sequence[Answer]) -> list[tuple[np.ndarray, np.ndarra
 
 
 class TokenSequences(Protocol):
-    """Answers a forward pass can read: (prompt ids, response ids) of each, in order. The
-    replay shards' packed answers are such (`rayrep.buffer.answers.PackedAnswers`), so that
-    the learners read them where the shards left them and know nothing of the buffer."""
+    """Answers a forward pass can read: (prompt ids, response ids, tool masks or None) of
+    each, in order. The replay shards' packed answers are such
+    (`rayrep.buffer.answers.PackedAnswers`), so that the learners read them where the shards
+    left them and know nothing of the buffer."""
 
-    def sequences(self) -> tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]: ...
+    def sequences(self) -> tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], Sequence[np.ndarray | None]]: ...
 
 
 class PartFacts(NamedTuple):
@@ -714,7 +773,8 @@ class TrainBatch:
     lengths: "torch.Tensor"
     """[N] int64: prompt + response length of each row (positions >= length are padding)."""
     response_mask: "torch.Tensor"
-    """[N, L] bool: position t holds a response token that the loss trains on."""
+    """[N, L] bool: position t holds a response token that the loss trains on: the policy's,
+    not a tool's output (the context it reads), nor padding."""
     old_logprobs: "torch.Tensor"
     """[N, L] float32: log-prob of token t under the behaviour policy (response positions)."""
     recompute_old: "torch.Tensor"
@@ -745,13 +805,17 @@ class TrainBatch:
         prompt_index: Sequence[int],
         *,
         logprobs: Sequence[Sequence[float]] | None = None,
+        tool_masks: Sequence[np.ndarray | None] | None = None,
         advantages: Sequence[float] | None = None,
         recompute_old: Sequence[bool] | None = None,
         replayed: Sequence[bool] | None = None,
         temperature: float = 1.0,
         pad_id: int = 0,
     ) -> "TrainBatch":
-        """Rows of prompt + response, right-padded; unset per-row fields are zeros / False."""
+        """Rows of prompt + response, right-padded; unset per-row fields are zeros / False.
+        `tool_masks`: per row, its response tokens that a tool wrote (None: none), which
+        leave `response_mask` (their log-probs are 0 here, not NaN: a masked token must not
+        turn a product into NaN)."""
         import torch
 
         count = len(response_ids)
@@ -766,9 +830,12 @@ class TrainBatch:
             start, end = len(prompt), len(prompt) + len(response)
             input_ids[row, :start] = prompt
             input_ids[row, start:end] = response
-            response_mask[row, start:end] = True
+            tools = tool_masks[row] if tool_masks is not None else None
+            response_mask[row, start:end] = True if tools is None else ~np.asarray(tools, bool)
             if logprobs is not None:
                 old_logprobs[row, start:end] = logprobs[row]
+                if tools is not None:
+                    old_logprobs[row, start:end][tools] = 0.0
 
         def flags(values) -> "torch.Tensor":
             return torch.zeros(count, dtype=torch.bool) if values is None else torch.tensor(list(values), dtype=torch.bool)
@@ -816,9 +883,9 @@ class BatchRecipe:
         """The batch: every row's arrays read (`answer_arrays`), then `TrainBatch.of_sequences`."""
         arrays = answer_arrays([row.answer for row in self.rows])
         return TrainBatch.of_sequences(
-            [prompt for prompt, _, _ in arrays], [response for _, response, _ in arrays],
-            [row.question for row in self.rows], logprobs=[logprobs for _, _, logprobs in arrays],
-            advantages=self.advantages, recompute_old=[row.recompute_old for row in self.rows],
+            [a.prompt_ids for a in arrays], [a.response_ids for a in arrays], [row.question for row in self.rows],
+            logprobs=[a.logprobs for a in arrays], tool_masks=[a.tool_mask for a in arrays], advantages=self.advantages,
+            recompute_old=[row.recompute_old for row in self.rows],
             replayed=[row.answer.replayed for row in self.rows], temperature=self.temperature)
 
 

@@ -200,12 +200,12 @@ def test_rlep_adds_up_to_m_real_successes_never_placeholders(pool_file):
     assert [g.size for g in groups] == [4, 5, 6]  # G + min(M, stored)
     assert [sum(g.replayed) for g in groups] == [0, 1, 2]
     # Replays are held by reference, their arrays left in the draw (`answer_arrays` reads them).
-    [(_, response, _)] = answer_arrays([groups[1].answers[4]])
+    [(_, response, _, _)] = answer_arrays([groups[1].answers[4]])
     assert response.tolist() == [50, 51]
-    replayed_q2 = [tuple(response) for _, response, _ in answer_arrays(groups[2].replays())]
+    replayed_q2 = [tuple(response) for _, response, _, _ in answer_arrays(groups[2].replays())]
     assert len(set(replayed_q2)) == 2 and all(ids[0] in range(60, 65) for ids in replayed_q2)
     for group in groups:  # replayed rollouts are the verified successes; the learner recomputes their log-probs
-        for a, (prompt_ids, response, logprobs) in zip(group.replays(), answer_arrays(group.replays())):
+        for a, (prompt_ids, response, logprobs, _) in zip(group.replays(), answer_arrays(group.replays())):
             assert a.correct and len(logprobs) == len(response) == a.length and np.isnan(logprobs).all()
             assert a.version == 3 and prompt_ids.tolist() == PROMPT_IDS
     step = algo.build(groups, step=1)
@@ -230,7 +230,7 @@ def test_rlep_old_logprob_modes(pool_file):
     ):
         algo = rlep(pool_file, **changes)
         groups = roll_out(algo.plan(sampler_of([prompt("q2")]), 1), lambda uid, n: [True] + [False] * (n - 1))
-        replayed = [logprobs for g in groups for _, _, logprobs in answer_arrays(g.replays())]
+        replayed = [logprobs for g in groups for _, _, logprobs, _ in answer_arrays(g.replays())]
         assert len(replayed) == 2
         if recorded:
             assert all(logprobs.tolist() == [-0.25] * 2 for logprobs in replayed), changes
@@ -311,7 +311,7 @@ def test_a_growing_pool_takes_each_steps_fresh_successes_once(pool_file):
     metrics = algo.after_update(1, step)
     assert metrics["pool_stored"] == 2 and metrics["pool_questions"] == 3  # q1, q2 from the file, q0 now
     drawn = algo.plan(sampler, 1).replays["q0"]
-    assert sorted(response.tolist() for _, response, _ in answer_arrays(drawn)) == [[100, 0], [101, 0]]
+    assert sorted(response.tolist() for _, response, _, _ in answer_arrays(drawn)) == [[100, 0], [101, 0]]
     assert all(r.version == 0 for r in drawn)
     # The same successes again, and the replayed ones: nothing new is stored.
     again = algo.build(roll_out(algo.plan(sampler, 1), lambda uid, n: [True, True] + [False] * (n - 2)), step=1)

@@ -315,7 +315,8 @@ def _with_meta(table: pa.Table, meta: dict) -> pa.Table:
     return table.replace_schema_metadata(meta)
 
 
-def _valid_answer_arrays(uid, prompt_ids, response_ids, logprobs):
+def _valid_answer_arrays(uid, prompt_ids, response_ids, logprobs, tool_mask=None):
+    assert tool_mask is None or (tool_mask.dtype == np.bool_ and len(tool_mask) == len(response_ids))
     assert isinstance(uid, str)
     assert isinstance(prompt_ids, np.ndarray) and prompt_ids.dtype == np.int32
     assert isinstance(response_ids, np.ndarray) and response_ids.dtype == np.int32
@@ -352,6 +353,7 @@ def answer_tables(draw, schema: pa.Schema) -> pa.Table:
         "prompt_ids": rows(st.lists(token_id, max_size=3)),
         "response_ids": [draw(st.lists(token_id, min_size=n, max_size=n)) for n in lengths],
         "logprobs": [draw(st.lists(st.floats(width=32), min_size=n, max_size=n)) for n in lengths],
+        "tool_mask": [draw(st.lists(st.booleans(), min_size=n, max_size=n)) for n in lengths],
         "reward": rows(st.floats(width=32)),
         "version": rows(st.integers(-(2**31), 2**31 - 1)),
         "source": rows(st.sampled_from(SOURCES)),
@@ -409,7 +411,7 @@ def test_experience_pools_read_or_fail_naming_the_file(table, meta):
             return
     for uid, (prompt_ids, answers) in pool.items():
         for answer in answers:
-            _valid_answer_arrays(uid, prompt_ids, answer.response_ids, answer.logprobs)
+            _valid_answer_arrays(uid, prompt_ids, *answer.arrays()[1:])
             assert isinstance(answer.reward, float) and isinstance(answer.version, int)
             assert answer.source == "pool"
 
@@ -442,7 +444,7 @@ def test_buffer_snapshots_read_or_fail_naming_the_file(answers, questions, meta)
     for uid, entry in entries:
         assert isinstance(entry.bucket, int)
         assert len(entry.offsets) == len(entry) + 1 and entry.offsets[-1] == len(entry.tokens)
-        _valid_answer_arrays(uid, entry.prompt_ids, entry.tokens, entry.logprobs)
+        _valid_answer_arrays(uid, entry.prompt_ids, entry.tokens, entry.logprobs, entry.tool_mask)
         assert set(entry.facts["source"].tolist()) <= set(range(len(SOURCES)))
 
 

@@ -348,7 +348,7 @@ def test_ray_shards_own_their_arrays_after_add_and_restore(buffers, tmp_path):
 
     def views(shard):
         store = shard.store
-        arrays = {"tokens": store.tokens, "logprobs": store.logprobs, **store.columns,
+        arrays = {**store.arenas, **store.columns,
                   **{f"prompt of {uid}": entry.prompt_ids for uid, entry in shard.questions.items()}}
         return [name for name, array in arrays.items() if array.base is not None]
 
@@ -564,7 +564,7 @@ def test_answers_by_serial_returns_the_chosen_stored_answers_even_after_other_wr
     assert got.keys() == {"p0", "p1", "p3"}
     for uid, answer in got.items():
         assert answer.by_reference == (shards > 0)
-        [(prompt_ids, response, logprobs)] = answer_arrays([answer])
+        [(prompt_ids, response, logprobs, _)] = answer_arrays([answer])
         assert prompt_ids.tolist() == list(prompt(int(uid[1:]))) and answer.length == len(response)
         assert_same_answer(answer, contents[uid][positions[uid]])
 
@@ -573,13 +573,13 @@ def test_answers_by_serial_returns_the_chosen_stored_answers_even_after_other_wr
 
 
 def raw_nbytes(prompt_ids, answers) -> int:
-    """What one question's storage holds: prompt, tokens, log-probs, and per answer an int64
+    """What one question's storage holds: prompt, tokens, log-probs, tool masks, and per answer an int64
     start, int64 length, int64 serial, int32 owner, its facts (float32 reward, int32 version, int8
     source, int32 step, float32 temperature, int8 verdict, int64 origin, float32 advantage) and its
     int64 row number."""
     tokens = sum(len(a.response_ids) for a in answers)
     n = len(answers)
-    return 4 * len(prompt_ids) + 4 * tokens + 4 * tokens + (8 + 8 + 8 + 4 + (4 + 4 + 1 + 4 + 4 + 1 + 8 + 4) + 8) * n
+    return 4 * len(prompt_ids) + 4 * tokens + 4 * tokens + tokens + (8 + 8 + 8 + 4 + (4 + 4 + 1 + 4 + 4 + 1 + 8 + 4) + 8) * n
 
 
 def test_stats_count_questions_answers_bytes_buckets_and_age(buffers):
@@ -728,7 +728,7 @@ def rewrite_metadata(path, **changes):
     "change, message",
     [
         ({"rayrep_kind": "experience-pool"}, "not a rayrep buffer-snapshot file"),
-        ({"rayrep_schema_version": "4"}, "schema version 4, this rayrep reads versions 1 to 3"),
+        ({"rayrep_schema_version": "5"}, "schema version 5, this rayrep reads versions 1 to 4"),
         ({"rayrep_schema_version": "one"}, "is not a number"),
         ({"rayrep_schema_version": None}, "no rayrep.schema_version"),
     ],
@@ -918,7 +918,7 @@ def test_stats_bytes_stay_close_to_the_raw_arrays():
     questions, answers, length, prompt_length = 8, 64, 256, 100
     for q in range(questions):
         buffer.add([(f"m{q}", np.arange(prompt_length, dtype=np.int32), long_answers(q, answers, length, rng))])
-    raw = questions * answers * length * (4 + 4)
+    raw = questions * answers * length * (4 + 4 + 1)  # token id, log-prob, tool mask
     held = buffer.stats()["bytes"]
     per_question = 4 * prompt_length + (8 + 8 + 8 + 4 + (4 + 4 + 1 + 4 + 4 + 1 + 8 + 4) + 8) * answers
     assert held == raw + questions * per_question
@@ -930,7 +930,7 @@ def test_process_memory_growth_of_an_in_process_shard():
     answers_per_question, length = 64, 256
     batches = [(f"t{q}", np.arange(100, dtype=np.int32), long_answers(q, answers_per_question, length, rng))
                for q in range(32)]
-    raw = len(batches) * answers_per_question * length * 8  # 2,048 answers: 4 MiB of tokens and log-probs
+    raw = len(batches) * answers_per_question * length * 9  # 2,048 answers: 4.5 MiB of tokens, log-probs, tool masks
     shard = ReplayShard(64)
     tracemalloc.start()
     try:

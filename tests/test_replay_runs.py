@@ -295,7 +295,7 @@ def test_exgrpo_picks_the_lowest_entropy_answer_every_time(learners, tiny_cfg, t
         lowest.append(min(entropies))
     chosen, mean_entropy = algo.lowest_entropy_answers([p.uid for p in prompts])
     # Chosen by reference (`Answer.at`): the learners read them where the shards left them.
-    assert {uid: response.tolist() for uid, (_, response, _) in zip(chosen, answer_arrays(list(chosen.values())))} \
+    assert {uid: response.tolist() for uid, (_, response, _, _) in zip(chosen, answer_arrays(list(chosen.values())))} \
         == expected
     assert mean_entropy == pytest.approx(sum(lowest) / len(lowest), rel=1e-4)
     algo.buffer.shutdown()

@@ -155,7 +155,7 @@ def check_pool(pool: dict, prompt_ids: dict[str, list[int]], path: str, old_logp
                 f"{path}: question {uid!r} was pooled with other prompt tokens than this run's tokenizer and "
                 f"chat template give; rebuild the pool with this policy's tokenizer"
             )
-        if old_logprobs == "recorded" and any(np.isnan(a.logprobs).any() for a in answers):
+        if old_logprobs == "recorded" and not all(a.arrays().logprobs_known for a in answers):
             raise ConfigError(
                 f"algorithm.rlep.old_logprobs='recorded' but {path} has no behaviour log-probs for question "
                 f"{uid!r} (an imported text pool); use 'recompute'"

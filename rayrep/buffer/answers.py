@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rayrep.types import Answer, Group, answer_arrays
+from rayrep.types import Answer, AnswerArrays, Group, answer_arrays
 
 SOURCES = ("pool", "online", "external")
 """Where an answer came from: an offline experience pool (RLEP), a run's own rollouts
@@ -124,6 +124,9 @@ class PackedAnswers:
     """FACTS [N]: each answer's reward, version, source, step, temperature, verdict, origin."""
     origins: Origins = field(default_factory=dict)
     """The names of the origins `facts` refers to."""
+    tool_mask: np.ndarray | None = None
+    """bool [offsets[-1]]: the tokens a tool's output wrote; None: no answer here called a
+    tool (and until `pending` is read)."""
     prompt_offsets: np.ndarray | None = None
     """int64 [Q + 1] (with prompts): question q's prompt is prompts[prompt_offsets[q] : prompt_offsets[q + 1]]."""
     prompts: np.ndarray | None = None
@@ -144,7 +147,7 @@ class PackedAnswers:
         lengths = np.array([a.length for a in answers], np.int64)
         arrays = None if any(by_reference) else answer_arrays(answers)
         if arrays is not None:
-            logprob_lengths = np.array([len(logprobs) for _, _, logprobs in arrays], np.int64)
+            logprob_lengths = np.array([len(a.logprobs) for a in arrays], np.int64)
             if not np.array_equal(lengths, logprob_lengths):
                 bad = int(np.nonzero(lengths != logprob_lengths)[0][0])
                 tokens, logprobs = lengths[bad], logprob_lengths[bad]
@@ -165,8 +168,9 @@ class PackedAnswers:
             uids=[uid for uid, _, _ in items],
             counts=np.array([len(group) for _, _, group in items], np.int64),
             offsets=cumulative_offsets(lengths),
-            tokens=None if arrays is None else flat_array([response for _, response, _ in arrays], np.int32),
-            logprobs=None if arrays is None else flat_array([logprobs for _, _, logprobs in arrays], np.float32),
+            tokens=None if arrays is None else flat_array([a.response_ids for a in arrays], np.int32),
+            logprobs=None if arrays is None else flat_array([a.logprobs for a in arrays], np.float32),
+            tool_mask=None if arrays is None else flat_tool_mask(arrays),
             facts=facts,
             origins=origins,
             pending=answers if arrays is None else None,
@@ -189,39 +193,53 @@ class PackedAnswers:
         if self.pending is None:
             return
         arrays = answer_arrays(self.pending)
-        lengths = np.array([len(response) for _, response, _ in arrays], np.int64)
+        lengths = np.array([len(a.response_ids) for a in arrays], np.int64)
         announced = np.diff(self.offsets)
         if not np.array_equal(lengths, announced):
             bad = int(np.nonzero(lengths != announced)[0][0])
             raise ValueError(f"answer {bad} of question batch {self.uids[:3]}...: {lengths[bad]} tokens where it was "
                              f"announced with {int(announced[bad])}")
-        self.tokens = flat_array([response for _, response, _ in arrays], np.int32)
-        self.logprobs = flat_array([logprobs for _, _, logprobs in arrays], np.float32)
+        self.tokens = flat_array([a.response_ids for a in arrays], np.int32)
+        self.logprobs = flat_array([a.logprobs for a in arrays], np.float32)
+        self.tool_mask = flat_tool_mask(arrays)
         self.pending = None
 
     def facts_only(self) -> DrawnFacts:
         """What a drawing client reads of these answers when their arrays go on by reference."""
         return DrawnFacts(self.uids, self.counts, self.offsets, self.facts, self.origins, self.held_back)
 
-    def answer_arrays(self, key: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(prompt ids, response ids, log-probs; NaN where not carried) of answer `key`
-        (`rayrep.types.AnswerSource`: a drawn answer replayed by reference)."""
+    def answer_arrays(self, key: int) -> AnswerArrays:
+        """Answer `key`'s arrays, its log-probs NaN where not carried (`rayrep.types.AnswerSource`:
+        a drawn answer replayed by reference)."""
         start, end = int(self.offsets[key]), int(self.offsets[key + 1])
         question = int(np.searchsorted(np.cumsum(self.counts), key, side="right"))
         logprobs = self.logprobs[start:end] if self.logprobs is not None else np.full(end - start, np.nan, np.float32)
-        return self.prompt(question), self.tokens[start:end], logprobs
+        return AnswerArrays(self.prompt(question), self.tokens[start:end], logprobs, self.answer_tool_mask(start, end))
+
+    def tool_mask_or_zeros(self) -> np.ndarray:
+        """`tool_mask`, or all False where it is None (no tool wrote any token here)."""
+        return self.tool_mask if self.tool_mask is not None else np.zeros(len(self.tokens), np.bool_)
+
+    def answer_tool_mask(self, start: int, end: int) -> np.ndarray | None:
+        """The tool mask of the tokens [start, end), or None where no tool wrote any of them."""
+        if self.tool_mask is None:
+            return None
+        mask = self.tool_mask[start:end]
+        return mask if mask.any() else None
 
     def unpack(self) -> dict[str, list[Answer]]:
         """Answers by question, their arrays here: these packed ones (`Answer.at`), never a
         shard's storage."""
         return self.facts_only().unpack(at=self)
 
-    def sequences(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(prompt ids, response ids) of every answer, in order (packed with prompts): what a
-        forward pass over the stored answers needs (`rayrep.types.TokenSequences`)."""
+    def sequences(self) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray | None]]:
+        """(prompt ids, response ids, tool masks) of every answer, in order (packed with
+        prompts): what a forward pass over the stored answers needs
+        (`rayrep.types.TokenSequences`)."""
         prompts = [self.prompt(q) for q, count in enumerate(self.counts.tolist()) for _ in range(count)]
-        responses = [self.tokens[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self.facts))]
-        return prompts, responses
+        spans = list(zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist()))
+        return (prompts, [self.tokens[start:end] for start, end in spans],
+                [self.answer_tool_mask(start, end) for start, end in spans])
 
 
 @dataclass
@@ -266,17 +284,26 @@ def flat_array(arrays: list, dtype) -> np.ndarray:
     return np.concatenate([np.asarray(a, dtype) for a in arrays]) if arrays else np.empty(0, dtype)
 
 
+def flat_tool_mask(arrays: list[AnswerArrays]) -> np.ndarray | None:
+    """The answers' tool masks as one flat array, or None where none called a tool."""
+    if all(a.tool_mask is None for a in arrays):
+        return None
+    return flat_array([np.zeros(len(a.response_ids), bool) if a.tool_mask is None else a.tool_mask for a in arrays],
+                      np.bool_)
+
+
 class QuestionAnswers:
     """All stored answers of one question, oldest first, in flat arrays: how snapshot and
     pool files hand questions to a shard and take them from it."""
 
-    ARRAYS = ("prompt_ids", "tokens", "logprobs", "offsets", "facts")
+    ARRAYS = ("prompt_ids", "tokens", "logprobs", "tool_mask", "offsets", "facts")
     __slots__ = ARRAYS + ("bucket",)
 
     def __init__(self, prompt_ids: np.ndarray):
         self.prompt_ids = np.array(prompt_ids, dtype=np.int32)
         self.tokens = np.empty(0, dtype=np.int32)
         self.logprobs = np.empty(0, dtype=np.float32)
+        self.tool_mask = np.empty(0, dtype=np.bool_)
         self.offsets = np.zeros(1, dtype=np.int64)
         self.facts = np.empty(0, dtype=FACTS)
         self.bucket = -1
@@ -289,15 +316,17 @@ class QuestionAnswers:
         """Its answers packed as question `uid`'s (views of its arrays; `origins`: their names)."""
         return PackedAnswers(uids=[uid], counts=np.array([len(self)], np.int64), offsets=self.offsets,
                              tokens=self.tokens, logprobs=self.logprobs, facts=self.facts,
+                             tool_mask=self.tool_mask if self.tool_mask.any() else None,
                              origins={o: origins[o] for o in np.unique(self.facts["origin"]).tolist() if o in origins})
 
     def extend_rows(self, batch: PackedAnswers, rows: range | list[int], cap: int) -> int:
         """Append the given answers (rows) of a packed batch, then evict the oldest beyond `cap`
         (0: no cap); returns how many were evicted."""
         if len(rows):
+            batch_mask = batch.tool_mask_or_zeros()
             if isinstance(rows, range):  # one contiguous run of answers: slices, no gather
                 start, end = batch.offsets[rows.start], batch.offsets[rows.stop]
-                tokens, logprobs = batch.tokens[start:end], batch.logprobs[start:end]
+                tokens, logprobs, mask = batch.tokens[start:end], batch.logprobs[start:end], batch_mask[start:end]
                 lengths = np.diff(batch.offsets[rows.start : rows.stop + 1])
                 rows = slice(rows.start, rows.stop)
             else:
@@ -305,14 +334,17 @@ class QuestionAnswers:
                 lengths = batch.offsets[rows + 1] - batch.offsets[rows]
                 tokens = spans(batch.tokens, batch.offsets[rows], lengths)
                 logprobs = spans(batch.logprobs, batch.offsets[rows], lengths)
+                mask = spans(batch_mask, batch.offsets[rows], lengths)
             self.tokens = np.concatenate([self.tokens, tokens])
             self.logprobs = np.concatenate([self.logprobs, logprobs])
+            self.tool_mask = np.concatenate([self.tool_mask, mask])
             self.offsets = np.concatenate([self.offsets, self.offsets[-1] + np.cumsum(lengths)])
             self.facts = np.concatenate([self.facts, batch.facts[rows]])
         evict = len(self) - cap if cap else 0
         if evict > 0:
             cut = self.offsets[evict]
             self.tokens, self.logprobs = self.tokens[cut:].copy(), self.logprobs[cut:].copy()
+            self.tool_mask = self.tool_mask[cut:].copy()
             self.offsets = self.offsets[evict:] - cut
             self.facts = self.facts[evict:].copy()
         return max(0, evict)

@@ -23,12 +23,14 @@ from rayrep.buffer.answers import FACTS, SOURCES, VERDICTS, Origins, PackedAnswe
 from rayrep.config import InputError
 from rayrep.types import Answer
 
-SNAPSHOT_VERSION = 3
+SNAPSHOT_VERSION = 4
 """2: each answer's provenance (run, checkpoint, temperature, verdict) and the shard versions;
-3: each answer's advantage (answer-level replay). Earlier versions are read: their answers'
-provenance unknown, verdict correct (1), advantage unknown (1, 2)."""
-POOL_VERSION = 2
-"""2: each answer's advantage; version 1 pools are read, their advantages unknown."""
+3: each answer's advantage (answer-level replay); 4: each answer's tool mask. Earlier versions
+are read: their answers' provenance unknown, verdict correct (1), advantage unknown (1, 2), no
+token written by a tool (1-3)."""
+POOL_VERSION = 3
+"""2: each answer's advantage; 3: its tool mask. Earlier pools are read, their advantages
+unknown (1), no token written by a tool (1, 2)."""
 
 
 class BufferFileError(InputError):
@@ -179,6 +181,13 @@ def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, Question
                                   f"{logprob_offsets[row + 1] - logprob_offsets[row]} log-probs")
         rows = len(table)
         names = table.column_names
+        tool_mask = None
+        if "tool_mask" in names:
+            tool_mask, mask_offsets = _lists(table, "tool_mask", path, np.bool_, first)
+            if not np.array_equal(offsets, mask_offsets):
+                row = int(np.nonzero(np.diff(offsets) != np.diff(mask_offsets))[0][0])
+                raise BufferFileError(f"{path}, row {first + row + 1}: {offsets[row + 1] - offsets[row]} token ids but "
+                                      f"a tool mask of {mask_offsets[row + 1] - mask_offsets[row]}")
         facts = np.zeros(rows, FACTS)
         facts["reward"] = _scalars(table, "reward", path, np.float32, first)
         facts["version"] = _scalars(table, "version", path, np.int32, first)
@@ -191,7 +200,7 @@ def _read_answers(path: Path, kind: str, known: int) -> tuple[dict[str, Question
         if "run" in names or "source_checkpoint" in names:
             facts["origin"] = _origins(table, path, origins, first)
         batch = PackedAnswers(uids=[], counts=np.empty(0, np.int64), offsets=offsets, tokens=tokens,
-                              logprobs=logprobs, facts=facts)
+                              logprobs=logprobs, facts=facts, tool_mask=tool_mask)
         prompts, prompt_offsets = _lists(table, "prompt_ids", path, np.int32, first)
         for uid, uid_rows in _rows_by_uid(_column(table, "uid", path, first).to_pylist()).items():
             entry = entries.get(uid)
@@ -218,6 +227,7 @@ ANSWER_SCHEMA = pa.schema([
     ("prompt_ids", pa.list_(pa.int32())),
     ("response_ids", pa.list_(pa.int32())),
     ("logprobs", pa.list_(pa.float32())),
+    ("tool_mask", pa.list_(pa.bool_())),
     ("reward", pa.float32()),
     ("version", pa.int32()),
     ("source", pa.string()),
@@ -315,6 +325,7 @@ def _answer_table(questions: list[tuple[str, QuestionAnswers]], origins: Origins
                                   pa.int32()),
         "response_ids": _list_array(flat("tokens", np.int32), answer_lengths, pa.int32()),
         "logprobs": _list_array(flat("logprobs", np.float32), answer_lengths, pa.float32()),
+        "tool_mask": _list_array(flat("tool_mask", np.bool_), answer_lengths, pa.bool_()),
     }
     facts = flat("facts", FACTS)
     for name, array in _fact_columns(facts, origins).items():
@@ -412,6 +423,7 @@ POOL_SCHEMA = pa.schema([
     ("prompt_ids", pa.list_(pa.int32())),
     ("response_ids", pa.list_(pa.int32())),
     ("logprobs", pa.list_(pa.float32())),
+    ("tool_mask", pa.list_(pa.bool_())),
     ("text", pa.string()),
     ("reward", pa.float32()),
     ("length", pa.int32()),
@@ -424,8 +436,9 @@ def write_pool(rows: list[dict], path: Path, source_checkpoint: str, checkers: d
     """Write an experience pool: one row per verified success (see POOL_SCHEMA).
 
     `rows` hold: uid, prompt (chat messages), ground_truth, data_source, prompt_ids,
-    response_ids, logprobs, text, reward, version. `checkers`: the checker that judged each
-    data source's answers (`pool_checkers`; unsaid: math-verify).
+    response_ids, logprobs, text, reward, version, and optionally tool_mask (an answer that
+    called a tool; unsaid: none). `checkers`: the checker that judged each data source's
+    answers (`pool_checkers`; unsaid: math-verify).
     """
     path = Path(path)
     for index, r in enumerate(rows):
@@ -433,6 +446,9 @@ def write_pool(rows: list[dict], path: Path, source_checkpoint: str, checkers: d
         if len(r["response_ids"]) != len(r["logprobs"]):
             raise BufferFileError(f"{path}, row {index + 1}: {len(r['response_ids'])} token ids "
                                   f"but {len(r['logprobs'])} log-probs")
+        if r.get("tool_mask") is not None and len(r["tool_mask"]) != len(r["response_ids"]):
+            raise BufferFileError(f"{path}, row {index + 1}: {len(r['response_ids'])} token ids "
+                                  f"but a tool mask of {len(r['tool_mask'])}")
     token_lengths = np.array([len(r["response_ids"]) for r in rows], np.int64)
     prompt_lengths = np.array([len(r["prompt_ids"]) for r in rows], np.int64)
 
@@ -448,6 +464,9 @@ def write_pool(rows: list[dict], path: Path, source_checkpoint: str, checkers: d
             "prompt_ids": _list_array(flat("prompt_ids", np.int32), prompt_lengths, pa.int32()),
             "response_ids": _list_array(flat("response_ids", np.int32), token_lengths, pa.int32()),
             "logprobs": _list_array(flat("logprobs", np.float32), token_lengths, pa.float32()),
+            "tool_mask": _list_array(np.concatenate([
+                np.zeros(len(r["response_ids"]), np.bool_) if r.get("tool_mask") is None else np.asarray(r["tool_mask"], np.bool_)
+                for r in rows]) if rows else np.empty(0, np.bool_), token_lengths, pa.bool_()),
             "text": [r["text"] for r in rows],
             "reward": [float(r["reward"]) for r in rows],
             "length": token_lengths.astype(np.int32),

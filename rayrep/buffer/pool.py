@@ -52,8 +52,9 @@ DESCRIPTION = "pool.json"
 # ---------------------------------------------------------------------- the journal
 
 _ARRAYS = (("counts", np.int64), ("offsets", np.int64), ("tokens", np.int32), ("logprobs", np.float32),
-           ("facts", FACTS), ("prompt_offsets", np.int64), ("prompts", np.int32))
-"""A write's arrays as a journal record holds them, in order (prompts: empty when absent)."""
+           ("facts", FACTS), ("prompt_offsets", np.int64), ("prompts", np.int32), ("tool_mask", np.bool_))
+"""A write's arrays as a journal record holds them, in order (prompts, tool mask: empty when
+absent; a record written before the tool mask existed has none)."""
 _HEAD = struct.Struct("<II")  # header bytes, body bytes
 _TAIL = struct.Struct("<I")   # CRC-32 of header and body
 
@@ -97,7 +98,8 @@ def decode_writes(data: bytes) -> tuple[list[tuple[dict, PackedAnswers | None]],
                 logprobs=arrays["logprobs"], facts=arrays["facts"],
                 origins={int(o): (run, checkpoint) for o, run, checkpoint in write["origins"]},
                 prompt_offsets=arrays["prompt_offsets"] if len(arrays["prompt_offsets"]) else None,
-                prompts=arrays["prompts"] if len(arrays["prompt_offsets"]) else None)
+                prompts=arrays["prompts"] if len(arrays["prompt_offsets"]) else None,
+                tool_mask=arrays["tool_mask"] if len(arrays.get("tool_mask", ())) else None)
         records.append((write, items))
         at = end
     return records, at
@@ -356,7 +358,7 @@ def read_source(source: str | Path) -> Imported:
     pool = read_pool(source)
     # Runs draw a pool's answers with their recorded behaviour log-probs (RLEP's 'recorded',
     # ExGRPO's shaped loss): every answer must have them.
-    lacking = next((uid for uid, (_, answers) in pool.items() if any(np.isnan(a.logprobs).any() for a in answers)), None)
+    lacking = next((uid for uid, (_, answers) in pool.items() if not all(a.arrays().logprobs_known for a in answers)), None)
     if lacking is not None:
         raise BufferFileError(f"{source}: question {lacking!r} has answers without behaviour log-probs (a text pool "
                               f"converted by jobs/collect.py --import-text); import the text with `import --text`, "

@@ -1,5 +1,5 @@
-"""A shard's flat columnar store (`AnswerStore`): every answer's token ids and behaviour
-log-probs in two arenas, one row of small columns per answer, and per question only its
+"""A shard's flat columnar store (`AnswerStore`): every answer's token ids, behaviour
+log-probs and tool mask in three arenas, one row of small columns per answer, and per question only its
 prompt, its bucket and the row numbers of its answers (`StoredQuestion`). Drawing 1,024
 answers of 512 questions is then a few vectorized gathers, not a Python step per answer
 (which, with an array set per question, took most of a sampling call's time). Python
@@ -14,14 +14,18 @@ import numpy as np
 from rayrep.buffer.answers import FACTS, Origins, PackedAnswers, QuestionAnswers, cumulative_offsets, flat_array, spans
 
 class AnswerStore:
-    """A shard's answers in flat columns: token ids and log-probs in two arenas, and one row
-    per answer (where its tokens start, how many, reward, version, source, step).
+    """A shard's answers in flat columns: per token, its id, log-prob and whether a tool
+    wrote it, in three arenas (`ARENAS`), and one row per answer (where its tokens start, how
+    many, reward, version, source, step).
 
     Rows and tokens are only appended; an evicted or retired answer leaves a hole, and the
     store is compacted (live rows rewritten in question order) once holes outweigh what
     is live. Every array is the store's own, never a view of a call's arguments (which,
     in a Ray actor, are views of the call's whole serialized buffer)."""
 
+    ARENAS = {"tokens": np.int32, "logprobs": np.float32, "tool_mask": np.bool_}
+    """The per-token arrays, by their names in `PackedAnswers` and `QuestionAnswers`."""
+    TOKEN_BYTES = sum(np.dtype(dtype).itemsize for dtype in ARENAS.values())
     ROW_COLUMNS = {"starts": np.int64, "lengths": np.int64, "serials": np.int64, "owners": np.int32, "facts": FACTS}
     """Per row: where its tokens start, how many, its serial number (never reused while the
     store lives: how a chosen answer is asked for again even if other writers' answers moved
@@ -35,8 +39,7 @@ class AnswerStore:
     """Rows copied at a time by `compact`: memory holds the new store plus one such part."""
 
     def __init__(self):
-        self.tokens = np.empty(0, np.int32)
-        self.logprobs = np.empty(0, np.float32)
+        self.arenas = {name: np.empty(0, dtype) for name, dtype in self.ARENAS.items()}
         self.columns = {name: np.empty(0, dtype) for name, dtype in self.ROW_COLUMNS.items()}
         self.used_tokens = 0
         self.used_rows = 0
@@ -56,8 +59,9 @@ class AnswerStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the live answers: 8 per token (id, log-prob), and each row's (`ROW_BYTES`)."""
-        return 8 * self.live_tokens + self.ROW_BYTES * self.live_rows
+        """Bytes of the live answers: 9 per token (id, log-prob, tool mask), and each row's
+        (`ROW_BYTES`)."""
+        return self.TOKEN_BYTES * self.live_tokens + self.ROW_BYTES * self.live_rows
 
     def reserve(self, tokens: int, rows: int) -> None:
         """Room for `tokens` more tokens and `rows` more answers."""
@@ -68,8 +72,7 @@ class AnswerStore:
             bigger[:used] = array[:used]
             return bigger
 
-        self.tokens = grown(self.tokens, self.used_tokens, tokens)
-        self.logprobs = grown(self.logprobs, self.used_tokens, tokens)
+        self.arenas = {name: grown(array, self.used_tokens, tokens) for name, array in self.arenas.items()}
         self.columns = {name: grown(array, self.used_rows, rows) for name, array in self.columns.items()}
 
     def append(self, batch: PackedAnswers, rows: np.ndarray, owners: np.ndarray) -> np.ndarray:
@@ -79,12 +82,13 @@ class AnswerStore:
         offsets = cumulative_offsets(lengths)
         self.reserve(int(offsets[-1]), len(rows))
         span = slice(self.used_tokens, self.used_tokens + int(offsets[-1]))
-        if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
-            source = slice(batch.offsets[rows[0]], batch.offsets[rows[-1] + 1])  # consecutive answers: one slice
-            self.tokens[span], self.logprobs[span] = batch.tokens[source], batch.logprobs[source]
-        else:
-            self.tokens[span] = spans(batch.tokens, batch.offsets[rows], lengths)
-            self.logprobs[span] = spans(batch.logprobs, batch.offsets[rows], lengths)
+        consecutive = len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1)
+        given = {"tokens": batch.tokens, "logprobs": batch.logprobs, "tool_mask": batch.tool_mask_or_zeros()}
+        for name, arena in self.arenas.items():
+            if consecutive:  # one slice
+                arena[span] = given[name][batch.offsets[rows[0]] : batch.offsets[rows[-1] + 1]]
+            else:
+                arena[span] = spans(given[name], batch.offsets[rows], lengths)
         new = np.arange(self.used_rows, self.used_rows + len(rows))
         self.origins.update(batch.origins)
         values = {"starts": self.used_tokens + offsets[:-1], "lengths": lengths,
@@ -113,7 +117,7 @@ class AnswerStore:
 
     def tokens_of(self, row: int) -> np.ndarray:
         start = self.columns["starts"][row]
-        return self.tokens[start : start + self.columns["lengths"][row]]
+        return self.arenas["tokens"][start : start + self.columns["lengths"][row]]
 
     def gather(self, uids: list[str], counts, rows: np.ndarray, prompts: list[np.ndarray] | None = None,
                logprobs: bool = True) -> PackedAnswers:
@@ -122,10 +126,12 @@ class AnswerStore:
         starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
         packed = PackedAnswers(
             uids=list(uids), counts=np.asarray(counts, np.int64), offsets=cumulative_offsets(lengths),
-            tokens=spans(self.tokens, starts, lengths),
-            logprobs=spans(self.logprobs, starts, lengths) if logprobs else None,
+            tokens=spans(self.arenas["tokens"], starts, lengths),
+            logprobs=spans(self.arenas["logprobs"], starts, lengths) if logprobs else None,
             facts=self.columns["facts"][rows],
         )
+        tool_mask = spans(self.arenas["tool_mask"], starts, lengths)
+        packed.tool_mask = tool_mask if tool_mask.any() else None
         packed.origins = {int(o): self.origins[int(o)] for o in np.unique(packed.facts["origin"]) if o}
         if prompts is not None:
             packed.prompt_offsets = cumulative_offsets(np.array([len(p) for p in prompts], np.int64))
@@ -139,12 +145,13 @@ class AnswerStore:
         rows = np.concatenate([q.rows for q in questions]) if questions else np.empty(0, np.int64)
         starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
         offsets = cumulative_offsets(lengths)
-        tokens, logprobs = np.empty(offsets[-1], np.int32), np.empty(offsets[-1], np.float32)
+        arenas = {name: np.empty(offsets[-1], dtype) for name, dtype in self.ARENAS.items()}
         for first in range(0, len(rows), self.COMPACT_ROWS):
             part = slice(first, first + self.COMPACT_ROWS)
             into = slice(offsets[first], offsets[min(first + self.COMPACT_ROWS, len(rows))])
-            tokens[into], logprobs[into] = spans(self.tokens, starts[part], lengths[part]), spans(self.logprobs, starts[part], lengths[part])
-        self.tokens, self.logprobs = tokens, logprobs
+            for name, arena in arenas.items():
+                arena[into] = spans(self.arenas[name], starts[part], lengths[part])
+        self.arenas = arenas
         self.columns = {name: array[rows] for name, array in self.columns.items()}
         self.columns["starts"] = offsets[:-1].copy()
         self.used_tokens, self.used_rows = int(offsets[-1]), len(rows)
@@ -160,8 +167,8 @@ class AnswerStore:
         starts, lengths = self.columns["starts"][rows], self.columns["lengths"][rows]
         entry = QuestionAnswers(question.prompt_ids)
         if count:
-            entry.tokens = self.tokens[starts[0] : starts[-1] + lengths[-1]]
-            entry.logprobs = self.logprobs[starts[0] : starts[-1] + lengths[-1]]
+            for name, arena in self.arenas.items():
+                setattr(entry, name, arena[starts[0] : starts[-1] + lengths[-1]])
             entry.offsets = np.append(starts, starts[-1] + lengths[-1]) - starts[0]
         entry.facts = self.columns["facts"][rows]
         entry.bucket = question.bucket

@@ -210,6 +210,8 @@ def make_plan(cfg: Config, learners: bool = True, replay_shards: int = 0) -> Pla
     # CPU nodes when the cluster marks them.
     marker = {place.cpu_node_resource: 0.001} if place.cpu_node_resource else {}
     cpu_roles = [("verifier", "verifiers", cfg.verifier.num_workers, cfg.verifier.cpus_per_worker)]
+    if cfg.tools.enabled:
+        cpu_roles.append(("tool", "tools", cfg.tools.num_workers, cfg.tools.cpus_per_worker))
     if replay_shards:
         cpu_roles.append(("replay", "replay", replay_shards, cfg.replay.cpus_per_shard))
     for role, name, count, role_cpus in cpu_roles:
@@ -220,7 +222,7 @@ def make_plan(cfg: Config, learners: bool = True, replay_shards: int = 0) -> Pla
             slots[role] = [RoleSlot(name, i, dict(shape)) for i in range(count)]
     # Colocated roles take turns, so each may use all of its bundle's cores (or `placement.threads`).
     threads = place.threads or cpus
-    return Plan(groups, strategies, slots, {"learner": threads, "generator": threads, "verifier": 1, "replay": 1},
+    return Plan(groups, strategies, slots, {"learner": threads, "generator": threads, "verifier": 1, "tool": 1, "replay": 1},
                 nodes=max(1, gpu_groups), transport=weight_transport(cfg) if learners else "")
 
 

@@ -166,16 +166,45 @@ FORMAT_TERMS = ("think", "boxed")
 """The format terms by name (`rayrep.verifier.checkers.format_values`); besides them, chars:MIN-MAX."""
 
 
-def checker_name(name: str, field: str) -> str:
-    """`name` if it names a checker: a built-in one, or a user's function as
-    path/to/file.py:function or package.module:function (ConfigError naming `field`)."""
+def checker_name(name: str, field: str, builtins: tuple[str, ...] = CHECKERS, what: str = "a checker") -> str:
+    """`name` if it names a checker (or `what` else, of `builtins`): a built-in one, or a
+    user's function as path/to/file.py:function or package.module:function (ConfigError
+    naming `field`)."""
     where, sep, function = name.rpartition(":")
-    if name not in CHECKERS and not (sep and where and function.isidentifier()
+    if name not in builtins and not (sep and where and function.isidentifier()
                                      and (where.endswith(".py") or "/" in where
                                           or all(p.isidentifier() for p in where.split(".")))):
-        raise ConfigError(f"{field}: {name!r} is not a checker: {', '.join(CHECKERS)}, "
+        raise ConfigError(f"{field}: {name!r} is not {what}: {', '.join(builtins)}, "
                           f"path/to/file.py:function or package.module:function")
     return name
+
+
+TOOLS = ("calculator", "python")
+"""The tools rayrep ships, by name (`rayrep.verifier.tools`): the arithmetic task's
+calculator, and Python run as the code checker runs a program."""
+
+
+@dataclass
+class ToolsConfig:
+    name: str = option("", "the tool the policy calls in its answers (docs/tools.md): calculator, python, or your own function, path/to/file.py:function or package.module:function (call text -> output text); empty: answers in one turn, no tool")
+    call_start: str = option("<tool_call>", "the markup that opens a call in the policy's text")
+    call_end: str = option("</tool_call>", "the markup that closes a call (a turn also ends there when it is one token)")
+    max_turns: int = option(4, "the most turns of the policy in one answer; a call in its last turn is not run (the response token budget, generator.max_response_tokens, is the whole answer's, tool output included)", min=1)
+    max_output_chars: int = option(512, "a tool's output is cut to this many characters, marked as cut", min=1)
+    timeout_s: float = option(5.0, "wall-clock limit of one call; a slower one answers as timed out", min=0.01)
+    num_workers: int = option(1, "tool actors running calls in parallel, each in its own sandbox", min=1)
+    cpus_per_worker: float = option(0.25, "CPUs each tool actor's bundle reserves", min=0.01)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name)
+
+    def check(self, cfg: Config) -> None:
+        if self.enabled:
+            checker_name(self.name, "tools.name", TOOLS, "a tool")
+            if not self.call_start or not self.call_end:
+                raise ConfigError(f"tools.call_start={self.call_start!r}, tools.call_end={self.call_end!r}: a tool "
+                                  "call needs markup on both sides")
 
 
 @dataclass
@@ -474,6 +503,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -571,5 +601,6 @@ def validate(cfg: Config) -> None:
     """Types and ranges of every field, then each section's rules (`check`): a rule that ties
     fields of several sections is the section's whose knob it limits."""
     check_fields(cfg)
-    for section in (cfg.learner, cfg.generator, cfg.placement, cfg.run, cfg.serve, cfg.verifier, cfg.replay, cfg.data):
+    for section in (cfg.learner, cfg.generator, cfg.placement, cfg.run, cfg.serve, cfg.verifier, cfg.tools, cfg.replay,
+                    cfg.data):
         section.check(cfg)

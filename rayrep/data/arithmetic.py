@@ -124,6 +124,28 @@ def _split_expression(expression: str) -> list[str]:
     return re.findall(r"\d+|[-+*]", expression)
 
 
+CALCULATOR_LIMITS = (12, 20)
+"""The calculator's largest operand (digits) and most operands: it computes what the task
+asks, not what a hostile call would make it."""
+
+
+def calculate(expression: str) -> str:
+    """The value of `expression` in the task's own notation (non-negative integers joined by
+    +, - and *, spaces allowed, evaluated left to right as the task's solutions are), as
+    text: the embedded tool task's calculator. A ValueError says what it cannot read."""
+    text = expression.replace(" ", "")
+    if not re.fullmatch(r"\d+([-+*]\d+)*", text):
+        raise ValueError(f"not an expression of integers and + - *: {expression[:40]!r}")
+    tokens = _split_expression(text)
+    digits, operands = CALCULATOR_LIMITS
+    if len(tokens) > 2 * operands - 1 or any(len(t) > digits for t in tokens[::2]):
+        raise ValueError(f"at most {operands} operands of {digits} digits")
+    value = int(tokens[0])
+    for op, operand in zip(tokens[1::2], tokens[2::2]):
+        value = _apply(value, op, int(operand))
+    return str(value)
+
+
 def resolve_levels(names) -> list[Level]:
     unknown = [n for n in names if n not in LEVELS]
     if unknown:

@@ -16,10 +16,11 @@ import numpy as np
 
 from rayrep.cluster.memory import GIB, compute_bytes, model_shape
 from rayrep.config import Config, InputError
+from rayrep.generator.turns import ToolResult, Turns, current_turn, turns_taken
 from rayrep.heap import long_lived
 from rayrep.models import config_overrides
 from rayrep.models.adapter import adapter_rank, base_policy, is_adapter, vllm_max_lora_rank
-from rayrep.types import PAUSED, Rollout
+from rayrep.types import PAUSED, TOOL_FAILED, Rollout, ToolUse
 
 if TYPE_CHECKING:
     from rayrep.generator.vllm_internals import Completion
@@ -304,6 +305,7 @@ def sample_as_finished(
     carried: Sequence[Sequence[Rollout]] = (),
     quota: int | None = None,
     adapter=None,
+    turns: Turns | None = None,
 ) -> Iterator[tuple[list[int], list[list[Rollout]]]]:
     """`sample`'s answers, a prompt's as soon as all of its `n` are done: yields (positions
     of the prompts in `prompt_ids`, their rollouts), in about `parts` parts (the prompts
@@ -323,20 +325,27 @@ def sample_as_finished(
     stops the others and the last part holds them, each answer done or `PAUSED` with its
     tokens so far (the groups done in the same engine step all arrive: possibly more than
     `quota`). An engine steps the same requests the same way every time, so where it stops
-    does not depend on timing. `adapter`: the LoRA adapter every request samples with (`sample`)."""
+    does not depend on timing. `adapter`: the LoRA adapter every request samples with (`sample`).
+
+    `turns`: answers are written in turns with a tool (`rayrep.generator.turns`): a turn that
+    calls it has the call run by `turns.runner` while the engine goes on with the others, and
+    the answer continues, the tool's output appended, as a request of its own (answer a of a
+    group of n seeded s, k tokens long so far, draws with seed s + a + n k). A stopped call
+    (`quota`) waits for its tool's output: a paused answer resumes with a turn of the policy."""
     from rayrep.generator.vllm_internals import RequestLoop
 
     counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
     seeds = [None] * (len(prompt_ids) + len(carried)) if seeds is None else list(seeds)
-    # Whole answers, once all of a prompt's are done, unless answers may stop half way: then
-    # each engine step's new tokens, kept here (`_Answers`).
-    partial = quota is not None or bool(carried)
+    # Whole answers, once all of a prompt's are done, unless answers may stop half way or go
+    # on in turns: then each engine step's new tokens, kept here (`_Answers`).
+    partial = quota is not None or bool(carried) or turns is not None
     engine = RequestLoop(llm, streamed=partial)
+    stop = [turns.format.stop_token] if turns is not None and turns.format.stop_token is not None else None
 
     def add(name: str, ids: list[int], count: int, seed: int | None, done: int = 0) -> str:
         return engine.add(name, ids, n=count, seed=seed, temperature=temperature, top_p=top_p,
                           max_tokens=max_tokens - done, min_tokens=min(max(0, min_tokens - done), max_tokens - done),
-                          adapter=adapter)
+                          adapter=adapter, stop_token_ids=stop)
 
     # Each request is named by its prompt's position (the engine reports a request under the
     # name it was given), a continued answer by its group's position and its own; the
@@ -350,8 +359,7 @@ def sample_as_finished(
         groups.append(group)
         for a, answer in enumerate(answers):
             if answer.finish_reason == PAUSED:
-                group.answers[a] = None
-                group.before[a] = answer
+                group.resume(a, answer)
                 seed = None if seeds[position] is None else seeds[position] + a
                 requests.setdefault(position, []).append(add(
                     f"{REQUEST_PREFIX}{position}-{a}", group.prompt + answer.response_ids.tolist(), 1, seed,
@@ -361,28 +369,63 @@ def sample_as_finished(
     part_size = max(1, -(-len(groups) // max(1, parts)))
     positions = [p for p, group in enumerate(groups) if group.done()]  # (carried whole: nothing to continue)
     done = set(positions)
+
+    def calling() -> int:
+        return turns.runner.running() if turns is not None else 0
+
+    def took_output(position: int, a: int, result: ToolResult, go_on: bool) -> None:
+        """A call's result joins its answer; the answer goes on (`go_on`), or pauses."""
+        group = groups[position]
+        length = group.add_output(a, turns.output_ids(result.output, group.last_token(a)), result,
+                                  room=max_tokens - group.length(a))
+        if result.status == "lost":
+            group.finish(a, TOOL_FAILED, version, tokenizer)
+        elif length >= max_tokens:
+            group.finish(a, "length", version, tokenizer)
+        elif go_on:
+            seed = None if seeds[position] is None else seeds[position] + a + len(group.answers) * length
+            requests.setdefault(position, []).append(add(
+                f"{REQUEST_PREFIX}{position}-{a}", group.prompt + group.ids(a), 1, seed, length))
+
     try:
         if positions and not engine.busy():
             yield positions, [groups[p].answers for p in positions]
-        while engine.busy():
+        while engine.busy() or calling():
             for name, completions in engine.step():
                 position, _, answer = name.removeprefix(REQUEST_PREFIX).partition("-")
                 group = groups[int(position)]
                 if not partial:
                     group.answers = _rollouts(group.prompt, completions, version, tokenizer)
-                else:
-                    for completion in completions:
-                        group.add(int(answer) if answer else completion.index, completion, version, tokenizer)
+                for completion in completions if partial else ():
+                    a = int(answer) if answer else completion.index
+                    group.add(a, completion, version)
+                    if completion.finish_reason is None:
+                        continue
+                    call = group.call(a, turns, max_tokens) if turns and completion.finish_reason == "stop" else None
+                    if call is None:
+                        group.finish(a, completion.finish_reason, version, tokenizer)
+                    else:
+                        turns.runner.submit((int(position), a), call)
                 if group.done() and int(position) not in done:
                     done.add(int(position))
                     positions.append(int(position))
-            stopping = quota is not None and len(done) >= quota and done.issuperset(continued) and engine.busy()
-            if positions and (len(positions) >= part_size or stopping or not engine.busy()):
+            if calling():
+                for (position, a), result in turns.runner.finished(wait=not engine.busy()):
+                    took_output(position, a, result, go_on=True)
+                    if groups[position].done() and position not in done:
+                        done.add(position)
+                        positions.append(position)
+            busy = engine.busy() or calling()
+            stopping = quota is not None and len(done) >= quota and done.issuperset(continued) and busy
+            if positions and (len(positions) >= part_size or stopping or not busy):
                 yield positions, [groups[p].answers for p in positions]
                 positions = []
             if stopping:
                 stopped = [p for p in range(len(groups)) if p not in done]
                 engine.abort(r for p in stopped for r in requests.get(p, ()))
+                while calling():  # a call under way ends its turn: its output is the answer's
+                    for (position, a), result in turns.runner.finished(wait=True):
+                        took_output(position, a, result, go_on=False)
                 done.update(stopped)
                 yield stopped, [groups[p].paused(version, tokenizer) for p in stopped]
                 return
@@ -392,24 +435,86 @@ def sample_as_finished(
             engine.abort(r for p in left for r in requests.get(p, ()))
 
 
+class _Growing:
+    """One answer's tokens so far, as the engine and the tools add them (a carried answer's
+    from where it stopped)."""
+
+    __slots__ = ("ids", "logprobs", "tool", "versions", "tools")
+
+    def __init__(self, before: Rollout | None = None):
+        self.ids: list[int] = [] if before is None else before.response_ids.tolist()
+        self.logprobs: list[float] = [] if before is None else before.logprobs.tolist()
+        self.tool: list[bool] = [] if before is None else before.tool_tokens().tolist()
+        self.versions: list[int] = [] if before is None else before.versions().tolist()
+        self.tools: ToolUse | None = None if before is None else before.tools
+
+
 class _Answers:
-    """One group's answers while the engine samples them, from its steps' new tokens (`add`):
-    done ones as `Rollout`s, the others as tokens so far, each continued one after the answer
-    it continues (`before`)."""
+    """One group's answers while the engine samples them, from its steps' new tokens (`add`)
+    and its tools' outputs (`add_output`): done ones as `Rollout`s, the others as tokens so
+    far."""
 
     def __init__(self, prompt: list[int], answers: list[Rollout | None]):
         self.prompt = prompt
         self.prompt_array = np.asarray(prompt, np.int32)  # (the answers share it)
         self.answers = answers
-        self.before: dict[int, Rollout] = {}
-        self.tokens: dict[int, tuple[list[int], list[float]]] = {}
+        self.growing: dict[int, _Growing] = {}
 
-    def add(self, a: int, completion: Completion, version: int, tokenizer) -> None:
-        ids, logprobs = self.tokens.setdefault(a, ([], []))
-        ids.extend(completion.token_ids)
-        logprobs.extend(completion.logprobs)
-        if completion.finish_reason is not None:
-            self.answers[a] = self._answer(a, completion.finish_reason, version, tokenizer)
+    def resume(self, a: int, answer: Rollout) -> None:
+        """Continue the paused `answer` as answer `a`."""
+        self.answers[a] = None
+        self.growing[a] = _Growing(answer)
+
+    def _grown(self, a: int) -> _Growing:
+        grown = self.growing.get(a)
+        if grown is None:
+            grown = self.growing[a] = _Growing()
+        return grown
+
+    def add(self, a: int, completion: Completion, version: int) -> None:
+        grown = self._grown(a)
+        grown.ids.extend(completion.token_ids)
+        grown.logprobs.extend(completion.logprobs)
+        grown.tool.extend([False] * len(completion.token_ids))
+        grown.versions.extend([version] * len(completion.token_ids))
+
+    def add_output(self, a: int, ids: list[int], result: ToolResult, room: int) -> int:
+        """Append a tool's output (`ids`, at most `room` of them) to answer `a`; returns its
+        length now."""
+        grown = self._grown(a)
+        ids = ids[:room]
+        version = grown.versions[-1] if grown.versions else 0
+        grown.ids.extend(ids)
+        grown.logprobs.extend([math.nan] * len(ids))
+        grown.tool.extend([True] * len(ids))
+        grown.versions.extend([version] * len(ids))
+        use = ToolUse(calls=1, errors=int(result.status in ("error", "lost")), timeouts=int(result.status == "timeout"),
+                      seconds=result.seconds, tokens=len(ids), failed=result.status == "lost")
+        grown.tools = use if grown.tools is None else grown.tools + use
+        return len(grown.ids)
+
+    def ids(self, a: int) -> list[int]:
+        return self._grown(a).ids
+
+    def length(self, a: int) -> int:
+        return len(self._grown(a).ids)
+
+    def last_token(self, a: int) -> int | None:
+        ids = self._grown(a).ids
+        return ids[-1] if ids else None
+
+    def call(self, a: int, turns: Turns, max_tokens: int) -> str | None:
+        """The tool call that ends answer `a`'s current turn, unless it has taken its last turn
+        or its token budget: then (or without a call) the answer ends here."""
+        grown = self._grown(a)
+        mask = np.asarray(grown.tool, bool)
+        if turns_taken(mask) >= turns.max_turns or len(grown.ids) >= max_tokens:
+            return None
+        start = current_turn(mask, len(grown.ids))
+        return turns.format.call(turns.tokenizer.decode(grown.ids[start:], skip_special_tokens=False))
+
+    def finish(self, a: int, reason: str, version: int, tokenizer) -> None:
+        self.answers[a] = self._answer(a, reason, version, tokenizer)
 
     def done(self) -> bool:
         return all(answer is not None for answer in self.answers)
@@ -420,18 +525,14 @@ class _Answers:
                 for a, answer in enumerate(self.answers)]
 
     def _answer(self, a: int, reason: str, version: int, tokenizer) -> Rollout:
-        ids, logprobs = self.tokens.get(a, ([], []))
-        before = self.before.get(a)
-        if before is None:
-            return Rollout(prompt_ids=self.prompt_array, response_ids=ids, logprobs=logprobs,
-                           text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason, version=version)
-        response = np.concatenate([before.response_ids, np.asarray(ids, np.int32)])
-        # The whole answer decoded: its first tokens were part of the continued request's prompt.
-        return Rollout(prompt_ids=before.prompt_ids, response_ids=response,
-                       logprobs=np.concatenate([before.logprobs, np.asarray(logprobs, np.float32)]),
-                       text=tokenizer.decode(response.tolist(), skip_special_tokens=True), finish_reason=reason,
-                       version=min(before.version, version),
-                       token_versions=np.concatenate([before.versions(), np.full(len(ids), version, np.int32)]))
+        grown = self.growing.get(a) or _Growing()
+        versions = np.asarray(grown.versions, np.int32)
+        uniform = not len(versions) or (versions == versions[0]).all()
+        return Rollout(prompt_ids=self.prompt_array, response_ids=grown.ids, logprobs=grown.logprobs,
+                       text=tokenizer.decode(grown.ids, skip_special_tokens=True), finish_reason=reason,
+                       version=int(versions.min()) if len(versions) else version,
+                       token_versions=None if uniform else versions,
+                       tool_mask=np.asarray(grown.tool, bool) if any(grown.tool) else None, tools=grown.tools)
 
 
 def _rollouts(ids: list[int], completions: list[Completion], version: int, tokenizer) -> list[Rollout]:

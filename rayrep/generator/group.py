@@ -104,6 +104,9 @@ class GeneratorGroup:
                                      ready=lambda slot, worker: worker.policy_version.remote(),
                                      on_replaced=on_replaced, replace_all_dead=True)
         self.workers = self.supervisor.workers
+        self.tool_workers: list | None = None
+        """The tool group's live actors, whose calls the engines make (a run whose answers call
+        a tool: `rayrep.verifier.tools.ToolGroup`), or None."""
 
     @staticmethod
     def create(cfg: Config, model_path: str, placement: Placement, version: int = 0,
@@ -175,7 +178,7 @@ class GeneratorGroup:
         worker = self.workers[request.generator]
         stream = worker.generate_as_finished.options(num_returns="streaming").remote(
             request.prompt_ids, request.counts, request.temperature, request.top_p, request.max_tokens, request.seeds,
-            request.parts, list(request.carried), request.quota)
+            request.parts, list(request.carried), request.quota, self.tool_workers)
         return Share(indices, request, worker, stream, retries)
 
     def complete(self, shares: Sequence[Share], counts: Counter | None = None,

@@ -175,15 +175,16 @@ class RequestLoop:
         self._kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
 
     def add(self, name: str, prompt_ids: list[int], *, n: int, seed: int | None, temperature: float, top_p: float,
-            max_tokens: int, min_tokens: int = 0, adapter=None) -> str:
+            max_tokens: int, min_tokens: int = 0, adapter=None, stop_token_ids: list[int] | None = None) -> str:
         """Queue `n` answers to the prompt `prompt_ids`; returns the engine's own id of the
-        request (which `abort` takes)."""
+        request (which `abort` takes). `stop_token_ids`: tokens that end an answer besides the
+        end of sequence (each kept as the answer's last)."""
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
 
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
                                 min_tokens=min_tokens, logprobs=0, flat_logprobs=True, detokenize=False,
-                                output_kind=self._kind)
+                                output_kind=self._kind, stop_token_ids=stop_token_ids)
         return self._engine.add_request(name, tokens_input(prompt_ids), params, lora_request=adapter)
 
     def busy(self) -> bool:

@@ -60,6 +60,8 @@ class GeneratorWorker:
         self.adapter_dir = None
         """Where the adapters this engine receives are written (a temporary folder of its own)."""
         self.llm = None
+        self.tool_format = None
+        """How answers call the run's tool (`tools.name`), read from the engine's tokenizer."""
         if start_engine:
             self.start_engine()
         else:
@@ -73,8 +75,13 @@ class GeneratorWorker:
         """Build the engine, unless it is built; returns the policy version it samples."""
         if self.llm is None:
             from rayrep.generator.engine import make_engine
+            from rayrep.generator.turns import ToolFormat
 
             self.llm = make_engine(self.cfg, **self.engine_args)
+            tools = self.cfg.tools
+            if tools.enabled:  # (the driver checked the template before any actor started)
+                self.tool_format = ToolFormat.of(self.llm.get_tokenizer(), tools.call_start, tools.call_end,
+                                                 tools.max_output_chars)
             for part in ENGINE_AWAKE:
                 self.residency.move(part, DEVICE)
         return self.version
@@ -82,7 +89,7 @@ class GeneratorWorker:
     def generate_as_finished(
         self, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float, max_tokens: int,
         seeds: list[int] | None, parts: int, carried: list[tuple[list[int], list[Answer]]] = (),
-        quota: int | None = None,
+        quota: int | None = None, tool_workers: list | None = None,
     ) -> Iterator[PartFacts | RolloutPart]:
         """`n` rollouts of each prompt (see `rayrep.generator.engine.sample`), as the engine
         finishes them, in about `parts` parts (a Ray streaming call): each part is two objects,
@@ -92,8 +99,10 @@ class GeneratorWorker:
         the learners and the buffer shards) as soon as they exist. Partial rollouts: `carried`
         groups ((question, answers by reference): read here) continue their paused answers,
         and `quota` stops the call once that many groups are done
-        (`rayrep.generator.engine.sample_as_finished`)."""
+        (`rayrep.generator.engine.sample_as_finished`). `tool_workers`: the tool group's actors,
+        which run the calls of a run whose answers call a tool (`rayrep.generator.turns`)."""
         from rayrep.generator.engine import sample_as_finished
+        from rayrep.generator.turns import ActorTools, Turns
 
         # Asleep, vLLM's scheduler waits to be woken and the call would hang: refused instead.
         self.residency.require("sampling", WEIGHTS, KV_CACHE)
@@ -101,10 +110,13 @@ class GeneratorWorker:
             raise ResidencyError(f"{self.residency.owner}: sampling needs a whole policy, and its last weight sync "
                                  "failed half way (the runtime sends the weights again)")
         groups, lost = read_carried(carried, self.version)
+        turns = None
+        if self.tool_format is not None:
+            turns = Turns(self.tool_format, ActorTools(tool_workers), self.cfg.tools.max_turns, self.llm.get_tokenizer())
         for positions, rollouts in sample_as_finished(self.llm, prompt_ids, n=n, temperature=temperature, top_p=top_p,
                                                       max_tokens=max_tokens, seeds=seeds, version=self.version,
                                                       parts=parts, min_tokens=self.cfg.generator.min_response_tokens,
-                                                      carried=groups, quota=quota, adapter=self.adapter):
+                                                      carried=groups, quota=quota, adapter=self.adapter, turns=turns):
             # (Where each answer's arrays are, the reader fills in: the part's ref is made by this yield.)
             yield PartFacts(positions, [[Answer.sampled(None, (p, a), r) for a, r in enumerate(answers)]
                                         for p, answers in enumerate(rollouts)], lost)

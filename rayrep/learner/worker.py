@@ -158,12 +158,12 @@ class LearnerWorker:
     # ------------------------------------------------------------------ forward passes and training
 
     def mean_entropies(self, answers: TokenSequences) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, [n] mean token entropy of each answer over its own response tokens) for this
+        """(rows, [n] mean token entropy of each answer over its policy's tokens) for this
         rank's share of `answers` (ExGRPO's choice of the answer to replay: the stored answers,
         a ref resolved by Ray, as the replay shards packed them); each answer is a row and a
         question of its own."""
-        prompts, responses = answers.sequences()
-        batch = TrainBatch.of_sequences(prompts, responses, range(len(responses)))
+        prompts, responses, tool_masks = answers.sequences()
+        batch = TrainBatch.of_sequences(prompts, responses, range(len(responses)), tool_masks=tool_masks)
         # Colocated, the hand-over to the learners brought the state back; this pass moves nothing.
         self.residency.require("ExGRPO's entropy pass", PARAMETERS)
         with self.residency.working_on(FORWARD_PASS):

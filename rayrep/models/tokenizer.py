@@ -17,12 +17,14 @@ PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)
 BYTE_SYMBOLS = tuple(sorted(pre_tokenizers.ByteLevel.alphabet()))
 
-# Questions and answers are framed as "Q: ...\nA: ...<eos>". The template renders a chat
-# list the way the warm start saw it, so rollouts, training and serving agree.
+# Questions and answers are framed as "Q: ...\nA: ...<eos>", a tool's output as "R: ...". The
+# template renders a chat list the way the warm start saw it, so rollouts, training and
+# serving agree.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
     "{% elif message['role'] == 'user' %}Q: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'tool' %}R: {{ message['content'] }}\n"
     "{% else %}A: {{ message['content'] }}" + EOS + "\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}A: {% endif %}"

@@ -73,7 +73,8 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
                 rows += [{
                     "uid": prompt.uid, "prompt": prompt.messages, "ground_truth": prompt.ground_truth,
                     "data_source": prompt.data_source, "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
-                    "logprobs": r.logprobs, "text": r.text, "reward": reward, "version": r.version,
+                    "logprobs": r.logprobs, "tool_mask": r.tool_mask, "text": r.text, "reward": reward,
+                    "version": r.version,
                 } for r, reward in successes]
             progress.update(begin + len(part), kept=kept_questions, successes=len(rows))
     finally:

@@ -29,6 +29,7 @@ from rayrep.roles.turns import OwnDevices, SharedGpus
 from rayrep.sync.weights import WeightSync
 from rayrep.sync.collective import nccl_environment
 from rayrep.verifier.group import VerifierGroup
+from rayrep.verifier.tools import ToolGroup
 
 
 def connect_ray(plan: Plan) -> bool:
@@ -88,6 +89,8 @@ class Runtime:
     placement: Placement
     generators: GeneratorGroup
     verifiers: VerifierGroup
+    tools: ToolGroup | None
+    """The actors that run the answers' tool calls (`tools.name`), else None."""
     learners: LearnerGroup | None
     sync: WeightSync | None
     buffer: ReplayStore | None
@@ -124,7 +127,7 @@ class Runtime:
         self.ledger = (DeviceLedger(memory, ledger_gpus(cfg, train), strict=cfg.placement.emulate_gpus)
                        if memory is not None else None)
         self.turns = OwnDevices()
-        self.generators = self.verifiers = self.learners = self.sync = self.buffer = None
+        self.generators = self.verifiers = self.tools = self.learners = self.sync = self.buffer = None
         try:
             self._start_roles(cfg, model_path, train, policy_version, generator_path)
         except BaseException:
@@ -141,6 +144,9 @@ class Runtime:
         self.generators = GeneratorGroup.start(cfg, generator_path or model_path, self.placement, policy_version,
                                               on_replaced=self.bring_to_policy, engines=not turns)
         self.verifiers = VerifierGroup.create(cfg, self.placement)
+        if cfg.tools.enabled:
+            self.tools = ToolGroup(cfg, self.placement)
+            self.generators.tool_workers = self.tools.workers  # (the live list: replacements show)
         if train:
             self.learners = LearnerGroup(cfg, model_path, self.placement)
         if turns:
@@ -241,9 +247,16 @@ class Runtime:
         self.turns.to_generators()
         return self.ledger.take_figures() if self.ledger is not None else {}
 
+    def replace_dead_tools(self) -> int:
+        """A new tool actor for each that died since the last round (its calls were asked again
+        of another, or their answers failed); returns how many."""
+        return self.tools.replace_dead() if self.tools is not None else 0
+
     def shutdown(self) -> None:
         if self.buffer is not None:
             self.buffer.shutdown()
+        if self.tools is not None:
+            self.tools.shutdown()
         if self.learners is not None:
             self.learners.shutdown()
         if self.verifiers is not None:
@@ -251,7 +264,7 @@ class Runtime:
         if self.generators is not None and self.cfg.learner.lora_rank:  # (their adapter folders; a dead one's stay)
             ray.wait([w.drop_adapters.remote() for w in self.generators.workers],
                      num_returns=len(self.generators.workers), timeout=10)
-        for group in (self.generators, self.verifiers):
+        for group in (self.generators, self.verifiers, self.tools):
             for worker in group.workers if group is not None else []:
                 ray.kill(worker)
         self.placement.remove()

@@ -37,6 +37,7 @@ from rayrep.run.record import StepRecord
 from rayrep.run.restarts import learner_death
 from rayrep.roles.system import Runtime
 from rayrep.verifier.group import check_checkers
+from rayrep.verifier.tools import check_tools
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Run:
         origin = Origin(str(folder.path.resolve()), str(policy), cfg.generator.temperature)
         inputs = check_inputs(cfg, train_prompts, prompt_ids, origin)
         check_checkers(cfg, [*train_prompts, *test_prompts])  # a user's checker: loaded and called once
+        check_tools(cfg, tokenizer, str(policy))  # the template's tool role, a turn's budget, a user's tool loaded
         if algorithm_class(cfg).replays:
             store_kind(cfg).check_before_start(cfg, prompt_ids)
         checkpoint, state = resume_point(cfg, folder) if resume else (None, None)

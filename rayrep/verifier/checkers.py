@@ -59,22 +59,33 @@ class Plugin:
     module: str | None = None
     """The module to import, for a module."""
     source: str | None = None
+    takes: tuple[str, ...] = ("completion", "ground_truth", "row")
+    """What it is called with: a checker's arguments, or a tool's (`TOOL_ARGUMENTS`)."""
+
+    @property
+    def role(self) -> str:
+        return "tool" if self.takes == TOOL_ARGUMENTS else "checker"
 
 
-def plugin(spec: str) -> Plugin:
-    """The user's checker that `spec` names (a name `checker_name` accepted), its file read
-    (CheckerError: a missing or unreadable file)."""
+TOOL_ARGUMENTS = ("call",)
+"""A user's tool function takes the call's text and returns its output's (`rayrep.verifier.tools`)."""
+
+
+def plugin(spec: str, takes: tuple[str, ...] = Plugin.takes) -> Plugin:
+    """The user's checker (or tool, `takes=TOOL_ARGUMENTS`) that `spec` names (a name
+    `checker_name` accepted), its file read (CheckerError: a missing or unreadable file)."""
+    role = "tool" if takes == TOOL_ARGUMENTS else "checker"
     where, _, function = spec.rpartition(":")
     if not (where.endswith(".py") or "/" in where):
-        return Plugin(spec, function, module=where)
+        return Plugin(spec, function, module=where, takes=takes)
     path = Path(where).expanduser().resolve()
     if not path.is_file():
-        raise CheckerError(f"checker {spec!r}: no such file {str(path)!r}")
+        raise CheckerError(f"{role} {spec!r}: no such file {str(path)!r}")
     try:
         source = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
-        raise CheckerError(f"checker {spec!r}: cannot read {str(path)!r}: {err}") from None
-    return Plugin(spec, function, path=str(path), source=source)
+        raise CheckerError(f"{role} {spec!r}: cannot read {str(path)!r}: {err}") from None
+    return Plugin(spec, function, path=str(path), source=source, takes=takes)
 
 
 @dataclass(frozen=True)

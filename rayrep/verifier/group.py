@@ -35,7 +35,7 @@ from rayrep.cluster.supervisor import Supervisor
 from rayrep.config import Config
 from rayrep.generator.group import PendingRollouts
 from rayrep.library_output import route_library_output
-from rayrep.types import Prompt, Rollout
+from rayrep.types import TOOL_FAILED, Prompt, Rollout
 from rayrep.verifier.checkers import CheckerError, Plugin, Routing, format_values, normalise
 from rayrep.verifier.code import CodeLimits, parse_tests
 from rayrep.verifier.final_answer import Verdict
@@ -137,6 +137,10 @@ def _check(sandbox: MathSandbox, rollouts: list[list[Rollout]], questions: list[
     checks = [(q.checker, rollout.text, q.ground_truth, q.row) for q, per_prompt in zip(questions, rollouts)
               for rollout in per_prompt]
     verdicts = sandbox.check_batch(checks, settings.timeout_s, settings.success_threshold)
+    failed = [rollout.finish_reason == TOOL_FAILED for per_prompt in rollouts for rollout in per_prompt]
+    if any(failed):  # an answer cut short by a lost tool call is wrong, whatever its text says
+        verdicts = [Verdict(False, "tool_failed", None, "its tool call was lost twice") if lost else verdict
+                    for verdict, lost in zip(verdicts, failed)]
     if settings.terms:
         verdicts = [_with_format_terms(v, text, settings) for v, (_, text, _, _) in zip(verdicts, checks)]
     flat = iter(verdicts)

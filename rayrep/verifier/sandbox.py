@@ -284,6 +284,14 @@ class MathSandbox:
         return [dataclasses.replace(v, correct=v.score >= success_threshold) if v.correct is None else v
                 for v in verdicts]
 
+    def tool_batch(self, calls: Sequence[tuple[str, str]], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Verdict]:
+        """One Verdict per (tool, call text), in one round trip: the tool's output as its
+        `answer` (status 'ok'), or a message of what went wrong (status 'error', 'timeout')
+        (`rayrep.verifier.tools`)."""
+        if any(not isinstance(call, str) for _, call in calls):
+            raise TypeError("a tool call must be str")
+        return self._run([("tool", tool, call) for tool, call in calls], timeout_s)
+
     def _math_item(self, completion: str, truth: str) -> Item | Verdict:
         """The item that checks `completion` against `truth` with math-verify, or the Verdict
         when a guard decides."""

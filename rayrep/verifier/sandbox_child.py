@@ -91,10 +91,10 @@ def _load(plugin: checkers.Plugin):
     if not callable(function):
         raise LookupError(f"{plugin.function!r} is not a function of {plugin.path or plugin.module}")
     try:
-        inspect.signature(function).bind("completion", "ground truth", {})
+        inspect.signature(function).bind(*plugin.takes)
     except TypeError:
         raise TypeError(f"{plugin.function}{inspect.signature(function)} does not take "
-                        f"(completion, ground_truth, row)") from None
+                        f"({', '.join(plugin.takes)})") from None
     except ValueError:
         pass  # (a builtin without a signature: its first call will tell)
     return function
@@ -119,7 +119,7 @@ class _ChildWorker:
             try:
                 self._plugins[plugin.spec] = _load(plugin)
             except BaseException as exc:
-                raise _StartFailed(f"checker {plugin.spec!r}: {_described(exc)}") from None
+                raise _StartFailed(f"{plugin.role} {plugin.spec!r}: {_described(exc)}") from None
 
     def run(self, item: Item, soft_s: float) -> Reply:
         """The reply for one item, within soft_s seconds."""
@@ -132,6 +132,8 @@ class _ChildWorker:
             try:
                 if item[0] == "check":
                     return self._check(*item[1:])
+                if item[0] == "tool":
+                    return self._tool(*item[1:])
                 return (*self._handle(*item), None, ())
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -142,7 +144,7 @@ class _ChildWorker:
         except RecursionError:
             return False, "error", None, "expression nested too deeply", None, ()
         except Exception as exc:  # a bug or an exotic input: report it, keep serving
-            where = item[1] if item[0] == "check" else "math-verify"
+            where = item[1] if item[0] in ("check", "tool") else "math-verify"
             return False, "error", None, f"{type(exc).__name__} in {where}", None, ()
 
     def _check(self, checker: str, completion: str, truth: str, row: dict) -> Reply:
@@ -174,6 +176,33 @@ class _ChildWorker:
         except ValueError as exc:
             return False, "bad_value", None, str(exc)[:MAX_DETAIL_CHARS], None, ()
         return correct, "ok", None, "", score, tuple((f"checker_{name}", value) for name, value in components)
+
+    def _tool(self, tool: str, call: str) -> Reply:
+        """A tool's reply to a call: its output as the answer (status 'ok'), or, for a call that
+        fails, a message of what went wrong (status 'error'), which the policy reads instead."""
+        if tool == "calculator":
+            from rayrep.data.arithmetic import calculate
+
+            try:
+                return None, "ok", calculate(call), "", None, ()
+            except ValueError as exc:
+                return None, "error", f"error: {exc}"[:MAX_DETAIL_CHARS], "", None, ()
+        if tool == "python":
+            from rayrep.verifier.code import run_program
+
+            outcome = run_program(call, "script", None, self._code_limits)
+            if outcome.status == "ok":
+                return None, "ok", outcome.output, "", None, ()
+            return None, outcome.status, f"error: {outcome.detail}"[:MAX_DETAIL_CHARS], "", None, ()
+        try:
+            output = self._plugins[tool](call)
+        except _SoftDeadline:
+            raise
+        except BaseException as exc:  # (the user's code: its failure is the call's answer)
+            return None, "error", f"error: {_described(exc)}", "", None, ()
+        if not isinstance(output, str):
+            return None, "error", f"error: the tool gave a {type(output).__name__}, not text", "", None, ()
+        return None, "ok", output, "", None, ()
 
     def _handle(self, kind: str, prediction: str, reference: str) -> tuple[bool, str, str | None, str]:
         if kind == "answer":
