@@ -91,6 +91,8 @@ class Rollout:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, np.ndarray) and value.dtype == dtype):
                 object.__setattr__(self, name, np.asarray(value, dtype))
+        if self.tool_mask is not None and not self.tool_mask.any():  # (one form of "the policy wrote them all")
+            object.__setattr__(self, "tool_mask", None)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Rollout):
@@ -98,7 +100,8 @@ class Rollout:
         return (np.array_equal(self.prompt_ids, other.prompt_ids) and np.array_equal(self.response_ids, other.response_ids)
                 and np.array_equal(self.logprobs, other.logprobs, equal_nan=True)
                 and np.array_equal(self.versions(), other.versions())
-                and np.array_equal(self.tool_tokens(), other.tool_tokens()) and self.tools == other.tools
+                and np.array_equal(self.tool_tokens(), other.tool_tokens())
+                and (self.tools and self.tools.counts()) == (other.tools and other.tools.counts())
                 and (self.text, self.finish_reason, self.version) == (other.text, other.finish_reason, other.version))
 
     def versions(self) -> np.ndarray:
@@ -146,6 +149,10 @@ class ToolUse(NamedTuple):
     failed: bool = False
     """A call was lost twice (its tool worker died, then the one it was retried on): the
     answer ended there, and is scored wrong (`TOOL_FAILED`)."""
+
+    def counts(self) -> "ToolUse":
+        """What the calls did, without the time they took (a measurement, not the answer's)."""
+        return self._replace(seconds=0.0)
 
     def __add__(self, other: "ToolUse") -> "ToolUse":  # type: ignore[override]
         return ToolUse(*(a + b if not isinstance(a, bool) else a or b for a, b in zip(self, other)))

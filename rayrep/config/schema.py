@@ -52,6 +52,7 @@ class ModelConfig:
     tiny_warm_start_steps: int = option(1300, "supervised warm-start steps of the embedded tiny policy", min=0)
     tiny_warm_start_slips: float = option(0.4, "share of warm-start solutions with a slip in the last step, late in the warm start", min=0.0, max=1.0)
     tiny_warm_start_slip_steps: int = option(250, "the warm start's last this-many steps are the ones with slips", min=0)
+    tiny_warm_start_tool_calls: float = option(0.0, "share of the tiny policy's warm-start answers that call the calculator (with tools.call_start and tools.call_end) instead of working by hand: a policy that can learn to use the tool", min=0.0, max=1.0, added=True)
 
 
 @dataclass

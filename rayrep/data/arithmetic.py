@@ -58,6 +58,10 @@ LEVELS: dict[str, Level] = {
         Level("sub3", operands=2, min_digits=2, max_digits=3, ops="-"),
         Level("add4", operands=2, min_digits=3, max_digits=4, ops="+"),
         Level("mix5", operands=5, min_digits=1, max_digits=2, ops="+-"),
+        # Beyond what the tiny policy computes by itself (the tiny-cpu-tool preset): with the
+        # calculator, a matter of copying the expression and reading the result.
+        Level("mul2", operands=2, min_digits=2, max_digits=2, ops="*"),
+        Level("add5", operands=2, min_digits=4, max_digits=5, ops="+"),
     )
 }
 DEFAULT_LEVELS = ("add2", "sub2", "mix3")

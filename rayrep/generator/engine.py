@@ -370,28 +370,41 @@ def sample_as_finished(
     positions = [p for p, group in enumerate(groups) if group.done()]  # (carried whole: nothing to continue)
     done = set(positions)
 
-    def calling() -> int:
-        return turns.runner.running() if turns is not None else 0
+    calls: dict[tuple[int, int], int] = {}
+    """(group position, answer) of each call under way -> the engine step it joins before."""
+    steps = 0
 
-    def took_output(position: int, a: int, result: ToolResult, go_on: bool) -> None:
-        """A call's result joins its answer; the answer goes on (`go_on`), or pauses."""
-        group = groups[position]
-        length = group.add_output(a, turns.output_ids(result.output, group.last_token(a)), result,
-                                  room=max_tokens - group.length(a))
-        if result.status == "lost":
-            group.finish(a, TOOL_FAILED, version, tokenizer)
-        elif length >= max_tokens:
-            group.finish(a, "length", version, tokenizer)
-        elif go_on:
-            seed = None if seeds[position] is None else seeds[position] + a + len(group.answers) * length
-            requests.setdefault(position, []).append(add(
-                f"{REQUEST_PREFIX}{position}-{a}", group.prompt + group.ids(a), 1, seed, length))
+    def join(keys: list[tuple[int, int]], go_on: bool) -> None:
+        """The calls' outputs join their answers (in key order, as every run joins them), which
+        go on (`go_on`: each as a request of its own) or pause."""
+        keys = sorted(keys)
+        results = turns.runner.collect(keys)
+        for position, a in keys:
+            del calls[(position, a)]
+            result, group = results[(position, a)], groups[position]
+            length = group.add_output(a, turns.output_ids(result.output, group.last_token(a)), result,
+                                      room=max_tokens - group.length(a))
+            if result.status == "lost":
+                group.finish(a, TOOL_FAILED, version, tokenizer)
+            elif length >= max_tokens:
+                group.finish(a, "length", version, tokenizer)
+            elif go_on:
+                seed = None if seeds[position] is None else seeds[position] + a + len(group.answers) * length
+                requests.setdefault(position, []).append(add(
+                    f"{REQUEST_PREFIX}{position}-{a}", group.prompt + group.ids(a), 1, seed, length))
+            if group.done() and position not in done:
+                done.add(position)
+                positions.append(position)
 
     try:
         if positions and not engine.busy():
             yield positions, [groups[p].answers for p in positions]
-        while engine.busy() or calling():
-            for name, completions in engine.step():
+        while engine.busy() or calls:
+            # The calls due before this step join; with nothing else to decode, the next due.
+            due = steps if engine.busy() else min(calls.values())
+            if any(at <= due for at in calls.values()):
+                join([key for key, at in calls.items() if at <= due], go_on=True)
+            for name, completions in engine.step() if engine.busy() else ():
                 position, _, answer = name.removeprefix(REQUEST_PREFIX).partition("-")
                 group = groups[int(position)]
                 if not partial:
@@ -406,16 +419,12 @@ def sample_as_finished(
                         group.finish(a, completion.finish_reason, version, tokenizer)
                     else:
                         turns.runner.submit((int(position), a), call)
+                        calls[(int(position), a)] = steps + turns.join_after
                 if group.done() and int(position) not in done:
                     done.add(int(position))
                     positions.append(int(position))
-            if calling():
-                for (position, a), result in turns.runner.finished(wait=not engine.busy()):
-                    took_output(position, a, result, go_on=True)
-                    if groups[position].done() and position not in done:
-                        done.add(position)
-                        positions.append(position)
-            busy = engine.busy() or calling()
+            steps += 1
+            busy = engine.busy() or bool(calls)
             stopping = quota is not None and len(done) >= quota and done.issuperset(continued) and busy
             if positions and (len(positions) >= part_size or stopping or not busy):
                 yield positions, [groups[p].answers for p in positions]
@@ -423,10 +432,10 @@ def sample_as_finished(
             if stopping:
                 stopped = [p for p in range(len(groups)) if p not in done]
                 engine.abort(r for p in stopped for r in requests.get(p, ()))
-                while calling():  # a call under way ends its turn: its output is the answer's
-                    for (position, a), result in turns.runner.finished(wait=True):
-                        took_output(position, a, result, go_on=False)
+                if calls:  # a call under way ends its turn: its output is the answer's
+                    join(list(calls), go_on=False)
                 done.update(stopped)
+                positions = []  # (groups a join finished are among the stopped)
                 yield stopped, [groups[p].paused(version, tokenizer) for p in stopped]
                 return
     finally:  # stopped early (an error, a caller that stopped reading): no request outlives the call

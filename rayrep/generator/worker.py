@@ -75,7 +75,7 @@ class GeneratorWorker:
         """Build the engine, unless it is built; returns the policy version it samples."""
         if self.llm is None:
             from rayrep.generator.engine import make_engine
-            from rayrep.generator.turns import ToolFormat
+            from rayrep.models.tool_format import ToolFormat
 
             self.llm = make_engine(self.cfg, **self.engine_args)
             tools = self.cfg.tools

@@ -43,9 +43,17 @@ class TinyPolicySpec:
     warm_start_slip_steps: int = 250
     """...in the last this-many steps only: arithmetic is learned clean first."""
     seed: int = 0
+    tool_calls: float = 0.0
+    """Share of warm-start answers that call the calculator with `tool_markup` (the tool's
+    output framed by the chat template, as the generators frame it) instead of working by hand."""
+    tool_markup: tuple[str, ...] = ()
+    """(call start, call end), with `tool_calls`."""
 
     def cache_key(self) -> str:
-        blob = json.dumps({"recipe": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if not self.tool_calls:  # (the recipes from before tools: their keys as they were)
+            del fields["tool_calls"], fields["tool_markup"]
+        blob = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -108,6 +116,8 @@ def tiny_spec(cfg: Config):
         warm_start_steps=cfg.model.tiny_warm_start_steps,
         warm_start_slips=cfg.model.tiny_warm_start_slips,
         warm_start_slip_steps=cfg.model.tiny_warm_start_slip_steps,
+        tool_calls=cfg.model.tiny_warm_start_tool_calls,
+        tool_markup=(cfg.tools.call_start, cfg.tools.call_end) if cfg.model.tiny_warm_start_tool_calls else (),
     )
 
 
@@ -118,6 +128,7 @@ RECIPE_FIELDS = {
     "num_train": "model.tiny_warm_start_problems", "task_seed": "data.arithmetic_seed",
     "test_reserve": "data.arithmetic_test_reserve", "warm_start_steps": "model.tiny_warm_start_steps",
     "warm_start_slips": "model.tiny_warm_start_slips", "warm_start_slip_steps": "model.tiny_warm_start_slip_steps",
+    "tool_calls": "model.tiny_warm_start_tool_calls", "tool_markup": "tools.call_start and tools.call_end",
 }
 DERIVED = ("intermediate_size", "num_heads", "num_kv_heads")
 
@@ -138,11 +149,15 @@ def shipped_policy(spec, root: Path | None = None) -> Path:
                     f"build record: the files were changed; reinstall rayrep, or rebuild them with "
                     f"`python -m rayrep.models.tiny build --preset {name} --out {path}`")
             return path
-    wanted = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(spec).items()}
+    def listed(fields: dict) -> dict:
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in fields.items()}
+
+    wanted, defaults = listed(asdict(spec)), listed(asdict(TinyPolicySpec()))
 
     def differences(record: dict) -> list[str]:
-        found = [f"{RECIPE_FIELDS.get(key, 'the fixed ' + key)} = {record['spec'].get(key)!r} there, {value!r} here"
-                 for key, value in wanted.items() if record["spec"].get(key) != value and key not in DERIVED]
+        built = {**defaults, **record["spec"]}  # (a record from before a field existed: its default)
+        found = [f"{RECIPE_FIELDS.get(key, 'the fixed ' + key)} = {built.get(key)!r} there, {value!r} here"
+                 for key, value in wanted.items() if built.get(key) != value and key not in DERIVED]
         if record.get("recipe_version") != RECIPE_VERSION:
             found.append(f"build recipe version {record.get('recipe_version')} there, {RECIPE_VERSION} here")
         return found

@@ -43,6 +43,7 @@ from rayrep.machine import machine_name
 from rayrep.models.recipe import (BUILD_RECORD, RECIPE_VERSION, TinyPolicySpec, padded_vocab_size, tiny_spec,
                                   weights_sha256)
 from rayrep.models.tokenizer import build_char_tokenizer
+from rayrep.models.tool_format import ToolFormat
 
 PORTABLE_KERNELS = {
     "ATEN_CPU_CAPABILITY": "avx2",  # torch's own kernels: AVX2, also where the CPU has AVX-512
@@ -94,10 +95,24 @@ def _warm_start_prompts(spec: TinyPolicySpec, tokenizer) -> list[tuple[list[int]
     ]
 
 
-def _warm_start_example(prompt_ids, problem, slip: int, tokenizer) -> tuple[list[int], int]:
-    """(token ids of prompt + worked solution + eos, prompt length)."""
-    answer_ids = tokenizer(problem.solution(slip), add_special_tokens=False)["input_ids"]
-    return prompt_ids + answer_ids + [tokenizer.eos_token_id], len(prompt_ids)
+def _warm_start_example(prompt_ids, problem, slip: int, tokenizer) -> tuple[list[int], list[bool]]:
+    """(token ids of prompt + worked solution + eos, which of them are supervised: the answer's)."""
+    answer_ids = tokenizer(problem.solution(slip), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + answer_ids, [False] * len(prompt_ids) + [True] * len(answer_ids)
+
+
+def _tool_example(prompt_ids, problem, format: ToolFormat, tokenizer) -> tuple[list[int], list[bool]]:
+    """(token ids of prompt + an answer that calls the calculator with the problem's expression,
+    reads its output and boxes it, which of them are supervised: the policy's turns, not the
+    tool's output, framed as the generators frame it)."""
+    eos = tokenizer.eos_token_id
+    call = tokenizer(f"{format.call_start}{problem.expression}{format.call_end}", add_special_tokens=False)["input_ids"]
+    call = call + ([eos] if format.stop_token is None else [])  # (a one-token closing markup ends the turn itself)
+    output = tokenizer(format.output_text(str(problem.answer), tokenizer.decode([call[-1]])),
+                       add_special_tokens=False)["input_ids"]
+    boxed = tokenizer(f"\\boxed{{{problem.answer}}}", add_special_tokens=False)["input_ids"] + [eos]
+    ids = prompt_ids + call + output + boxed
+    return ids, [False] * len(prompt_ids) + [True] * len(call) + [False] * len(output) + [True] * len(boxed)
 
 
 def _collate(batch, pad_id: int):
@@ -105,11 +120,12 @@ def _collate(batch, pad_id: int):
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
     attention = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, (ids, prompt_len) in enumerate(batch):
+    for row, (ids, supervised) in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention[row, : len(ids)] = 1
-        # Only the answer is supervised: the policy learns to solve, not to echo questions.
-        labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+        # Only the answer is supervised: the policy learns to solve, not to echo questions (nor
+        # to write a tool's output).
+        labels[row, : len(ids)] = torch.where(torch.tensor(supervised), torch.tensor(ids), -100)
     return input_ids, attention, labels
 
 
@@ -128,6 +144,7 @@ def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     model = Qwen2ForCausalLM(config)
     prompts = _warm_start_prompts(spec, tokenizer)
+    tool = ToolFormat.of(tokenizer, *spec.tool_markup, max_output_chars=64) if spec.tool_calls else None
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.01)
     warmup = max(1, spec.warm_start_steps // 20)
@@ -146,6 +163,7 @@ def train_tiny_policy(spec: TinyPolicySpec, out_dir: Path, log=print) -> dict:
         # Slips are drawn afresh on every visit, so the policy learns a slip *rate*, not
         # which problems to get wrong.
         batch = [
+            _tool_example(ids, problem, tool, tokenizer) if tool is not None and rng.random() < spec.tool_calls else
             _warm_start_example(ids, problem, rng.choice(SLIPS) if rng.random() < slips else 0, tokenizer)
             for ids, problem in rng.sample(prompts, spec.warm_start_batch)
         ]
@@ -235,6 +253,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["warm-start"]:  # the build process of `build_with_portable_kernels`
         spec_fields = json.loads(argv[1])
         spec_fields["levels"] = tuple(spec_fields["levels"])
+        spec_fields["tool_markup"] = tuple(spec_fields.get("tool_markup", ()))
         train_tiny_policy(TinyPolicySpec(**spec_fields), Path(argv[2]), log=lambda line: print(line, flush=True))
         return
     parser = argparse.ArgumentParser(prog="python -m rayrep.models.tiny", description=main.__doc__,

@@ -27,7 +27,8 @@ from rayrep.cluster.supervisor import Supervisor, responds
 from rayrep.config import Config
 from rayrep.config.schema import TOOLS
 from rayrep.errors import InputError
-from rayrep.generator.turns import ToolFormat, ToolResult
+from rayrep.generator.turns import ToolResult
+from rayrep.models.tool_format import ToolFormat
 from rayrep.library_output import route_library_output
 from rayrep.verifier.checkers import TOOL_ARGUMENTS, CheckerError, Plugin, plugin
 from rayrep.verifier.code import CodeLimits
