@@ -281,7 +281,8 @@ def rollout_stats(groups: Sequence[Group], generate_seconds: float, tools: bool 
     """What this step's fresh rollouts looked like (every verified group, trained or not);
     with `tools` (answers that may call a tool), how they called it (`tool_call_share`,
     `tool_calls_per_answer`, `turns_per_answer`, `tool_errors`, `tool_timeouts`,
-    `tool_failures`, `tool_seconds`: the calls' summed time in the tool actors,
+    `tool_failures`: answers whose call was lost twice, `tool_retried_calls`: calls asked
+    again, their tool actor having died, `tool_seconds`: the calls' summed time in the tool actors,
     `tool_token_share`: of the answers' tokens, the tools' outputs');
     with questions of several data sources, the accuracy and mean reward of each
     (`accuracy/<source>`, `reward/<source>`); the mean of each named part of the answers'
@@ -304,7 +305,7 @@ def rollout_stats(groups: Sequence[Group], generate_seconds: float, tools: bool 
             "tool_calls_per_answer": total.calls / max(1, len(fresh)),
             "turns_per_answer": 1 + total.calls / max(1, len(fresh)),
             "tool_errors": total.errors, "tool_timeouts": total.timeouts,
-            "tool_failures": sum(use.failed for use in used),
+            "tool_failures": sum(use.failed for use in used), "tool_retried_calls": total.retried,
             "tool_seconds": total.seconds,
             "tool_token_share": tool_tokens / max(1, tokens),
         })

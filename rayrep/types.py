@@ -149,10 +149,12 @@ class ToolUse(NamedTuple):
     failed: bool = False
     """A call was lost twice (its tool worker died, then the one it was retried on): the
     answer ended there, and is scored wrong (`TOOL_FAILED`)."""
+    retried: int = 0
+    """Calls asked again of another tool worker, theirs having died."""
 
     def counts(self) -> "ToolUse":
-        """What the calls did, without the time they took (a measurement, not the answer's)."""
-        return self._replace(seconds=0.0)
+        """What the calls did, without how they got done (their time, their retries)."""
+        return self._replace(seconds=0.0, retried=0)
 
     def __add__(self, other: "ToolUse") -> "ToolUse":  # type: ignore[override]
         return ToolUse(*(a + b if not isinstance(a, bool) else a or b for a, b in zip(self, other)))

@@ -15,8 +15,9 @@ from rayrep.sync.weights import WeightSync
 from rayrep.types import LossSpec, MismatchCorrection, TrainBatch
 
 
-def synthetic_batch(num_prompts=8, answers=4, seed=0):
-    """Random prompts and answers of unequal lengths (token ids < 259, the tiny vocab)."""
+def synthetic_batch(num_prompts=8, answers=4, seed=0, tool_tokens=0):
+    """Random prompts and answers of unequal lengths (token ids < 259, the tiny vocab);
+    `tool_tokens`: each answer ends with up to this many tokens of a tool's output."""
     rng = random.Random(seed)
     prompts, responses, index = [], [], []
     for q in range(num_prompts):
@@ -25,9 +26,16 @@ def synthetic_batch(num_prompts=8, answers=4, seed=0):
             prompts.append(prompt_ids)
             responses.append([rng.randrange(3, 259) for _ in range(rng.randint(1, 15))])
             index.append(q)
+    advantages = [rng.uniform(-1.5, 1.5) for _ in responses]
+    masks = None
+    if tool_tokens:  # (drawn from a stream of their own: the answers are the same with them or without)
+        tools = random.Random(seed + 1)
+        added = [tools.randint(1, tool_tokens) for _ in responses]
+        masks = [np.array([False] * len(r) + [True] * k) for r, k in zip(responses, added)]
+        responses = [r + [tools.randrange(3, 259) for _ in range(k)] for r, k in zip(responses, added)]
     return TrainBatch.of_sequences(
-        prompts, responses, index, logprobs=[[-5.0] * len(r) for r in responses],
-        advantages=[rng.uniform(-1.5, 1.5) for _ in responses], recompute_old=[True] * len(responses),
+        prompts, responses, index, logprobs=[[-5.0] * len(r) for r in responses], tool_masks=masks,
+        advantages=advantages, recompute_old=[True] * len(responses),
     )
 
 
@@ -89,18 +97,18 @@ CORRECTED = LossSpec(correction=MismatchCorrection(weights="token", weight_cap=2
 CORRECTED_SETTINGS = {**TWO_MINI_BATCHES, "learner.kl.coef": CORRECTED.kl_coef}
 
 
-def mismatched_batch() -> TrainBatch:
-    batch = synthetic_batch()
+def mismatched_batch(tool_tokens=0) -> TrainBatch:
+    batch = synthetic_batch(tool_tokens=tool_tokens)
     batch.old_logprobs[batch.response_mask] = -12.2
     return batch
 
 
-def one_update(cfg, tiny_policy, workers, strategy="fsdp2", loss=LossSpec()):
+def one_update(cfg, tiny_policy, workers, strategy="fsdp2", loss=LossSpec(), tool_tokens=0):
     """(metrics, full state) of `workers` ranks after one update on `synthetic_batch()`
     (`mismatched_batch()` with a mismatch correction)."""
     _, placement, learners = make_learners(cfg, tiny_policy, workers, strategy)
     try:
-        batch = synthetic_batch() if loss.correction is None else mismatched_batch()
+        batch = synthetic_batch(tool_tokens=tool_tokens) if loss.correction is None else mismatched_batch(tool_tokens)
         return learners.update(batch, loss), full_state(learners)
     finally:
         learners.shutdown()
@@ -129,6 +137,22 @@ def test_each_sharding_strategy_has_its_code_and_says_what_it_can_do():
     deepspeed = LearnerConfig(strategy="deepspeed").sharding
     assert not (deepspeed.state_moves or deepspeed.resumable or deepspeed.shards_parameters)
     assert LearnerConfig().sharding.resumable
+
+
+def test_a_tools_tokens_are_context_the_loss_never_trains_on(one_rank_update, tiny_cfg, tiny_policy):
+    """The same rows with a tool's output after each answer (tokens the policy reads and that
+    predict nothing after them) take the same update as without it: the tool's tokens carry no
+    loss term and count in no token mean, entropy, KL, mismatch metric, rejection or weight."""
+    (m1, s1) = one_rank_update
+    m2, s2 = one_update(tiny_cfg.replace(**CORRECTED_SETTINGS), tiny_policy, 1, loss=CORRECTED, tool_tokens=6)
+    with_tools = mismatched_batch(tool_tokens=6)
+    assert with_tools.lengths.sum() > synthetic_batch().lengths.sum()  # (the rows do hold the tool's tokens)
+    assert m2["fresh_tokens"] == m1["fresh_tokens"]
+    for name in sorted(m1):
+        if not name.startswith("time_") and name != "padding_frac":
+            assert m2[name] == pytest.approx(m1[name], rel=1e-4, abs=1e-6), name
+    diff = torch.cat([(s1[name] - s2[name]).abs().flatten() for name in s1])
+    assert (diff > 1e-5).float().mean() < 1e-3  # (Adam's ~0 gradients aside, as between ranks)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])

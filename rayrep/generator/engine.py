@@ -498,7 +498,7 @@ class _Answers:
         grown.tool.extend([True] * len(ids))
         grown.versions.extend([version] * len(ids))
         use = ToolUse(calls=1, errors=int(result.status in ("error", "lost")), timeouts=int(result.status == "timeout"),
-                      seconds=result.seconds, tokens=len(ids), failed=result.status == "lost")
+                      seconds=result.seconds, tokens=len(ids), failed=result.status == "lost", retried=result.retried)
         grown.tools = use if grown.tools is None else grown.tools + use
         return len(grown.ids)
 

@@ -38,6 +38,8 @@ class ToolResult(NamedTuple):
     """'ok', 'error' (the tool raised, or gave no text), 'timeout', or 'lost' (its worker died
     twice: the answer ends, scored wrong)."""
     seconds: float = 0.0
+    retried: int = 0
+    """1: asked again of another worker, its first having died."""
 
 
 class ToolRunner(Protocol):
@@ -69,22 +71,24 @@ class FunctionTools:
 
 class ActorTools:
     """Calls run on the tool group's actors (each with a `run(calls) -> [ToolResult]` method),
-    taken in turn; a call whose actor died is asked once more of the next one, and is 'lost'
-    when that one dies too."""
+    taken in turn; a call whose actor died is asked once more of the next live one (its
+    result `retried`), and is 'lost' when that one dies too."""
 
     def __init__(self, workers: list):
         self.workers = list(workers)
         self.next = 0
+        self.dead: set[int] = set()
         self.running: dict = {}
-        """key -> (call, its ref)."""
+        """key -> (call, the worker's index, its ref)."""
 
-    def _send(self, call: str):
-        worker = self.workers[self.next % len(self.workers)]
+    def _send(self, call: str) -> tuple[int, object]:
+        live = [i for i in range(len(self.workers)) if i not in self.dead] or list(range(len(self.workers)))
+        index = live[self.next % len(live)]
         self.next += 1
-        return worker.run.remote([call])
+        return index, self.workers[index].run.remote([call])
 
     def submit(self, key: Hashable, call: str) -> None:
-        self.running[key] = (call, self._send(call))
+        self.running[key] = (call, *self._send(call))
 
     def collect(self, keys: list[Hashable]) -> dict[Hashable, ToolResult]:
         import ray
@@ -92,14 +96,19 @@ class ActorTools:
 
         results = {}
         for key in keys:
-            call, ref = self.running.pop(key)
+            call, index, ref = self.running.pop(key)
             try:
                 [results[key]] = ray.get(ref)
+                continue
             except RayActorError:
-                try:
-                    [results[key]] = ray.get(self._send(call))
-                except RayActorError as err:
-                    results[key] = ToolResult(f"the tool's worker died twice ({type(err).__name__})", "lost")
+                self.dead.add(index)
+            index, ref = self._send(call)
+            try:
+                [result] = ray.get(ref)
+            except RayActorError as err:
+                self.dead.add(index)
+                result = ToolResult(f"the tool's worker died twice ({type(err).__name__})", "lost")
+            results[key] = result._replace(retried=1)
         return results
 
 
