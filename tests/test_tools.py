@@ -326,3 +326,45 @@ def test_a_stopped_call_ends_its_turn_and_the_paused_answer_resumes(tiny_engine,
             assert np.array_equal(a.response_ids[: b.response_length], b.response_ids)
             assert np.array_equal(a.tool_tokens()[: b.response_length], b.tool_tokens())
             check_trajectory(a, turns, 96)
+
+
+def test_rlep_replays_a_pools_trajectories_with_their_masks(tmp_path):
+    """A pool of answers that called a tool (as jobs/collect.py writes one from such a run):
+    RLEP's replayed rows are the pooled trajectories, token for token, their tools' tokens
+    out of the learners' response mask as in the rows they were first trained in."""
+    from rayrep.algos.rlep import RLEP, load_pool
+    from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.config import load_preset
+    from rayrep.data import PromptSampler
+    from rayrep.types import Group, Prompt
+
+    prompt_ids = [10, 11, 12]
+    pooled = {f"q{i}": [trajectory(10 * i + j, tools=j % 3) for j in range(3)] for i in range(2)}
+    rows = [{"uid": uid, "prompt": [{"role": "user", "content": uid}], "ground_truth": "7", "data_source": "t",
+             "prompt_ids": prompt_ids, "response_ids": r.response_ids, "logprobs": r.logprobs, "tool_mask": r.tool_mask,
+             "text": "", "reward": 1.0, "version": 0} for uid, answers in pooled.items() for r in answers]
+    write_pool(rows, tmp_path / "pool.parquet", "ckpt")
+    cfg = load_preset("tiny-cpu-tool").replace(**{
+        "replay.num_shards": 0, "algorithm.group_size": 2, "algorithm.name": "rlep", "algorithm.prompts_per_step": 2,
+        "learner.mini_batch_prompts": 2, "algorithm.rlep.pool": str(tmp_path / "pool.parquet"),
+        "algorithm.rlep.replays_per_group": 3})
+    ids = {uid: prompt_ids for uid in pooled}
+    algo = RLEP(cfg, ids, load_pool(cfg, ids), ReplayBuffer(0, 64, seed=0))
+    prompts = [Prompt(uid, ({"role": "user", "content": uid},), "7") for uid in pooled]
+    plan = algo.plan(PromptSampler(prompts, seed=0), 2)
+    fresh = [Group.sampled(p, [Answer.of(trajectory(99 + a, tools=1)) for a in range(n)], [False] * n)
+             for p, n in plan.requests]
+    step = algo.build(plan.complete(fresh), step=1)
+    batch = step.batch
+    replayed = 0
+    for row, record in enumerate(step.recipe.rows):
+        arrays = record.answer.arrays()
+        start = len(arrays.prompt_ids)
+        trained = batch.response_mask[row, start : start + len(arrays.response_ids)].numpy()
+        if record.answer.replayed:
+            replayed += 1
+            uid = step.groups[record.question].prompt.uid
+            [first] = [r for r in pooled[uid] if np.array_equal(r.response_ids, arrays.response_ids)]
+            assert np.array_equal(trained, ~first.tool_tokens())  # as the row it was first trained in
+        assert np.array_equal(trained, ~(arrays.tool_mask if arrays.tool_mask is not None else np.zeros(len(trained), bool)))
+    assert replayed == 6
