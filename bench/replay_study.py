@@ -48,7 +48,8 @@ rollouts, `run.partial_rollouts 0.5`); and answer-level replay and the generatio
 `prioritized-nodecay` (priority |A| alone) and `prioritized-noevict` (no age bound); and
 the baseline with a LoRA adapter instead of full fine-tuning: `baseline-lora8`,
 `baseline-lora1` (ranks 8 and 1, lr 1e-3); and the baseline under other objectives:
-`baseline-gspo`, `baseline-cispo` (docs/objectives.md).
+`baseline-gspo`, `baseline-cispo` (docs/objectives.md); on a preset whose answers call a
+tool (`--preset tiny-cpu-tool`), `baseline-notool`, the baseline without it (docs/tools.md).
 
 Every arm is also measured in compute: its mean curve against the tokens it generated and
 the seconds its steps took, and the generated tokens and steps each seed needs to reach the
@@ -123,6 +124,9 @@ ARMS: dict[str, dict] = {
                       "learner.clip_high": 4e-4, "learner.loss_agg": "seq-mean-token-mean"},
     "baseline-cispo": {"algorithm.name": "grpo", "learner.objective": "cispo", "learner.clip_low": 0.999,
                        "learner.clip_high": 0.2},
+    # A preset whose answers call a tool (tiny-cpu-tool): the same policy without it, a call
+    # then answered by nothing (docs/tools.md).
+    "baseline-notool": {"algorithm.name": "grpo", "tools.name": ""},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 # Paired by seed, a - b, beside every arm against the baseline: what each ablation isolates.
