@@ -33,7 +33,7 @@ def test_a_bad_row_of_a_prompt_file_is_named_in_one_line(tmp_path, tiny_policy):
     [
         (("--config", "my.jsonl"), "config file my.jsonl: not a TOML file (a config file ends in .toml)"),
         (("--config", "missing.toml"), "config file missing.toml does not exist"),
-        (("--preset", "huge-gpu"), "known presets: qwen2.5-math-7b-exgrpo, qwen2.5-math-7b-rlep, tiny-cpu, tiny-cpu-hard"),
+        (("--preset", "huge-gpu"), "known presets: qwen2.5-math-7b-exgrpo, qwen2.5-math-7b-rlep, tiny-cpu, tiny-cpu-hard, tiny-cpu-tool"),
     ],
 )
 def test_config_file_errors_say_what_is_wrong_with_the_file(tmp_path, args, expected):

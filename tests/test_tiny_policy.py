@@ -11,7 +11,7 @@ from rayrep.config import InputError, load_preset, parse_cli
 from rayrep.models import resolve_policy, shipped_policy, tiny_spec
 from rayrep.models.recipe import SHIPPED, TinyPolicySpec, read_record, weights_sha256
 from rayrep.models.tiny import build_policy, main
-from rayrep.models.tokenizer import build_char_tokenizer
+from rayrep.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -117,14 +117,16 @@ def test_every_shipped_policy_is_whole_and_matches_its_preset():
     from transformers import AutoTokenizer
 
     names = sorted(entry.name for entry in SHIPPED.iterdir())
-    assert names == ["tiny-cpu", "tiny-cpu-hard"]
+    assert names == ["tiny-cpu", "tiny-cpu-hard", "tiny-cpu-tool"]
     for name in names:
         record = read_record(SHIPPED / name)
         assert weights_sha256(SHIPPED / name) == record["weights_sha256"], name
         assert record["preset"] == name and record["cache_key"] == tiny_spec(load_preset(name)).cache_key()
         assert {"torch", "cpu_capability", "machine", "parameters", "recipe_version"} <= set(record)
         assert shipped_policy(tiny_spec(load_preset(name))) == SHIPPED / name
-        assert AutoTokenizer.from_pretrained(SHIPPED / name).eos_token == "<|endoftext|>"
+        tokenizer = AutoTokenizer.from_pretrained(SHIPPED / name)
+        # One tokenizer and template for all (a tool's output framed as the warm start framed it).
+        assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.chat_template == CHAT_TEMPLATE
 
 
 def test_resolving_the_tiny_policy_uses_the_shipped_one_and_names_its_hash():

@@ -297,7 +297,7 @@ class CorrectionConfig:
         try:
             rules = parse_rejections(self.rollout_rs, self.rollout_rs_threshold)
         except ValueError as error:
-            raise ConfigError(f"learner.correction.rollout_rs={self.rollout_rs!r} with rollout_rs_threshold="
+            raise ConfigError(f"learner.correction.rollout_rs={self.rollout_rs!r} with learner.correction.rollout_rs_threshold="
                               f"{self.rollout_rs_threshold!r}: {error}") from None
         if self.weight_lower and self.weights == "none":
             raise ConfigError(f"learner.correction.weight_lower={self.weight_lower} bounds importance weights: set "
