@@ -52,6 +52,12 @@ def main(argv: list[str]) -> dict:
     if out:
         check_report_path(out)
     model_path = args.checkpoint or resolve_policy(cfg)
+    if cfg.tools.enabled:  # the template's tool role, a turn's budget, a user's tool loaded
+        from transformers import AutoTokenizer
+
+        from rayrep.verifier.tools import check_tools
+
+        check_tools(cfg, AutoTokenizer.from_pretrained(model_path), str(model_path))
     if not out:
         out = default_report_path(cfg.logging.out_dir, model_path)
         check_report_path(out)

@@ -119,10 +119,11 @@ class Rollout:
     @property
     def earlier_tokens(self) -> int:
         """How many of its tokens an older policy sampled than the one that finished it (an
-        answer continued across weight syncs; 0 for one sampled whole)."""
+        answer continued across weight syncs; 0 for one sampled whole; a tool's tokens are
+        not sampled)."""
         if self.token_versions is None or not len(self.token_versions):
             return 0
-        return int((self.token_versions < self.token_versions[-1]).sum())
+        return int(((self.token_versions < self.token_versions[-1]) & ~self.tool_tokens()).sum())
 
     __hash__ = None  # (arrays: a rollout is not a key)
 

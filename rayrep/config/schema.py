@@ -187,14 +187,14 @@ calculator, and Python run as the code checker runs a program."""
 
 @dataclass
 class ToolsConfig:
-    name: str = option("", "the tool the policy calls in its answers (docs/tools.md): calculator, python, or your own function, path/to/file.py:function or package.module:function (call text -> output text); empty: answers in one turn, no tool")
-    call_start: str = option("<tool_call>", "the markup that opens a call in the policy's text")
-    call_end: str = option("</tool_call>", "the markup that closes a call (a turn also ends there when it is one token)")
-    max_turns: int = option(4, "the most turns of the policy in one answer; a call in its last turn is not run (the response token budget, generator.max_response_tokens, is the whole answer's, tool output included)", min=1)
-    max_output_chars: int = option(512, "a tool's output is cut to this many characters, marked as cut", min=1)
-    timeout_s: float = option(5.0, "wall-clock limit of one call; a slower one answers as timed out", min=0.01)
-    num_workers: int = option(1, "tool actors running calls in parallel, each in its own sandbox", min=1)
-    cpus_per_worker: float = option(0.25, "CPUs each tool actor's bundle reserves", min=0.01)
+    name: str = option("", "the tool the policy calls in its answers (docs/tools.md): calculator, python, or your own function, path/to/file.py:function or package.module:function (call text -> output text); empty: answers in one turn, no tool", added=True)
+    call_start: str = option("<tool_call>", "the markup that opens a call in the policy's text", added=True)
+    call_end: str = option("</tool_call>", "the markup that closes a call (a turn also ends there when it is one token)", added=True)
+    max_turns: int = option(4, "the most turns of the policy in one answer; a call in its last turn is not run (the response token budget, generator.max_response_tokens, is the whole answer's, tool output included)", min=1, added=True)
+    max_output_chars: int = option(512, "a tool's output is cut to this many characters, marked as cut", min=1, added=True)
+    timeout_s: float = option(5.0, "wall-clock limit of one call; a slower one answers as timed out", min=0.01, added=True)
+    num_workers: int = option(1, "tool actors running calls in parallel, each in its own sandbox", min=1, added=True)
+    cpus_per_worker: float = option(0.25, "CPUs each tool actor's bundle reserves", min=0.01, added=True)
 
     @property
     def enabled(self) -> bool:

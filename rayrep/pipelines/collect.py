@@ -15,6 +15,7 @@ from rayrep.progress import Progress
 from rayrep.roles.system import Runtime
 from rayrep.types import Prompt
 from rayrep.verifier.group import check_checkers
+from rayrep.verifier.tools import check_tools
 
 
 def questions_to_collect(cfg: Config, prompts: list[Prompt]) -> list[Prompt]:
@@ -42,6 +43,7 @@ def collect_pool(cfg: Config, checkpoint: str, out_path: str | Path, log=print) 
     prompts = questions_to_collect(cfg, load_split(cfg.data, "train"))
     prompt_ids = encode_prompts(tokenizer, prompts, cfg.data.max_prompt_tokens)
     check_checkers(cfg, prompts)  # a user's checker: loaded and called once, before any actor starts
+    check_tools(cfg, tokenizer, str(checkpoint))  # the template's tool role, a turn's budget, a user's tool loaded
     start = time.perf_counter()
     runtime = Runtime.start(cfg, checkpoint, train=False, log_dir=Path(out_path).parent)
     rows, kept_questions, samples = [], 0, 0
