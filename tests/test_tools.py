@@ -124,6 +124,22 @@ def test_a_users_tool_runs_in_the_sandbox_and_what_goes_wrong_is_an_answer(tmp_p
     assert results[1].seconds < 1.5 and results[2].seconds < 1.5  # the per-call limit holds
 
 
+def test_the_python_tool_runs_the_call_as_the_code_checker_runs_a_program():
+    """Its output is the program's standard output; what goes wrong (an exception, a loop past
+    the limit) is a line the policy reads, counted."""
+    from rayrep.verifier.code import CodeLimits
+    from rayrep.verifier.tools import ToolSandbox
+
+    sandbox = ToolSandbox("python", 2.0, CodeLimits(wall_s=1.0, cpu_s=5))  # (the wall-clock limit first)
+    try:
+        ok, raised, looped = sandbox.run(["print(6 * 7)", "print(1 / 0)", "while True:\n    pass"])
+    finally:
+        sandbox.close()
+    assert (ok.status, ok.output) == ("ok", "42\n")
+    assert raised.status == "error" and "ZeroDivisionError" in raised.output
+    assert looped.status == "timeout" and looped.output.startswith("error:") and looped.seconds < 3
+
+
 def test_a_users_tool_that_cannot_load_is_refused_naming_it(tmp_path):
     from rayrep.verifier.checkers import CheckerError
     from rayrep.verifier.tools import check_tools
