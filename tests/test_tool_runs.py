@@ -204,3 +204,60 @@ def test_a_call_lost_twice_ends_its_answer_as_a_tool_failure_scored_wrong(ray_cl
             if rollout.finish_reason == TOOL_FAILED:
                 assert correct is False
     assert verdicts.statuses["tool_failed"] == len(failed)
+
+
+@pytest.mark.slow
+def test_exgrpo_replays_a_trajectory_as_it_was_first_trained(ray_cluster):
+    """ExGRPO with a real learner group (its lowest-entropy choice is a pass over the stored
+    trajectories, their tools' tokens masked), its buffer in this process: each trajectory
+    replayed in step 3 has the tokens and the learners' mask of the row it was first trained
+    in, in step 2."""
+    from rayrep.algos.exgrpo import ExGRPO
+    from rayrep.buffer.replay import ReplayBuffer
+    from rayrep.config import load_preset
+    from rayrep.data import PromptSampler
+    from rayrep.models import resolve_policy
+    from rayrep.types import Answer, Group, Prompt
+
+    from test_learner_and_sync import make_learners
+    from test_tools import trajectory
+
+    prompts = [Prompt(f"q{i}", ({"role": "user", "content": f"q{i}"},), "7") for i in range(16)]
+    cfg = load_preset("tiny-cpu-tool").replace(**{
+        "replay.num_shards": 0, "algorithm.name": "exgrpo", "algorithm.std_normalize": False, "algorithm.group_size": 4,
+        "algorithm.prompts_per_step": 8, "learner.mini_batch_prompts": 8, "algorithm.exgrpo.start_pass_rate": 0.0})
+    cfg, placement, learners = make_learners(cfg, resolve_policy(cfg), 1)
+    try:
+        algo = ExGRPO(cfg, prompts, {p.uid: trajectory(0).prompt_ids.tolist() for p in prompts},
+                      ReplayBuffer(0, 64, seed=0), learners=learners,
+                      sampler=PromptSampler(prompts[:8], seed=0, keep_at_least=8))
+        first_rows: dict[bytes, np.ndarray] = {}
+
+        def run_step(number: int, sampler) -> tuple:
+            plan = algo.plan(sampler, 8)
+            fresh = [Group.sampled(p, [Answer.of(trajectory(1000 * number + 10 * int(p.uid[1:]) + j, tools=1 + j % 2))
+                                       for j in range(n)], [j < 2 for j in range(n)]) for p, n in plan.requests]
+            groups, metrics = algo.join_replays(plan.complete(fresh))
+            built = algo.build(groups, step=number)
+            batch = built.batch
+            rows = []
+            for row, record in enumerate(built.recipe.rows):
+                arrays = record.answer.arrays()
+                start = len(arrays.prompt_ids)
+                rows.append((record.answer.replayed, arrays.response_ids.tobytes(),
+                             batch.response_mask[row, start : start + len(arrays.response_ids)].numpy()))
+            algo.after_update(number, built)
+            return plan, rows, metrics
+
+        run_step(1, algo.sampler)  # the switch flips (pass rate 0.5)
+        _, rows, _ = run_step(2, algo.sampler)  # collected: each question's two right answers
+        first_rows.update({tokens: mask for _, tokens, mask in rows})
+        plan, rows, metrics = run_step(3, PromptSampler(prompts[8:], seed=0))
+        assert plan.choose and metrics["exgrpo_replays_gone"] == 0
+        replayed = [(tokens, mask) for was_replayed, tokens, mask in rows if was_replayed]
+        assert len(replayed) == len(plan.choose)
+        for tokens, mask in replayed:
+            assert np.array_equal(mask, first_rows[tokens]) and not mask.all()  # (tool tokens, out of the loss)
+    finally:
+        learners.shutdown()
+        placement.remove()
