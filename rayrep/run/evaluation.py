@@ -47,9 +47,9 @@ class Evaluations:
         folder.evals.write_text(json.dumps(self.records, indent=2))
 
 
-START_SECTIONS = ("model", "data", "generator", "verifier")
+START_SECTIONS = ("model", "data", "generator", "verifier", "tools")
 """What the step-0 evaluation depends on besides `run.seed`: the policy, the test set, the
-sampling and the scoring."""
+sampling (and the tool its answers call) and the scoring."""
 
 
 def known_start_evaluation(cfg: Config) -> dict:
