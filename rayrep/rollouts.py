@@ -164,15 +164,15 @@ class Rollouts:
         record.note({f"verifier_{status}": detail for status, detail in verdicts.details.items()})
         return self.take(plans, answers, list(zip(verdicts.correct, verdicts.scores, verdicts.components)),
                          len(started.plan.prompts),
-                         sum(a.length for c in started.carried for a in c.answers), record)
+                         sum(a.policy_tokens for c in started.carried for a in c.answers), record)
 
     def take(self, plans: list[StepPlan], answers: list[list[Answer]],
              verdicts: list[tuple[list[bool], list[float | None], list[tuple]]], carried_from: int, tokens_before: int,
              record: StepRecord) -> list[Group]:
         """The step's groups of a round's (one plan each, in call order, those from
-        `carried_from` on carried over from the last round, holding `tokens_before` tokens as
-        the round began; the verdicts (scores, their parts) of those done, in that order), each with its planned
-        replays. Without partial rollouts every group is done, and the step takes them all.
+        `carried_from` on carried over from the last round, holding `tokens_before` tokens of the
+        policy's as the round began; the verdicts (scores, their parts) of those done, in that
+        order), each with its planned replays. Without partial rollouts every group is done, and the step takes them all.
         With them, it takes B, the carried ones first (their tokens are the oldest); the others
         are carried to the next round: those stopped, and any done beyond B; and the tokens
         the round generated are counted (`partial_round_tokens`)."""
@@ -191,7 +191,7 @@ class Rollouts:
         if not partial:
             return groups
         paused = [a for c in carried for a in c.answers if a.finish_reason == PAUSED]
-        record.count({"partial_round_tokens": sum(a.length for own in answers for a in own) - tokens_before,
+        record.count({"partial_round_tokens": sum(a.policy_tokens for own in answers for a in own) - tokens_before,
                       "partial_groups_carried": len(carried), "partial_answers_paused": len(paused),
                       "partial_tokens_paused": sum(a.length for a in paused)})
         return groups
@@ -290,13 +290,13 @@ def rollout_stats(groups: Sequence[Group], generate_seconds: float, tools: bool 
     fresh = [a for g in groups for a in g.fresh()]
     tokens = sum(a.length for a in fresh)
     used = [a.tools for a in fresh if a.tools is not None]
-    tool_tokens = sum(use.tokens for use in used)
+    generated = sum(a.policy_tokens for a in fresh)  # (a tool's output is not generated)
     stats = {
         "accuracy": sum(bool(a.correct) for a in fresh) / max(1, len(fresh)),
         "response_length": tokens / max(1, len(fresh)),
         "truncated": sum(a.finish_reason == "length" for a in fresh) / max(1, len(fresh)),
-        "generated_tokens": tokens - tool_tokens,  # (the policy's: a tool's output is not generated)
-        "tokens_per_second": (tokens - tool_tokens) / max(generate_seconds, 1e-9),
+        "generated_tokens": generated,
+        "tokens_per_second": generated / max(generate_seconds, 1e-9),
     }
     if tools:
         total = ToolUse(*(sum(values) for values in zip(*used))) if used else ToolUse()
@@ -307,7 +307,7 @@ def rollout_stats(groups: Sequence[Group], generate_seconds: float, tools: bool 
             "tool_errors": total.errors, "tool_timeouts": total.timeouts,
             "tool_failures": sum(use.failed for use in used), "tool_retried_calls": total.retried,
             "tool_seconds": total.seconds,
-            "tool_token_share": tool_tokens / max(1, tokens),
+            "tool_token_share": (tokens - generated) / max(1, tokens),
         })
     by_source: dict[str, list[Answer]] = {}
     for group in groups:

@@ -295,6 +295,11 @@ class Answer(NamedTuple):
         return VERDICT_NAMES[self.correct]
 
     @property
+    def policy_tokens(self) -> int:
+        """Its response tokens the policy wrote: its length less its tools' outputs'."""
+        return self.length - (self.tools.tokens if self.tools else 0)
+
+    @property
     def by_reference(self) -> bool:
         """Whether its arrays are in the object store (`at` is a ref), not here."""
         ray = sys.modules.get("ray")  # (a process that never imported Ray holds no ref: a GPU check's)
