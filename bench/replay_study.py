@@ -73,6 +73,7 @@ from rayrep.config import Config, ConfigError, parse_cli  # noqa: E402
 from rayrep.stats.study import compute_table, spent, study_table, summarize_compute, summarize_study  # noqa: E402
 from rayrep.plots import load_run_metrics, plot_study, plot_study_tokens  # noqa: E402
 from rayrep.pipelines.compare import check_finished_run, run_stage  # noqa: E402
+from rayrep.run.evaluation import START_SECTIONS  # noqa: E402
 from rayrep.run.layout import RunFolder  # noqa: E402
 
 ARMS: dict[str, dict] = {
@@ -233,11 +234,12 @@ def arm_config(seeded: Config, arm: str, seed_dir: Path, baseline_dir: Path | No
     """One arm's run config for one seed: RLEP arms replay the seed's pool; the arms after
     the baseline take its step-0 evaluation (the same base policy, test set and evaluation
     seeds: the same answers) instead of repeating it, from `baseline_dir` (its run folder
-    or its record; by default its run folder)."""
+    or its record; by default its run folder), unless they change what it depends on."""
     changes = {**ARMS[arm], "logging.run_name": arm}
     if changes["algorithm.name"] == "rlep":
         changes["algorithm.rlep.pool"] = str(seed_dir / "pool.parquet")
-    if arm != "baseline":
+    # (An arm that changes what the step-0 evaluation depends on, the tool say, evaluates its own.)
+    if arm != "baseline" and not any(name.split(".")[0] in START_SECTIONS for name in ARMS[arm]):
         changes["run.start_eval"] = str(baseline_dir or seed_dir / "baseline")
     return seeded.replace(**changes)
 
