@@ -299,7 +299,7 @@ def rollout_stats(groups: Sequence[Group], generate_seconds: float, tools: bool 
         "tokens_per_second": generated / max(generate_seconds, 1e-9),
     }
     if tools:
-        total = ToolUse(*(sum(values) for values in zip(*used))) if used else ToolUse()
+        total = sum(used, ToolUse())
         stats.update({
             "tool_call_share": len(used) / max(1, len(fresh)),
             "tool_calls_per_answer": total.calls / max(1, len(fresh)),

@@ -64,11 +64,11 @@ def test_a_template_without_a_tool_role_is_refused_in_one_line(tokenizer, templa
 
 
 def test_turns_are_counted_from_the_tool_mask():
-    assert turns_taken(None) == 1 and current_turn(None, 5) == 0
+    assert turns_taken(None) == 1 and current_turn(None) == 0
     mask = np.array([0, 0, 1, 1, 0, 0, 1, 0], bool)
     assert turns_taken(mask) == 3
-    assert current_turn(mask, len(mask)) == 7
-    assert turns_taken(np.array([0, 0, 1, 1], bool)) == 2 and current_turn(np.array([0, 0, 1, 1], bool), 4) == 4
+    assert current_turn(mask) == 7
+    assert turns_taken(np.array([0, 0, 1, 1], bool)) == 2 and current_turn(np.array([0, 0, 1, 1], bool)) == 4
 
 
 # ---------------------------------------------------------------------- the tools
@@ -297,7 +297,7 @@ def check_trajectory(rollout: Rollout, turns, max_tokens: int) -> None:
     for start in starts:
         end = start + np.argmin(tool[start:]) if not tool[start:].all() else len(tool)
         text = turns.tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=False)
-        turn = turns.tokenizer.decode(ids[current_turn(tool[:start], start):start].tolist(), skip_special_tokens=False)
+        turn = turns.tokenizer.decode(ids[current_turn(tool[:start]):start].tolist(), skip_special_tokens=False)
         call = turns.format.call(turn)
         assert call is not None and text.startswith(turns.format.output_text(f"[{call}]", "}")[: len(text)])
 

@@ -519,7 +519,7 @@ class _Answers:
         mask = np.asarray(grown.tool, bool)
         if turns_taken(mask) >= turns.max_turns or len(grown.ids) >= max_tokens:
             return None
-        start = current_turn(mask, len(grown.ids))
+        start = current_turn(mask)
         return turns.format.call(turns.tokenizer.decode(grown.ids[start:], skip_special_tokens=False))
 
     def finish(self, a: int, reason: str, version: int, tokenizer) -> None:

@@ -126,24 +126,20 @@ class Turns:
     the tool is slower: so the engine runs the same steps, and the answers are the same,
     however long each call takes."""
 
-    def turn_end_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
-
     def output_ids(self, output: str, last_token: int | None) -> list[int]:
-        text = self.format.output_text(output, self.turn_end_text(last_token) if last_token is not None else "")
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.format.output_ids(self.tokenizer, output, last_token)
 
 
 def turns_taken(tool_mask: np.ndarray | None) -> int:
     """How many turns of the policy an answer's tokens so far began (1 + its tools' outputs)."""
     if tool_mask is None or not len(tool_mask):
         return 1
-    starts = np.flatnonzero(tool_mask[1:] & ~tool_mask[:-1]) if len(tool_mask) > 1 else np.empty(0)
+    starts = np.flatnonzero(tool_mask[1:] & ~tool_mask[:-1])
     return 1 + len(starts) + int(tool_mask[0])
 
 
-def current_turn(tool_mask: np.ndarray | None, length: int) -> int:
+def current_turn(tool_mask: np.ndarray | None) -> int:
     """Where an answer's current turn begins: after its last tool output (0 without one)."""
     if tool_mask is None or not tool_mask.any():
         return 0
-    return int(np.flatnonzero(tool_mask)[-1]) + 1 if length else 0
+    return int(np.flatnonzero(tool_mask)[-1]) + 1

@@ -108,8 +108,7 @@ def _tool_example(prompt_ids, problem, format: ToolFormat, tokenizer) -> tuple[l
     eos = tokenizer.eos_token_id
     call = tokenizer(f"{format.call_start}{problem.expression}{format.call_end}", add_special_tokens=False)["input_ids"]
     call = call + ([eos] if format.stop_token is None else [])  # (a one-token closing markup ends the turn itself)
-    output = tokenizer(format.output_text(str(problem.answer), tokenizer.decode([call[-1]])),
-                       add_special_tokens=False)["input_ids"]
+    output = format.output_ids(tokenizer, str(problem.answer), call[-1])
     boxed = tokenizer(f"\\boxed{{{problem.answer}}}", add_special_tokens=False)["input_ids"] + [eos]
     ids = prompt_ids + call + output + boxed
     return ids, [False] * len(prompt_ids) + [True] * len(call) + [False] * len(output) + [True] * len(boxed)

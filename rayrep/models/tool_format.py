@@ -88,6 +88,13 @@ class ToolFormat:
         head = self.head[len(turn_end):] if turn_end and self.head.startswith(turn_end) else self.head
         return head + output + self.tail
 
+    def output_ids(self, tokenizer, output: str, last_token: int | None) -> list[int]:
+        """The token ids a tool's `output` joins the answer as, after a turn whose last token is
+        `last_token` (None: an empty answer): what the generators append, and what the tiny
+        policy's warm start writes."""
+        turn_end = tokenizer.decode([last_token], skip_special_tokens=False) if last_token is not None else ""
+        return tokenizer(self.output_text(output, turn_end), add_special_tokens=False)["input_ids"]
+
     def framing_tokens(self, tokenizer) -> int:
         """Tokens of the framing of an empty output: the least a tool's turn adds."""
         return len(tokenizer(self.head + self.tail, add_special_tokens=False)["input_ids"])

@@ -44,7 +44,7 @@ class ToolSandbox:
     """Runs calls of one tool in a sandbox child (a tool actor's, or this process's)."""
 
     def __init__(self, name: str, timeout_s: float, code: CodeLimits, plugins: tuple[Plugin, ...] = ()):
-        self.name, self.timeout_s = name, timeout_s
+        self.name = name
         # A `python` call's program runs under its own limits, inside the child's per-call one.
         self.limit_s = max(timeout_s, code.wall_s + 1.0) if name == "python" else timeout_s
         self.sandbox = MathSandbox(plugins=plugins, code_limits=code).start()
@@ -110,7 +110,6 @@ class ToolGroup:
 
     def __init__(self, cfg: Config, placement: Placement | None = None):
         tools = cfg.tools
-        self.name = tools.name
         plugins = tool_plugins(tools.name)
         code = CodeLimits.of(cfg.verifier)
 
