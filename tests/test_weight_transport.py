@@ -138,3 +138,75 @@ def test_the_transport_is_chosen_in_one_place_and_the_plan_names_it():
         assert weight_transport(cfg) == "handles" and "CUDA IPC handles" in make_plan(cfg).describe()
         gpu_split = cfg.replace(**{"placement.mode": "disaggregated", "generator.num_workers": 8})
         assert "NCCL broadcast" in make_plan(gpu_split).describe()
+
+
+# ---------------------------------------------------------------- batch invariance and the NCCL group
+
+ENGINE_NCCL_SIDE = """
+import json, sys
+import vllm.utils.nccl as nccl
+from vllm.model_executor.determinism.batch_invariant import override_envs_for_invariance
+from rayrep.generator.vllm_internals import shared_nccl_environment
+from rayrep.sync.collective import nccl_settings
+
+learner = nccl_settings()  # every process of the run starts with the same NCCL environment
+# A CPU build loads no NCCL: the version probe stands for the NCCL the GPU worker would load.
+nccl._nccl_has_no_cache = lambda: sys.argv[1] == "new"
+override_envs_for_invariance()  # what vLLM's GPU worker does with VLLM_BATCH_INVARIANT=1
+with shared_nccl_environment():
+    engine = nccl_settings()
+print(json.dumps({"learner": learner, "engine": engine, "pinned": nccl_settings()}))
+"""
+
+
+def engine_nccl_side(nccl: str) -> dict:
+    """In a process of its own (vLLM's pins are process-wide and kept): the NCCL settings a
+    learner joins with, and an engine with `VLLM_BATCH_INVARIANT` when it opens the weight
+    group, under NCCL `nccl` ("new": 2.29.7 or later, "old": before)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NCCL_")}
+    env.update(NCCL_CUMEM_ENABLE="0", VLLM_BATCH_INVARIANT="1")
+    done = subprocess.run([sys.executable, "-c", ENGINE_NCCL_SIDE, nccl], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_an_engine_with_batch_invariance_opens_the_weight_group_with_the_learners_nccl_settings():
+    seen = engine_nccl_side("new")
+    assert seen["pinned"]["NCCL_PROTO"] == "Simple" and seen["pinned"]["NCCL_NTHREADS"] == "1"  # vLLM's own, pinned
+    assert seen["engine"] == seen["learner"] == {"NCCL_CUMEM_ENABLE": "0"}
+
+
+def test_a_weight_group_whose_members_differ_in_nccl_settings_refuses_to_open_on_both_sides():
+    """An NCCL that cannot unpin vLLM's settings (before 2.29.7): the members would hang at the
+    first collective; the agreement before the group opens fails instead, on both sides."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from rayrep.sync.collective import agree_on_nccl
+
+    seen = engine_nccl_side("old")
+    assert seen["engine"] != seen["learner"]
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    joining = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    with ThreadPoolExecutor(2) as pool:
+        ends = [pool.submit(agree_on_nccl, store, 0, 2, seen["learner"]),
+                pool.submit(agree_on_nccl, joining, 1, 2, seen["engine"])]
+        errors = [end.exception(timeout=60) for end in ends]
+    assert all(isinstance(error, RuntimeError) for error in errors), errors
+    assert "NCCL_PROTO: unset here, Simple at rank 1" in str(errors[0])
+    assert "NCCL_PROTO: Simple here, unset at rank 0" in str(errors[1]) and "2.29.7" in str(errors[1])
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    joining = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    with ThreadPoolExecutor(2) as pool:  # members that agree go on
+        ends = [pool.submit(agree_on_nccl, store, 0, 2, seen["learner"]),
+                pool.submit(agree_on_nccl, joining, 1, 2, dict(seen["learner"]))]
+        assert [end.result(timeout=60) for end in ends] == [None, None]

@@ -6,6 +6,8 @@
   Its answers come as `Completion`s, so that nothing else reads vLLM's output types.
 - `WeightSyncExtension`: methods vLLM mixes into its worker (`LLM(worker_extension_cls=...)`),
   called through the public `LLM.collective_rpc`: weights arrive through them.
+- `shared_nccl_environment`: the NCCL variables of a group shared with other processes,
+  without those vLLM pins for its own (batch invariance).
 - `remove_adapter`, and two filters of vLLM's log notices.
 
 Each vLLM behaviour this file relies on has a test in `tests/test_vllm_internals.py`, so
@@ -62,6 +64,19 @@ def with_tied_head(weights: Iterable[tuple[str, torch.Tensor]], tied: str | None
             yield "lm_head.weight", tensor
 
 
+def shared_nccl_environment():
+    """The process's environment as NCCL should see it when a group shared with processes
+    outside vLLM opens (rayrep's weight group): with `VLLM_BATCH_INVARIANT`, vLLM's GPU worker
+    pins NCCL's protocol, algorithm, channels and threads for its own process
+    (`init_batch_invariance`), and a learner that joins without them would hang the group; vLLM
+    builds its own shared communicators inside this context (`weight_transfer/nccl_common.py`).
+    With an NCCL older than 2.29.7 it cannot unpin them, and the group's agreement check
+    (`rayrep.sync.collective.agree_on_nccl`) refuses to open instead of hanging."""
+    from vllm.utils.nccl import unpinned_nccl_env
+
+    return unpinned_nccl_env()
+
+
 class WeightSyncExtension:
     """Methods that run inside each vLLM worker (one per tensor-parallel rank)."""
 
@@ -76,8 +91,9 @@ class WeightSyncExtension:
         from rayrep.sync.transport import TRANSPORTS
 
         rank = first_rank + getattr(self, "rank", 0)
-        self._rayrep_channel = TRANSPORTS[transport].join_as_engine_worker(
-            host, port, world_size, rank, backend, self._rayrep_device(), timedelta(seconds=timeout_s))
+        with shared_nccl_environment():
+            self._rayrep_channel = TRANSPORTS[transport].join_as_engine_worker(
+                host, port, world_size, rank, backend, self._rayrep_device(), timedelta(seconds=timeout_s))
 
     def rayrep_leave_weight_group(self) -> None:
         """Leave the transport (to join a rebuilt one, after a generator was replaced); a worker

@@ -47,6 +47,45 @@ def nccl_environment(environ=None) -> dict[str, str]:
     return {**NCCL_DEFAULTS, **{key: value for key, value in environ.items() if key.startswith("NCCL_")}}
 
 
+NCCL_PROCESS_LOCAL = frozenset({"NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "NCCL_NO_CACHE",
+                                 "NCCL_LAUNCH_MODE"})
+"""NCCL variables that may differ between the members of one communicator: logging, which
+variables NCCL re-reads per communicator, and how this process launches its kernels (vLLM's
+batch invariance sets GROUP for its whole process, its own communicators and shared ones alike).
+Every other one shapes how a collective runs (its protocol, algorithm, channels, threads,
+memory), NCCL does not reconcile them across ranks, and members that differ hang."""
+
+
+def nccl_settings(environ=None) -> dict[str, str]:
+    """The NCCL variables a communicator opened now, in this process, would run with, that
+    all its members must share (`environ`: by default this process's environment)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    return {key: value for key, value in sorted(environ.items())
+            if key.startswith("NCCL_") and key not in NCCL_PROCESS_LOCAL}
+
+
+def agree_on_nccl(store: dist.Store, rank: int, world_size: int, settings: dict[str, str]) -> None:
+    """Refuse to open an NCCL group whose members would run it with different settings (it
+    would hang at its first collective): each member posts its `nccl_settings`, rank 0 reads
+    every other's and the others rank 0's, and a difference fails on both sides, naming it."""
+    import json
+
+    store.set(f"nccl-settings/{rank}", json.dumps(settings))
+    for peer in range(1, world_size) if rank == 0 else (0,):
+        theirs = json.loads(store.get(f"nccl-settings/{peer}"))
+        if theirs != settings:
+            differ = ", ".join(f"{key}: {settings.get(key, 'unset')} here, {theirs.get(key, 'unset')} at rank {peer}"
+                               for key in sorted(set(settings) | set(theirs)) if settings.get(key) != theirs.get(key))
+            raise RuntimeError(
+                f"weight sync: group rank {rank} and rank {peer} would open their NCCL group with different settings "
+                f"({differ}); NCCL does not reconcile them and the group would hang. An engine with "
+                "generator.batch_invariant pins these for its own process, and unpins them for shared groups only "
+                "with NCCL >= 2.29.7 (NCCL_NO_CACHE): use that NCCL, or turn generator.batch_invariant off, or "
+                "colocate the roles (their weights travel by CUDA IPC handles, not NCCL)")
+
+
 def nccl_options(timeout: timedelta = GROUP_TIMEOUT):
     """`ProcessGroupNCCL.Options` with the group's timeout: without options NCCL's own
     10-minute watchdog applies, whatever the group's. As torch's own `new_group` builds them
@@ -208,12 +247,14 @@ def _settle(work: dist.Work, flat: torch.Tensor, device: torch.device) -> None:
 def open_group(host: str, port: int, world_size: int, rank: int, backend: str, device: torch.device,
                timeout: timedelta = GROUP_TIMEOUT) -> WeightGroup:
     """Join the weight group; every member's call must be in flight at the same time.
-    `timeout`: how long a member waits for the others (`sync.timeout_s`)."""
+    `timeout`: how long a member waits for the others (`sync.timeout_s`). An NCCL group opens
+    only once its members agree on their NCCL settings (`agree_on_nccl`)."""
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore("rayrep-weight-sync", store)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=timeout)
     elif backend == "nccl":
+        agree_on_nccl(prefixed, rank, world_size, nccl_settings())
         torch.cuda.set_device(device)
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options(timeout))
     else:
