@@ -89,6 +89,16 @@ class RecordingEngine:
         self.calls.append(("reset_prefix_cache",))
 
 
+def worker_for(cfg):
+    """A GeneratorWorker's engine-facing logic, on a recording engine."""
+    from rayrep.generator.worker import GeneratorWorker, engine_residency
+
+    worker = GeneratorWorker.__new__(GeneratorWorker)
+    worker.cfg, worker.llm, worker.version, worker.half_loaded = cfg, RecordingEngine(), 0, False
+    worker.residency = engine_residency(cfg, 0, built=True)
+    return worker
+
+
 def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
     """A colocated GPU run, in the driver's order: every step sleeps once (the learners' turn:
     level 2, the weights dropped), wakes the weights before loading them (the weight sync) and
@@ -97,14 +107,7 @@ def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
     makes exactly the same calls; a plain CPU run makes none."""
     from rayrep.cluster.residency import ResidencyError
     from rayrep.config import load_preset
-    from rayrep.generator.worker import GeneratorWorker, engine_residency
     from rayrep.sync.collective import WeightManifest
-
-    def worker_for(cfg):
-        worker = GeneratorWorker.__new__(GeneratorWorker)  # the engine-facing logic, on a recording engine
-        worker.cfg, worker.llm, worker.version, worker.half_loaded = cfg, RecordingEngine(), 0, False
-        worker.residency = engine_residency(cfg, 0, built=True)
-        return worker
 
     def two_steps(worker):
         for step in (1, 2):
@@ -130,6 +133,26 @@ def test_a_hand_over_wakes_each_memory_once_weights_before_the_kv_cache():
     assert not cpu.sleep() and not cpu.sleep(keep_weights=True)
     cpu.receive_weights(manifest=WeightManifest.build([], 1), version=1)
     assert cpu.wake_up() == () and cpu.llm.calls == [("rayrep_receive_weights",), ("reset_prefix_cache",)]
+
+
+def test_an_engine_samples_its_device_before_it_sleeps_and_its_runtime_comes_back_with_any_wake():
+    """The device's use is sampled before the sleep frees it (the generate phase's peak, which
+    the ledger observes after the sleep); vLLM 0.32 copies its runtime pools to host memory at
+    every sleep and maps them back with any wake, the weights' for a sync too."""
+    from rayrep.cluster.memory import ENGINE_RUNTIME, KV_CACHE, WEIGHTS
+    from rayrep.cluster.residency import DEVICE, DROPPED, HOST
+    from rayrep.config import load_preset
+    from rayrep.sync.collective import WeightManifest
+
+    worker = worker_for(load_preset("qwen2.5-math-7b-rlep"))
+    seen = []
+    worker.residency.measure = lambda: seen.append((len(worker.llm.calls), dict(worker.residency.where))) or 0
+    worker.sleep()
+    assert seen == [(0, {WEIGHTS: DEVICE, KV_CACHE: DEVICE, ENGINE_RUNTIME: DEVICE})]  # before vLLM's sleep
+    assert worker.residency.where == {WEIGHTS: DROPPED, KV_CACHE: DROPPED, ENGINE_RUNTIME: HOST}
+    worker.receive_weights(manifest=WeightManifest.build([], 1), version=1)  # wakes the weights alone
+    assert worker.residency.where == {WEIGHTS: DEVICE, KV_CACHE: DROPPED, ENGINE_RUNTIME: DEVICE}
+    assert worker.llm.calls[:2] == [("sleep", 2), ("wake_up", ("weights",))]
 
 
 @pytest.fixture(scope="module")

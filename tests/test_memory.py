@@ -59,7 +59,8 @@ def test_the_paper_presets_fit_on_80_gib_gpus_phase_by_phase(preset):
     assert sync.held[LEARNER][SEND_BUFFERS] == 2 * largest and sync.held[LEARNER][WHOLE_TENSOR] == largest
     assert sync.held[ENGINE][WEIGHTS] == 2 * shape.parameters and sync.held[ENGINE][RECEIVED] > 2 * largest
     # Colocated turns: the engines sleep while the learners hold their state; awake, the GPU is theirs.
-    assert plan.phase("update").held[ENGINE] == {ENGINE_RUNTIME: GIB}
+    assert plan.phase("update").held[ENGINE] == {}  # (its runtime pools too: in host memory asleep)
+    assert plan.phase("sync").held[ENGINE][ENGINE_RUNTIME] == GIB  # (back with the weights' wake)
     for name in ("engine start-up", "generate", "resume", "replacement", "save"):  # FSDP2 saves from host memory
         assert plan.phase(name).holds(LEARNER) == 0
         assert plan.phase(name).holds(ENGINE) == int(0.85 * 80 * GIB)
@@ -251,3 +252,67 @@ def test_the_ledger_refuses_a_holder_beyond_its_phase_and_a_gpu_beyond_its_size(
     lenient.observe(RunPhase.RESUME, [engine, learner])
     figures = lenient.take_figures()
     assert (figures["memory_resume_learner_reserved_gib"], figures["memory_resume_device_gib"]) == (12.0, 75.0)
+
+
+def test_the_devices_measured_use_over_the_plan_is_a_breach_like_the_models():
+    """On GPUs the model's figures are the plan's own, so only the measured use can show an
+    engine (or anything the model misses) beyond its phase: held to the GPU's plan the same way."""
+    plan = memory_plan(load_preset("qwen2.5-math-7b-exgrpo"))
+    gpus = {"learner rank 0": (0,), "generator 0": (0,)}
+    generate = plan.phase("generate")
+    allowed = generate.holds(ENGINE) + generate.holds(LEARNER) + RESERVED_BYTES  # 71.00 GiB
+    engine = holding("generator 0", ENGINE, generate.held[ENGINE])  # the model: just what the plan gives
+    learner = holding("learner rank 0", LEARNER, {})
+    engine.device_used = int(allowed * 1.05)  # within the tolerance
+    DeviceLedger(plan, gpus, strict=True).observe(RunPhase.GENERATE, [engine, learner])
+    engine.device_used = 79 * GIB  # the engine took more than its share (a CUDA-graph pool the plan misses)
+    with pytest.raises(MemoryLedgerError, match=r"generate phase: GPU 0 measured 79\.00 GiB in use at its peak "
+                                                r"\(generator 0, learner rank 0 on it\), and the plan gives it "
+                                                r"71\.00 GiB in this phase"):
+        DeviceLedger(plan, gpus, strict=True).observe(RunPhase.GENERATE, [engine, learner])
+    logged = []
+    lenient = DeviceLedger(plan, gpus, strict=False, log=logged.append)
+    lenient.observe(RunPhase.GENERATE, [engine, learner])
+    lenient.observe(RunPhase.GENERATE, [engine, learner])
+    assert len(logged) == 1 and logged[0].startswith("device-memory ledger, generate phase: GPU 0 measured 79.00 GiB")
+    assert lenient.take_figures()["memory_generate_device_gib"] == 79.0
+
+
+class ScriptedDevice:
+    """A GPU's use as the driver would report it (`mem_get_info`), which a CPU has not: what the
+    process holds, as its residency's parts and cache make it, plus an overhead."""
+
+    def __init__(self, overhead: int):
+        self.overhead, self.residency = overhead, None
+
+    def __call__(self) -> int:
+        return self.residency.reserved + self.overhead
+
+
+def test_each_phases_measured_peak_is_sampled_before_its_memory_is_released():
+    """The ledger observes `generate` after the engines slept and `update` after the learner
+    released its allocator's cache (the model's peaks need that order); the device's use is
+    sampled by each process just before it releases, so the phase's report holds its peak."""
+    sizes = {PARAMETERS: 4, OPTIMIZER: 8, **{part: 10 for part in UPDATE}}
+    device = ScriptedDevice(overhead=3)
+    learner = device.residency = Residency("learner rank 0", LEARNER, {PARAMETERS: DEVICE, OPTIMIZER: DEVICE}, sizes,
+                                           measure=device)
+    with learner.working_on(UPDATE):
+        pass
+    learner.release_cache()  # the end of an update: its peak leaves the device
+    assert learner.reserved == 12
+    update = learner.report()
+    assert update.device_used == 62 + 3  # the update's peak, not the 12 + 3 of the report's moment
+    assert learner.report().device_used == 12 + 3  # (the samples start again from the report)
+
+    engine_device = ScriptedDevice(overhead=2)
+    engine = engine_device.residency = Residency(
+        "generator 0", ENGINE, {WEIGHTS: DEVICE, KV_CACHE: DEVICE, ENGINE_RUNTIME: DEVICE},
+        {WEIGHTS: 14, KV_CACHE: 50, ENGINE_RUNTIME: 1}, engine_mapped=(WEIGHTS, KV_CACHE, ENGINE_RUNTIME),
+        measure=engine_device)
+    engine.sample_device()  # what GeneratorWorker.sleep does before vLLM's sleep frees the GPU
+    for part, place in ((WEIGHTS, DROPPED), (KV_CACHE, DROPPED), (ENGINE_RUNTIME, HOST)):
+        engine.move(part, place)
+    generate = engine.report()
+    assert (generate.reserved, generate.device_used) == (0, 65 + 2)
+

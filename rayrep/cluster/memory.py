@@ -33,8 +33,9 @@ at most that many padded tokens, one row at least; `c` the compute dtype's bytes
   DeepSpeed too, whose own state stays); its pass
   (no graph, before the update) holds less than the update.
 - engine (vLLM): `generator.gpu_memory_utilization` of the GPU awake: its weights (split over
-  the tensor-parallel group), its runtime (what stays on the GPU asleep), the KV cache in the
-  rest. Receiving weights it holds a copy of the tensors of a layer (the loader keeps them
+  the tensor-parallel group), its runtime, the KV cache in the rest. Asleep it holds nothing
+  the plan counts: every sleep copies its runtime pools to host memory, and any wake (the
+  weights' for a sync too) maps them back. Receiving weights it holds a copy of the tensors of a layer (the loader keeps them
   until the layer is whole) and the layer vLLM materialises to load them: about twice the
   largest of a layer and the largest tensor, and a bucket in flight.
 
@@ -46,8 +47,12 @@ top (CUDA contexts, NCCL buffers, fragmentation).
 The ledger (`DeviceLedger`): in a running run, the processes' residencies
 (`rayrep.cluster.residency`) report what they held at each transition, and the ledger sums
 them per GPU: no GPU may go over its size, and no holder beyond its phase's plan (within
-`TOLERANCE`). A CPU run that emulates GPUs (`placement.emulate_gpus`) stops at the first
-breach; a GPU run logs it, and records torch's measured figures beside the model's.
+`TOLERANCE`). On GPUs the device's measured use at the phase's peak (sampled by each process
+that drives a GPU before it releases memory: `Residency.sample_device`) is held to the
+phase's plan for that GPU the same way: the model alone could never breach a plan made of
+the same figures. A CPU run that emulates GPUs (`placement.emulate_gpus`) stops at the first
+breach; a GPU run logs it, once per phase and holder, and records the figures in the step's
+record.
 """
 
 from __future__ import annotations
@@ -67,8 +72,10 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 RESERVED_BYTES = 3 * GIB
 """CUDA contexts, NCCL buffers and the allocator's fragmentation, per GPU."""
-SLEEPING_ENGINE_BYTES = 1 * GIB
-"""What a vLLM engine keeps on its GPU asleep (at level 1 or 2): its runtime."""
+ENGINE_RUNTIME_BYTES = 1 * GIB
+"""An awake vLLM engine's runtime beside its weights and KV cache: the pools vLLM 0.32 tags
+"runtime" and "cudagraph" (which every sleep, at level 1 or 2, copies to pinned host memory
+and any wake maps back, whichever tags it names) and its workspace; an estimate, not measured."""
 TOLERANCE = 0.10
 """How far a holder's measured peak may go past its phase's plan before the ledger calls it a breach."""
 
@@ -343,8 +350,8 @@ def part_sizes(cfg: Config, shape: ModelShape) -> dict[str, dict[str, int]]:
     weights = (P * c + slot) // gen.tensor_parallel_size
     engine_parts = {
         WEIGHTS: weights,
-        ENGINE_RUNTIME: SLEEPING_ENGINE_BYTES,
-        KV_CACHE: max(0, budget - weights - SLEEPING_ENGINE_BYTES),
+        ENGINE_RUNTIME: ENGINE_RUNTIME_BYTES,
+        KV_CACHE: max(0, budget - weights - ENGINE_RUNTIME_BYTES),
         # Full weights: a layer's tensors held by the loader and the layer it materialises, and a
         # bucket in flight; an adapter: a bucket at a time (the worker copies each to host memory).
         RECEIVED: largest_bucket if lora else 2 * max(shape.largest_tensor, shape.layer_parameters) * c + bucket,
@@ -392,7 +399,7 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
             Phase(RunPhase.SAVE, "a checkpoint: the policy gathered (DeepSpeed: each fp32 master whole, on the GPU), "
                   "the learners' shards written", {LEARNER: kept, ENGINE: awake}),
         )
-    asleep = of(engine, ENGINE_RUNTIME)
+    asleep: dict[str, int] = {}  # (a sleeping engine's pools are all in host memory or dropped: see ENGINE_RUNTIME_BYTES)
     return (
         Phase(RunPhase.LEARNER_SET_UP, "each learner rank loads the policy in host memory and keeps its shard on its GPU, "
               "then moves it to host memory; the engines start after", {LEARNER: set_up}),
@@ -536,7 +543,8 @@ class Observation:
     gpus: dict[int, int]
     """GPU index -> the most its holders held together since the last transition (reserved included)."""
     measured: dict[int, int]
-    """GPU index -> the device's use at the transition, as torch measured it (GPU runs only)."""
+    """GPU index -> the most the device held at its processes' samples since the last
+    transition (`mem_get_info`, taken before each release; GPU runs only)."""
 
 
 def gib(value: float) -> str:
@@ -583,15 +591,23 @@ class DeviceLedger:
                 held = "; ".join(f"{h.owner}: {_parts(h.at_peak)}" for h in on_gpu[gpu])
                 breaches.append((f"gpu {gpu}", f"GPU {gpu} held {gib(total)}, more than its {gib(self.plan.capacity)} "
                                                f"({held})"))
-        measured = {gpu: max(h.device_used for h in held) for gpu, held in on_gpu.items()
-                    if all(h.device_used is not None for h in held)}
+        # Each process that drives a GPU samples the whole device's use before it releases
+        # memory: the phase's peak, measured, held to the same plan as the model's.
+        measured = {gpu: max(used) for gpu, held in on_gpu.items()
+                    if (used := [h.device_used for h in held if h.device_used is not None])}
+        for gpu, used in measured.items():
+            allowed = sum(planned.holds(role) for role in {h.role for h in on_gpu[gpu]}) + RESERVED_BYTES
+            if used > allowed * (1 + TOLERANCE):
+                breaches.append((f"gpu {gpu} measured", (
+                    f"GPU {gpu} measured {gib(used)} in use at its peak ({', '.join(sorted(h.owner for h in on_gpu[gpu]))} "
+                    f"on it), and the plan gives it {gib(allowed)} in this phase ({gib(RESERVED_BYTES)} reserved included)")))
         self.observations.append(Observation(phase, totals, measured))
         learners = [h for h in holdings if h.role == LEARNER]
         name = phase.metric
         self._keep(f"{name}_gib", max(totals.values(), default=None))
         self._keep(f"{name}_learner_gib", max((h.peak for h in learners), default=None))
-        # On GPUs, torch's figures beside the model's: the learner process's reserved peak,
-        # and the whole device's use at the transition.
+        # On GPUs, the measured figures beside the model's: the learner process's reserved
+        # peak (torch's), and the whole device's use at its peak.
         self._keep(f"{name}_learner_reserved_gib",
                    max((h.measured_peak for h in learners if h.measured_peak is not None), default=None))
         self._keep(f"{name}_device_gib", max(measured.values(), default=None))

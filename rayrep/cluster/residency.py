@@ -16,13 +16,17 @@ its GPU: the parts on the device, the parts an operation under way allocated for
 most it held since the last `release_cache`, which is torch's `empty_cache`). Parts that vLLM
 maps and unmaps itself (an engine's weights and KV cache: `engine_mapped`) go back to the device at
 once. `report` gives the runtime's ledger (`rayrep.cluster.memory.DeviceLedger`) the peak since
-the last report, with what made it, and on GPUs what torch measured beside it (its
-own process's reserved bytes, and the whole device's use).
+the last report, with what made it, and on GPUs what was measured beside it: the whole
+device's use (`measure`, `torch.cuda.mem_get_info`) sampled by the process itself just before
+it releases memory (its allocator's cache, an engine's sleep) and at the report, so that
+the figure holds the phase's peak, which the report alone, after the release, would miss;
+and, in a learner, torch's reserved bytes (in an engine they say nothing: vLLM's allocator
+unmaps pages that torch still counts as reserved).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -54,21 +58,28 @@ class Holding:
     at_peak: dict[str, int] = field(default_factory=dict)
     """What made the peak: the parts on the device then, and the allocator's cache beyond them."""
     measured_reserved: int | None = None
-    """On a GPU, what torch reports: `memory_reserved` now (None elsewhere)."""
+    """In a learner on a GPU, what torch reports: `memory_reserved` now (None elsewhere)."""
     measured_peak: int | None = None
-    """On a GPU, torch's `max_memory_reserved` since the last report."""
+    """In a learner on a GPU, torch's `max_memory_reserved` since the last report."""
     device_used: int | None = None
-    """On a GPU, what every process holds on this process's device now (`mem_get_info`)."""
+    """On a GPU, the most every process held on this process's device at this process's
+    samples since the last report (before each release, and now)."""
 
 
 class Residency:
     def __init__(self, owner: str, role: str, where: Mapping[str, str], sizes: Mapping[str, int] | None = None,
-                 device=None, engine_mapped: Iterable[str] = ()):
+                 device=None, engine_mapped: Iterable[str] = (), measure: Callable[[], int] | None = None):
         """`where`: each part's place at the start. `sizes`: bytes per part (the memory plan's
         figures; a move or an operation may give a part's real size instead), None where the
         run does not model its GPUs. `device`: the torch device the process computes on (a
-        CUDA one is measured too). `engine_mapped`: parts whose memory leaves the device at once."""
+        CUDA one is measured too). `engine_mapped`: parts whose memory leaves the device at once
+        (vLLM's pools). `measure`: the device's use now, in bytes (by default on a CUDA device
+        `device_use`; None: not measured)."""
         self.owner, self.role, self.device = owner, role, device
+        on_gpu = device is not None and getattr(device, "type", None) == "cuda"
+        self.measure = measure if measure is not None else (lambda: device_use(device)) if on_gpu else None
+        self.device_peak: int | None = None
+        """The most `measure` gave since the last report."""
         self.where = dict(where)
         self.sizes = dict(sizes or {})
         self.engine_mapped = frozenset(engine_mapped)
@@ -122,8 +133,16 @@ class Residency:
             self.working = before
             self._count()
 
+    def sample_device(self) -> None:
+        """Measure the device's use now (where it is measured): called before memory is
+        released, so that the phase's peak is among the samples its report gives."""
+        if self.measure is not None:
+            self.device_peak = max(self.device_peak or 0, self.measure())
+
     def release_cache(self) -> None:
-        """The allocator's cache back to the device (torch's `empty_cache` on a GPU)."""
+        """The allocator's cache back to the device (torch's `empty_cache` on a GPU), the
+        device's use sampled just before."""
+        self.sample_device()
         if self.device is not None and getattr(self.device, "type", None) == "cuda":
             import torch
 
@@ -156,14 +175,22 @@ class Residency:
         """What this process holds now and at its peak since the last report (then the peak
         starts again from now); on a GPU, torch's own figures beside the model's."""
         holding = Holding(self.owner, self.role, dict(self.where), self.reserved, self.peak, dict(self.at_peak))
-        if self.device is not None and getattr(self.device, "type", None) == "cuda":
+        self.sample_device()
+        holding.device_used, self.device_peak = self.device_peak, None
+        if self.device is not None and getattr(self.device, "type", None) == "cuda" and not self.engine_mapped:
             import torch
 
             holding.measured_reserved = torch.cuda.memory_reserved(self.device)
             holding.measured_peak = torch.cuda.max_memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            free, total = torch.cuda.mem_get_info(self.device)
-            holding.device_used = total - free
         self.peak, self.at_peak = 0, {}
         self._count()
         return holding
+
+
+def device_use(device) -> int:
+    """What every process holds on the CUDA `device` now, in bytes (the driver's own figure)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import ray
 
-from rayrep.cluster.memory import ENGINE, ENGINE_AWAKE, KV_CACHE, RECEIVED, WEIGHTS, memory_plan
+from rayrep.cluster.memory import ENGINE, ENGINE_AWAKE, ENGINE_RUNTIME, KV_CACHE, RECEIVED, WEIGHTS, memory_plan
 from rayrep.cluster.residency import ABSENT, DEVICE, DROPPED, HOST, Holding, Residency, ResidencyError
 from rayrep.config import Config
 from rayrep.heap import long_lived
@@ -141,15 +141,18 @@ class GeneratorWorker:
         returns whether the engine went to sleep. The KV cache is dropped; the weights are
         dropped too (vLLM sleep level 2) unless `keep_weights` (level 1: copied to host memory
         and back, 14 GiB each way for a 7B policy): a weight sync that follows overwrites them
-        all, and wakes them itself (`receive_weights`). The engine's runtime stays. An engine
-        already asleep, or between a sync and its KV cache's waking (its weights awake for the
-        sync, which needs them), has nothing to free: False, and no call."""
+        all, and wakes them itself (`receive_weights`). The engine's runtime (vLLM's runtime and
+        CUDA-graph pools) goes to host memory at either level, and any wake maps it back. An
+        engine already asleep, or between a sync and its KV cache's waking (its weights awake for
+        the sync, which needs them), has nothing to free: False, and no call."""
         awake = self.residency.on_device(WEIGHTS) and self.residency.on_device(KV_CACHE)
         if not (self.cfg.placement.takes_turns and awake):
             return False
+        self.residency.sample_device()  # the generate phase's peak, before the sleep frees it
         self.llm.sleep(level=1 if keep_weights else 2)
         self.residency.move(WEIGHTS, HOST if keep_weights else DROPPED)
         self.residency.move(KV_CACHE, DROPPED)
+        self.residency.move(ENGINE_RUNTIME, HOST)
         return True
 
     def wake_up(self, tags: list[str] | None = None) -> tuple[str, ...]:
@@ -169,7 +172,7 @@ class GeneratorWorker:
         asleep = [part for part in SLEEP_TAGS if part in parts and not self.residency.on_device(part)]
         if asleep:
             self.llm.wake_up(tags=[SLEEP_TAGS[part] for part in asleep])
-            for part in asleep:
+            for part in (*asleep, ENGINE_RUNTIME):  # (vLLM maps its runtime pools back with any tag)
                 self.residency.move(part, DEVICE)
         return tuple(SLEEP_TAGS[part] for part in asleep)
 
@@ -269,7 +272,8 @@ def engine_residency(cfg: Config, worker_index: int, built: bool = False) -> Res
     measured = cfg.placement.device == "gpu" and cfg.generator.tensor_parallel_size == 1 and torch.cuda.is_available()
     return Residency(f"generator {worker_index}", ENGINE, {part: DEVICE if built else ABSENT for part in ENGINE_AWAKE},
                      plan.sizes[ENGINE] if plan else None,
-                     torch.device("cuda", torch.cuda.current_device()) if measured else None, engine_mapped=SLEEP_TAGS)
+                     torch.device("cuda", torch.cuda.current_device()) if measured else None,
+                     engine_mapped=ENGINE_AWAKE)
 
 
 # The class stays plain (importable by name) so Ray pickles its methods by reference.

@@ -116,16 +116,35 @@ def fsdp2_shards(cfg: Config, world_size: int) -> bool:
     return cfg.learner.sharding.shards_parameters and not (world_size == 1 and compute_dtype(cfg) == torch.float32)
 
 
-def shard_layers(model: torch.nn.Module, world_size: int, device: torch.device, mp_policy=None) -> None:
+def make_masters(module: torch.nn.Module) -> None:
+    """The parameters of `module` that train, in fp32 (the optimizer's master weights), where
+    the checkpoint stored them in another dtype: upcast in place, which is exact (bf16 to fp32
+    gives the values an fp32 load of the same checkpoint gives; transformers computes the
+    rotary `inv_freq` in fp32 under either load). Frozen ones (a LoRA base) stay as loaded;
+    shards FSDP2 already made are fp32 and stay."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
+
+
+def shard_layers(model: torch.nn.Module, world_size: int, device: torch.device, mp_policy=None,
+                 masters: bool = False) -> None:
     """`fully_shard` on each decoder layer, then on the root, over all ranks; this rank's shards
-    moved to `device`."""
+    moved to `device`. `masters`: each layer's trained parameters upcast to fp32 just before
+    it is sharded (`make_masters`), so that a rank holds the checkpoint's dtype, its fp32
+    shards and one fp32 layer, never the whole policy in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model.model.layers:
+        if masters:
+            make_masters(layer)
         fully_shard(layer, mesh=mesh, **options)
+    if masters:
+        make_masters(model)  # the embeddings, the head and the final norm
     fully_shard(model, mesh=mesh, **options)
     model.to(device)  # only this rank's shards move
 
@@ -144,7 +163,7 @@ class FSDP2Sharding:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         shard_layers(model, world_size, device,
-                     MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32))
+                     MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32), masters=True)
         self.model = self.module = model
         self.world_size = world_size
         # Checkpoints gather the shards where they lie, in CPU memory while offloaded, which
@@ -293,6 +312,7 @@ class OneRank(FSDP2Sharding):
     whole_parameters = True
 
     def __init__(self, model: torch.nn.Module, cfg: Config, world_size: int, device: torch.device):
+        make_masters(model)
         model.to(device)
         self.model = self.module = model
         self.world_size = 1
@@ -350,6 +370,7 @@ class DeepSpeedSharding:
             os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEEPSPEED_CPU_OPS))
         import deepspeed
 
+        make_masters(model)  # (DeepSpeed's bf16 mode copies its fp32 partitions from the module, then casts it)
         optimizer, self.scheduler = make_optimizer(model, cfg)
         self.bf16 = cfg.model.dtype == "bfloat16"
         config = {

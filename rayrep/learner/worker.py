@@ -97,9 +97,10 @@ class LearnerWorker:
     def setup(self, model_path: str, master_addr: str, master_port: int) -> None:
         """Join the data-parallel group, load and shard the policy, build the optimizer.
 
-        The weights load in fp32 whatever `model.dtype` is: they are the master weights that
-        the optimizer updates; the sharding computes in `model.dtype` (mixed precision). A
-        LoRA run's frozen base loads in `model.dtype`, its adapter's masters are fp32.
+        The weights load in the checkpoint's dtype and become fp32 as they are sharded
+        (`sharding.make_masters`): they are the master weights that the optimizer updates;
+        the sharding computes in `model.dtype` (mixed precision). A LoRA run's frozen base
+        loads in `model.dtype`, its adapter's masters are fp32.
         """
         with long_lived():
             from transformers import AutoModelForCausalLM
@@ -117,11 +118,13 @@ class LearnerWorker:
         from rayrep.models import config_overrides
 
         self.config_overrides = config_overrides(cfg, model_path)
-        # Loaded on the CPU: each rank keeps only its shard on the device (a full fp32 copy
-        # of a 7B policy would not fit beside a colocated vLLM engine). A LoRA run's base is
-        # frozen in the compute dtype: loaded in it (PEFT makes the adapter fp32 all the same).
+        # Loaded on the CPU, in the checkpoint's own dtype: each rank keeps only its shard on the
+        # device, and the sharding makes the fp32 masters of its shards as it shards each layer
+        # (an fp32 load would hold a whole fp32 copy of the policy per rank: 30.9 GB for a 7B
+        # one). A LoRA run's base is frozen in the compute dtype: loaded in it (PEFT makes the
+        # adapter fp32 all the same).
         lora = cfg.learner.lora_rank > 0
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype(cfg) if lora else torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype(cfg) if lora else "auto",
                                                      **self.config_overrides)
         model.config.use_cache = False
         if cfg.learner.gradient_checkpointing:
