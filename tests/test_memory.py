@@ -8,7 +8,8 @@ from conftest import job_here
 from rayrep.cluster.memory import (ENGINE, RunPhase, ENGINE_RUNTIME, GIB, KNOWN_SHAPES, KV_CACHE, LEARNER, MASTER_GATHERED,
                                    OPTIMIZER, PARAMETERS, RECEIVED, RESERVED_BYTES, SEND_BUFFERS, UPDATE, WEIGHTS,
                                    WHOLE_TENSOR,
-                                   DeviceLedger, MemoryLedgerError, ModelShape, check_memory, memory_plan, model_shape)
+                                   DeviceLedger, MemoryLedgerError, ModelShape, check_memory, engine_host_backup,
+                                   memory_plan, model_shape)
 from rayrep.cluster.residency import ABSENT, ALLOCATOR_CACHE, DEVICE, DROPPED, HOST, Holding, Residency, ResidencyError
 from rayrep.config import InputError, load_preset
 
@@ -72,6 +73,59 @@ def test_the_paper_presets_fit_on_80_gib_gpus_phase_by_phase(preset):
     assert described.rstrip().endswith("fits")
 
 
+MIB = 2**20
+
+
+def test_the_host_figures_are_the_pinned_blocks_torch_rounds_and_keeps_over_the_7b_shapes():
+    """vLLM's level-1 sleep (a LoRA run) backs each weight segment up in pinned host memory, and
+    a learner's optimizer offload (`non_blocking`) makes pinned copies of its moments; torch's
+    host allocator rounds each block up to a power of two and keeps it. Worked out by hand for
+    Qwen2.5-Math-7B (bf16; hidden 3584, kv 512, MLP 18944, vocabulary 152064, 28 layers)."""
+    # A sleeping engine's weights, one segment each (>= 10 MiB: rounded up to 2 MiB, then a power of two):
+    qkv = 4608 * 3584 * 2  # 31.5 MiB -> 32 MiB
+    o = 3584 * 3584 * 2  # 24.5 MiB -> 26 MiB -> 32 MiB
+    gate_up = 2 * 18944 * 3584 * 2  # 259 MiB -> 260 MiB -> 512 MiB
+    down = 18944 * 3584 * 2  # 129.5 MiB -> 130 MiB -> 256 MiB
+    embedding = 152064 * 3584 * 2  # 1039.5 MiB -> 1040 MiB -> 2 GiB, and the head the same
+    assert (qkv, o, gate_up, down, embedding) == (31.5 * MIB, 24.5 * MIB, 259 * MIB, 129.5 * MIB, 1039.5 * MIB)
+    weights = 28 * (32 + 32 + 512 + 256) * MIB + 2 * 2048 * MIB  # 27.4 GiB, for 14.2 GiB of weights
+    small = 28 * (4608 * 2 + 2 * 3584 * 2) + 3584 * 2  # biases and norms: one 2 MiB segment
+    # The rank-32 adapter slot vLLM keeps (A: 32 x in, B: out x 32 of each projection), in 1-10 MiB
+    # requests packed in 20 MiB segments (32 MiB pinned each) and smaller ones in 2 MiB segments:
+    sides = [3584, 3584, 3584, 512, 3584, 512, 3584, 3584, 3584, 18944, 3584, 18944, 18944, 3584]
+    slot = [32 * side * 2 for side in sides] * 28
+    mid, little = sum(n for n in slot if n >= MIB), sum(n for n in slot if n < MIB)
+    engine = (weights + -(-mid // (20 * MIB)) * 32 * MIB + -(-(little + small) // (2 * MIB)) * 2 * MIB
+              + GIB)  # and its runtime pools (1 GiB)
+    lora_cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{"learner.num_workers": 8, "learner.lora_rank": 32})
+    assert engine_host_backup(lora_cfg, model_shape(lora_cfg)) == engine
+    lora = memory_plan(lora_cfg)
+    learner_lora = lora.host["training"][0] / 8 - engine
+    base_shard = 2 * model_shape(lora_cfg).parameters / 8
+    assert base_shard < learner_lora < base_shard + 0.2e9  # (and the adapter's fp32 state and moments: small)
+    assert 255e9 < lora.host["training"][0] < 258e9  # where unrounded weights would count 8 x 15.2 GB
+    # A full run's learner rank (8 on a node): its fp32 shard of each parameter (rows / 8) as two pinned moments.
+    ranks = 8
+    shards = [152064 * 3584 // ranks] * 2 + [3584 // ranks] + 28 * (
+        [3584 * 3584 // ranks, 3584 // ranks, 512 * 3584 // ranks, 512 // ranks, 512 * 3584 // ranks, 512 // ranks,
+         3584 * 3584 // ranks, 18944 * 3584 // ranks, 18944 * 3584 // ranks, -(-3584 // ranks) * 18944,
+         3584 // ranks, 3584 // ranks])
+    moments = sum(2 * (1 << (4 * n - 1).bit_length()) for n in shards)
+    parameters = 4 * model_shape(load_preset("qwen2.5-math-7b-exgrpo")).parameters // ranks
+    exgrpo = memory_plan(load_preset("qwen2.5-math-7b-exgrpo"))
+    assert exgrpo.host["training"][0] == ranks * (parameters + moments + GIB)  # (a sleeping engine: its runtime)
+    assert 1.9 < moments / (2 * parameters) < 2.1  # rounded up, about twice the moments' bytes
+    assert "pinned: 14.5 GB as torch rounds them" in exgrpo.describe()
+    # The set-up: each rank loads the bf16 checkpoint (2P), makes its fp32 shards (4P / 8) a layer at a time.
+    P = model_shape(load_preset("qwen2.5-math-7b-exgrpo")).parameters
+    layer = model_shape(load_preset("qwen2.5-math-7b-exgrpo")).layer_parameters
+    assert exgrpo.host["learner set-up"][0] == ranks * (2 * P + 4 * P // ranks + 4 * layer)
+    # A node that has less than a plan needs: refused, naming the knob.
+    small_node = memory_plan(load_preset("qwen2.5-math-7b-exgrpo").replace(**{"placement.host_memory_gb": 100}))
+    assert any(p.startswith("host memory: learner set-up needs 159.8 GB per node, more than the 100 GB of "
+                            "placement.host_memory_gb") for p in small_node.problems()), small_node.problems()
+
+
 def test_the_adapter_count_matches_peft_and_lora_fits_the_rlep_setting_on_one_gpu(tiny_policy):
     """A LoRA adapter's size, as the plan counts it, is PEFT's own; and the RLEP paper setting
     with a rank-32 adapter on every projection shrinks each learner's state to the bf16 base
@@ -100,7 +154,7 @@ def test_the_adapter_count_matches_peft_and_lora_fits_the_rlep_setting_on_one_gp
     assert lora.per_gpu(lora.phase("update")) < full.per_gpu(full.phase("update")) / 3
     assert lora.phase("sync").holds(LEARNER) < full.phase("sync").holds(LEARNER) / 2
     described = lora.describe()
-    assert "engines asleep" in described and described.rstrip().endswith("fits")
+    assert "weights and adapter slot at sleep level 1" in described and described.rstrip().endswith("fits")
     # On 8 GPUs (one node, as the paper), the state each rank keeps on its GPU between turns shrinks 5x.
     eight = {"learner.num_workers": 8}
     full8 = memory_plan(load_preset("qwen2.5-math-7b-rlep").replace(**eight))

@@ -58,6 +58,7 @@ record.
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -114,8 +115,13 @@ KNOWN_SHAPES: dict[str, dict] = {
     "Qwen/Qwen2.5-Math-7B": dict(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=4096,
+        torch_dtype="bfloat16",
     ),
 }
+
+
+STORED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per weight of a checkpoint's `torch_dtype`."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,8 @@ class ModelShape:
     num_attention_heads: int
     num_key_value_heads: int
     tie_word_embeddings: bool
+    checkpoint_bytes: int = 4
+    """Bytes of one weight as the checkpoint stores them (its `torch_dtype`): what the learners load."""
 
     @classmethod
     def of(cls, config) -> "ModelShape":
@@ -139,6 +147,7 @@ class ModelShape:
             num_hidden_layers=get("num_hidden_layers"), num_attention_heads=get("num_attention_heads"),
             num_key_value_heads=get("num_key_value_heads") or get("num_attention_heads"),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            checkpoint_bytes=STORED_BYTES.get(str(get("torch_dtype") or get("dtype") or "float32").removeprefix("torch."), 4),
         )
 
     @property
@@ -172,6 +181,30 @@ class ModelShape:
     def largest_adapter_tensor(self, rank: int) -> int:
         """Elements of a LoRA adapter's largest tensor (an MLP projection's A or B)."""
         return rank * max(self.hidden_size, self.intermediate_size)
+
+    def learner_tensors(self) -> list[tuple[int, ...]]:
+        """The shapes of the parameters as transformers holds them (q, k, v, o, gate, up and down
+        apart), the tied head once."""
+        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
+        layer = [(h, h), (h,), (kv, h), (kv,), (kv, h), (kv,), (h, h), (inter, h), (inter, h), (h, inter), (h,), (h,)]
+        head = [] if self.tie_word_embeddings else [(self.vocab_size, h)]
+        return [(self.vocab_size, h), *layer * self.num_hidden_layers, (h,), *head]
+
+    def engine_tensors(self, tensor_parallel: int) -> list[int]:
+        """Elements of each weight of one tensor-parallel rank of a vLLM engine (q, k and v fused,
+        gate and up fused, the vocabulary split over the ranks)."""
+        h, kv, inter, tp = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size, tensor_parallel
+        layer = [(h + 2 * kv) // tp * h, (h + 2 * kv) // tp, h * h // tp, 2 * inter // tp * h, h * inter // tp, h, h]
+        vocab = -(-self.vocab_size // tp) * h
+        return [vocab, *layer * self.num_hidden_layers, h, *([] if self.tie_word_embeddings else [vocab])]
+
+    def adapter_tensors(self, rank: int, targets: Iterable[str]) -> list[int]:
+        """Elements of each tensor of a LoRA adapter of `rank` on the `targets` projections (A and B
+        of each, in every layer)."""
+        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
+        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                  "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        return [rank * side for t in sorted(set(targets)) if t in shapes for side in shapes[t]] * self.num_hidden_layers
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
@@ -232,6 +265,8 @@ class MemoryPlan:
     kv_cache_tokens: int
     host: dict[str, tuple[int, str]] = field(default_factory=dict)
     """Host memory per node at the moments that need most of it: bytes and what holds them."""
+    host_capacity: int = 0
+    """Host memory of one node (`placement.host_memory_gb`), in bytes; 0: not checked."""
     sync_bytes: int = 0
     """What one weight sync sends: the policy in the compute dtype, or a LoRA run's adapter."""
 
@@ -256,6 +291,10 @@ class MemoryPlan:
         if self.kv_cache_tokens < self.longest_sequence:
             found.append(f"vLLM's KV cache holds {self.kv_cache_tokens} tokens, less than one sequence of "
                          f"{self.longest_sequence}")
+        found += [f"host memory: {moment} needs {value / 1e9:.1f} GB per node, more than the "
+                  f"{self.host_capacity / 1e9:.0f} GB of placement.host_memory_gb (set it to the nodes' own; else "
+                  f"fewer learner ranks per node, placement.gpus_per_node, or LoRA, learner.lora_rank)"
+                  for moment, (value, _) in self.host.items() if self.host_capacity and value > self.host_capacity]
         return found
 
     def describe(self) -> str:
@@ -423,33 +462,100 @@ def timeline(cfg: Config, sizes: dict[str, dict[str, int]], trains: bool = True)
     )
 
 
+MIB = 2**20
+
+
+def cuda_segments(requests: Iterable[int]) -> list[int]:
+    """The segments torch's CUDA caching allocator maps for `requests` (bytes; expandable
+    segments off, as vLLM's sleep mode has them): a request of 10 MiB or more gets a segment of
+    its own rounded up to 2 MiB; those of 1 to 10 MiB share 20 MiB segments, smaller ones 2 MiB
+    segments (counted as packed full)."""
+    requests = list(requests)
+    mid = sum(n for n in requests if MIB <= n < 10 * MIB)
+    small = sum(n for n in requests if n < MIB)
+    return ([-(-n // (2 * MIB)) * 2 * MIB for n in requests if n >= 10 * MIB]
+            + [20 * MIB] * -(-mid // (20 * MIB)) + [2 * MIB] * -(-small // (2 * MIB)))
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator takes for a pinned request of `nbytes`: the next power
+    of two (`ATen/core/CachingHostAllocator.h`; `pinned_max_round_threshold_mb` of
+    `PYTORCH_ALLOC_CONF` unset, as rayrep leaves it), a block it keeps for reuse once freed."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def engine_host_backup(cfg: Config, shape: ModelShape) -> int:
+    """The pinned host memory one sleeping engine worker copies its GPU memory to, as torch's host
+    allocator rounds it (vLLM's `cumem.py`: one `torch.empty(..., pin_memory=True)` per segment), and
+    keeps once the engine wakes: its runtime pools at either sleep level (an estimate:
+    `ENGINE_RUNTIME_BYTES`) and, at level 1 (a LoRA run), each segment of its weights and of
+    its adapter slot."""
+    from rayrep.models.adapter import vllm_max_lora_rank
+
+    backup = pinned_block_bytes(ENGINE_RUNTIME_BYTES)
+    lora = cfg.learner.lora_rank
+    if lora:
+        c, tp = compute_bytes(cfg), cfg.generator.tensor_parallel_size
+        slot = shape.adapter_tensors(vllm_max_lora_rank(lora), cfg.learner.lora_target_modules)
+        requests = [n * c for n in shape.engine_tensors(tp)] + [n * c // tp for n in slot]
+        backup += sum(pinned_block_bytes(segment) for segment in cuda_segments(requests))
+    return backup
+
+
+def learner_host_state(cfg: Config, shape: ModelShape) -> tuple[int, int]:
+    """(pageable, pinned) host bytes of one learner rank's state while the engines have the GPU
+    (FSDP2): its parameter shards (and the reference's), moved with `.to()`, and its AdamW
+    moments, moved with `non_blocking=True`, which makes them pinned blocks of torch's host
+    allocator (one per moment of each shard, rounded, and kept)."""
+    learner, W, c, P = cfg.learner, cfg.learner.num_workers, compute_bytes(cfg), shape.parameters
+    if learner.lora_rank:
+        trained = [(n,) for n in shape.adapter_tensors(learner.lora_rank, learner.lora_target_modules)]
+        pageable = (P * c + 4 * trained_parameters(cfg, shape)) // W
+    else:
+        trained = shape.learner_tensors()
+        pageable = 4 * P // W + (P * c // W if learner.kl.coef else 0)
+    # FSDP2 shards each tensor's first dimension in W chunks of ceil(rows / W) rows.
+    shards = [-(-rows // W) * math.prod(rest) for rows, *rest in trained]
+    return pageable, sum(2 * pinned_block_bytes(4 * n) for n in shards)
+
+
 def host_memory(cfg: Config, shape: ModelShape, trains: bool) -> dict[str, tuple[int, str]]:
-    """Host memory per node at the moments that need most of it (learner set-up, training)."""
+    """Host memory per node at the moments that need most of it (learner set-up, training),
+    pinned blocks as torch's host allocator rounds and keeps them."""
     if not trains:
         return {}
     place, W = cfg.placement, cfg.learner.num_workers
     ranks = min(W, place.gpus_per_node) if place.device == "gpu" else W
-    P, lora = shape.parameters, cfg.learner.lora_rank
-    # from_pretrained's fp32 model (a LoRA run's frozen base: in the compute dtype), and this rank's shard beside it
-    loading = (P * compute_bytes(cfg) if lora else 4 * P) * (W + 1) // W
-    # The KL's reference policy (not with LoRA): loaded the same way after, in the compute dtype.
-    reference = P * compute_bytes(cfg) if cfg.learner.kl.coef and not lora else 0
+    P, lora, c = shape.parameters, cfg.learner.lora_rank, compute_bytes(cfg)
+    # The KL's reference policy (not with LoRA): loaded whole in the compute dtype, then sharded.
+    reference = P * c if cfg.learner.kl.coef and not lora else 0
+    if lora:  # the frozen base, loaded in the compute dtype, and this rank's shard of it
+        loading, how = P * c * (W + 1) // W, f"in {cfg.model.dtype}"
+    elif cfg.learner.sharding.shards_parameters:
+        # The policy in the checkpoint's dtype, this rank's fp32 shards, and the one layer being upcast.
+        stored = shape.checkpoint_bytes
+        loading = P * stored + 4 * P // W + (4 * shape.layer_parameters if stored != 4 else 0)
+        how = f"in its checkpoint's {8 * stored}-bit weights, its fp32 shards made a layer at a time"
+    else:  # DeepSpeed: the whole policy upcast, and its fp32 partition
+        loading, how = 4 * P * (W + 1) // W, "upcast to fp32 whole"
     loading += reference * (W + 1) // W
-    host = {RunPhase.LEARNER_SET_UP: (ranks * loading, f"{ranks} learner rank(s), each loading the policy in "
-                                                 f"{cfg.model.dtype if lora else 'fp32'}"
-                                                 f"{' and its reference' if reference else ''}: "
-                                                 f"{loading / 1e9:.1f} GB")}
-    if place.mode == "colocated" and cfg.learner.sharding.state_moves:
-        state = ((P * compute_bytes(cfg) if lora else 0) + reference + 12 * trained_parameters(cfg, shape)) // W
-        host["training"] = (ranks * state, f"{ranks} learner rank(s)' parameters and optimizer state while the "
-                                           f"engines run: {state / 1e9:.1f} GB each")
-    elif place.mode == "colocated" and reference:  # DeepSpeed's state stays on the GPU; the reference leaves it
-        host["training"] = (ranks * reference, f"{ranks} learner rank(s)' reference policy while the engines run: "
-                                               f"{reference / 1e9:.1f} GB each")
-    if place.mode == "colocated" and lora:
-        weights = P * compute_bytes(cfg) // cfg.generator.tensor_parallel_size
-        host["engines asleep"] = (ranks * weights, f"{ranks} sleeping engine worker(s)' weights (LoRA: sleep "
-                                                   f"level 1 keeps them): {weights / 1e9:.1f} GB each")
+    host = {RunPhase.LEARNER_SET_UP: (ranks * loading, f"{ranks} learner rank(s), each loading the policy {how}"
+                                                       f"{' and its reference' if reference else ''}: "
+                                                       f"{loading / 1e9:.1f} GB")}
+    if not place.takes_turns:
+        return host
+    engines = engine_host_backup(cfg, shape)
+    pageable = pinned = 0
+    if cfg.learner.sharding.state_moves:
+        pageable, pinned = learner_host_state(cfg, shape)
+    elif reference:  # DeepSpeed's state stays on the GPU; the reference leaves it
+        pageable = reference
+    each = pageable + pinned + engines
+    host["training"] = (ranks * each, f"the engines' turn, {ranks} GPU(s): each learner rank's state "
+                                      f"{(pageable + pinned) / 1e9:.1f} GB (its optimizer's moments pinned: "
+                                      f"{pinned / 1e9:.1f} GB as torch rounds them) and each sleeping engine's "
+                                      f"pinned backup, which torch keeps once it wakes ({engines / 1e9:.1f} GB: its "
+                                      f"runtime{', its weights and adapter slot at sleep level 1' if lora else ''})")
     return host
 
 
@@ -478,6 +584,7 @@ def estimate(cfg: Config, shape: ModelShape, trains: bool = True, sequence: int 
         longest_sequence=sequence or cfg.data.max_prompt_tokens + gen.max_response_tokens,
         kv_cache_tokens=sizes[ENGINE][KV_CACHE] // max(1, kv_per_token),
         host=host_memory(cfg, shape, trains),
+        host_capacity=int(place.host_memory_gb * 1e9),
         sync_bytes=trained_parameters(cfg, shape) * c,
     )
 

@@ -410,6 +410,7 @@ class PlacementConfig:
     autoscaling_config: str = option("~/ray_bootstrap_config.yaml", "the autoscaler's config on the head node, where Ray's cluster launcher writes it: the node types of an autoscaler v1, which publishes none, for the plan's check")
     gpus_per_node: int = option(8, "GPUs per node of the cluster (for the plan's node count)", min=1)
     gpu_memory_gib: float = option(80.0, "memory of one GPU in GiB, for the memory plan checked before a GPU run starts (and the GPUs that placement.emulate_gpus models)", min=1.0)
+    host_memory_gb: float = option(1000.0, "host memory of one node in GB that a GPU run may use, for the memory plan's host figures (pinned blocks as torch's host allocator rounds and keeps them included), checked with the GPUs' before a GPU run starts; 1000 GB is below the 1.8-2 TB of common 8-GPU nodes", min=1.0, added=True)
     emulate_gpus: bool = option(False, "CPU runs act as a GPU run of placement.gpu_memory_gib GPUs would, for tests and for debugging a GPU run's sequence on a CPU: colocated roles take turns (vLLM's sleep and wake calls, the learners' state on and off), every operation checks where the memory it needs is, and a device-memory ledger models each GPU from the memory plan, stopping the run where a GPU would overflow or outgrow its plan; the compute stays on the CPU", added=True)
 
     @property
