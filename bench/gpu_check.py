@@ -24,13 +24,19 @@ by the ledger and the engine's stand-in holding 1/1024 of its bytes.
   second and MFU (6 x parameters x tokens / time, against the H200's 790 TFLOP/s bf16); the
   attention kernels SDPA runs under the padding mask.
 - timeline: the colocated 80 GiB timeline on one GPU. A second process stands in for the
-  engine (awake 0.85 x 80 GiB, 1 GiB asleep, 14.2 GiB of weights woken to receive) and holds
+  engine (awake 0.85 x 80 GiB, nothing asleep, 14.2 GiB of weights and its runtime woken to receive) and holds
   the rest of the GPU as ballast, so that the two share 80 GiB as a colocated pair does; the
   learner is capped to the same share. Learner set-up, engine start-up, hand-over, a real
   update, the sync through the real handle transport (every weight compared bit for bit with
   the learner's full bf16 state dict; the sender's memory after it), hand-back, a resumed
   learner's state loaded beside the awake engine, and an engine that dies during a sync,
-  replaced: `memory_reserved` and the device's use at every transition against the ledger.
+  replaced: `memory_reserved` and the device's use at every transition against the ledger,
+  whose measured peaks (the device's use, sampled before each release) it holds to the plan;
+  the pinned host memory the learner's optimizer offload takes, against the plan's.
+- host_memory: the pinned copies vLLM's level-1 sleep makes of a LoRA engine's weights (the
+  RLEP preset's 7B engine with a rank-32 adapter slot: one `torch.empty(..., pin_memory=True)`
+  per CUDA segment, as `cumem.py` makes them), against the plan's rounded figure, and what
+  torch's host allocator keeps of them once freed (as a wake frees them).
 - soak: 600 syncs of the 7B manifest in 64 MiB buckets through the handles, to a receiver
   that copies them into its weights: time per sync, the sender's memory, every sync's bytes checked.
 - handoff: the handle transport against a device copy of the same bytes; whether NCCL
@@ -68,9 +74,10 @@ except ImportError:
     sys.modules["ray"] = stand_in
 
 from rayrep.cluster.memory import (ENGINE, ENGINE_AWAKE, ENGINE_RUNTIME, GIB, LEARNER, RECEIVED,  # noqa: E402
-                                   WEIGHTS, DeviceLedger, ModelShape, RunPhase, estimate, timeline)
+                                   WEIGHTS, DeviceLedger, ModelShape, RunPhase, engine_weight_segments, estimate,
+                                   learner_host_state, model_shape, pinned_block_bytes, timeline)
 from rayrep.cluster.placement import free_port  # noqa: E402
-from rayrep.cluster.residency import Holding  # noqa: E402
+from rayrep.cluster.residency import Holding, device_use  # noqa: E402
 from rayrep.config import load_preset  # noqa: E402
 from rayrep.sync.collective import TensorSpec, WeightManifest  # noqa: E402
 from rayrep.sync.transport import TRANSPORTS, PeerDied  # noqa: E402
@@ -84,7 +91,7 @@ SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_attenti
              tie_word_embeddings=True)
 H200_BF16_FLOPS = 790e12
 """The H200's bf16 peak as measured on the lent machine (dense matmul)."""
-SECTIONS = ("order", "learner_memory", "timeline", "soak", "handoff", "logprobs", "generation")
+SECTIONS = ("order", "learner_memory", "timeline", "host_memory", "soak", "handoff", "logprobs", "generation")
 
 
 def synchronize(device: torch.device) -> None:
@@ -410,7 +417,9 @@ class Engine:
             self.process.kill()
 
 
-ASLEEP = (ENGINE_RUNTIME,)
+ASLEEP: tuple[str, ...] = ()
+"""What a sleeping engine holds on its GPU: nothing the plan counts (vLLM copies its runtime
+pools to host memory at every sleep)."""
 
 
 def engine_holding(parts: tuple[str, ...], sizes: dict[str, int], extra: dict[str, int] | None = None) -> Holding:
@@ -462,10 +471,14 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
             "ledger_learner_gib": gib(learner.peak), "learner_parts": {k: gib(v) for k, v in learner.at_peak.items()},
             "learner_reserved_gib": gib(learner.measured_reserved), "learner_peak_reserved_gib": gib(learner.measured_peak),
             "device_used_gib": gib(None if used is None else used - ballast),
+            "ledger_measured_gib": gib(ledger.observations[-1].measured.get(0)),
+            "plan_gib": gib(own.per_gpu(own.phase(phase))),
         })
 
     engine = None
     worker = start_learner(cfg, model_dir)
+    if gpu:  # the device as the 80 GiB GPU the plan has: the stand-in's ballast is not the run's
+        worker.residency.measure = lambda: device_use(device) - ballast
     try:
         transition(RunPhase.LEARNER_SET_UP, worker)
         engine = Engine(device, ballast, sizes, scale)
@@ -496,6 +509,7 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
             return received
 
         for cycle in range(2):
+            worker.residency.sample_device()  # the generate phase's peak, as an engine samples it before it sleeps
             engine.ask("hold", ASLEEP)  # hand-over: the engine sleeps first
             engine_now[0] = ASLEEP
             transition(RunPhase.GENERATE, worker)
@@ -504,6 +518,9 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
             worker.update(batch, loss)
             transition(RunPhase.UPDATE, worker)
             worker.offload(parameters=False)
+            if gpu and cycle == 0:  # AdamW's moments, moved with non_blocking: pinned blocks of torch's host allocator
+                figures["host_pinned_after_offload_gb"] = torch.cuda.host_memory_stats()["allocated_bytes.current"] / 1e9
+                figures["host_pinned_planned_gb"] = learner_host_state(cfg, ModelShape.of(config))[1] / 1e9
             transition(RunPhase.UPDATE, worker)
             if cycle == 0:
                 received = sync()
@@ -550,6 +567,29 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
             engine.stop()
         if gpu:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return figures
+
+
+# ---------------------------------------------------------------------------- host memory
+
+
+def host_memory_check(gpu: bool) -> dict:
+    """Pinned host memory as torch's host allocator takes it, against the plan (see the docstring)."""
+    cfg = load_preset("qwen2.5-math-7b-rlep").replace(**{"learner.lora_rank": 32})
+    segments = engine_weight_segments(cfg, model_shape(cfg))
+    figures = {"segments": len(segments), "unrounded_gb": sum(segments) / 1e9,
+               "planned_gb": sum(pinned_block_bytes(n) for n in segments) / 1e9}
+    if not gpu:
+        return {**figures, "measured": "no CUDA: nothing is pinned on a CPU"}
+    stat = "allocated_bytes.current"
+    before = torch.cuda.host_memory_stats().get(stat, 0)
+    start = time.perf_counter()
+    backups = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in segments]
+    figures["pin_seconds"] = time.perf_counter() - start
+    figures["measured_gb"] = (torch.cuda.host_memory_stats()[stat] - before) / 1e9
+    del backups
+    figures["kept_after_free_gb"] = (torch.cuda.host_memory_stats()[stat] - before) / 1e9
+    figures["measured_over_planned"] = figures["measured_gb"] / figures["planned_gb"]
     return figures
 
 
@@ -823,7 +863,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     shape = WIDE if gpu else SMALL
     environment = {"device": torch.cuda.get_device_name(0) if gpu else "CPU", "torch": torch.__version__,
-                   "cuda": torch.version.cuda, "shape": shape, "sections": args.sections}
+                   "cuda": torch.version.cuda, "shape": shape, "sections": args.sections,
+                   # 2.29.7 or later: an engine with generator.batch_invariant can unpin its NCCL settings for
+                   # the weight group (rayrep.generator.vllm_internals.shared_nccl_environment)
+                   "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None}
     (out / "environment.json").write_text(json.dumps(environment, indent=2))
     print(f"device: {environment['device']}; torch {torch.__version__}; out {out}/", flush=True)
     scale = ({"rlep_prompt": 1024, "rlep_longest": 4096, "exgrpo_prompt": 1024, "exgrpo_longest": 9216,
@@ -842,6 +885,7 @@ def main() -> None:
             "order": lambda: order_check(dirs[2], configs[2], device),
             "learner_memory": lambda: learner_memory_check(dirs, configs, device, scale),
             "timeline": lambda: timeline_check(dirs[2], configs[2], device, 1.0 if gpu else 2**-10),
+            "host_memory": lambda: host_memory_check(gpu),
             "soak": lambda: soak_check(device, seven_b_manifest(shape, 28 if gpu else 2, 64 if gpu else 0.01),
                                        args.soak_syncs or (600 if gpu else 20)),
             "handoff": lambda: handoff_check(device, (2 * GIB) if gpu else 8 * 2**20, (256 if gpu else 1) * 2**20,

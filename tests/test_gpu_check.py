@@ -21,8 +21,8 @@ def test_gpu_check_runs_on_cpu_at_small_sizes_and_writes_each_section(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
-    assert set(figures) == {"environment", "order", "learner_memory", "timeline", "soak", "handoff", "logprobs",
-                            "generation"}
+    assert set(figures) == {"environment", "order", "learner_memory", "timeline", "host_memory", "soak", "handoff",
+                            "logprobs", "generation"}
     for name, section in figures.items():
         assert "error" not in section, (name, section.get("traceback"))
     assert figures["environment"]["device"] == "CPU"
@@ -47,6 +47,9 @@ def test_gpu_check_runs_on_cpu_at_small_sizes_and_writes_each_section(tmp_path):
     phases = [row["phase"] for row in timeline["transitions"]]
     assert {"learner set-up", "engine start-up", "hand-over", "update", "sync", "resume", "replacement"} <= set(phases)
     assert not timeline["ledger_breaches"]
+    # A LoRA engine's pinned backups as the plan counts them: each CUDA segment rounded up to a power of two.
+    host = figures["host_memory"]
+    assert host["segments"] > 28 * 4 and 1.8 < host["planned_gb"] / host["unrounded_gb"] < 2.0
     soak = figures["soak"]
     assert soak["syncs"] == 20 and soak["wrong_syncs"] == 0 and soak["buckets"] > 2
     handoff = figures["handoff"]

@@ -29,7 +29,9 @@ from rayrep.types import Answer, Group, Rollout, RolloutPart, answer_arrays
 RECORDED = Path(__file__).parent / "recorded_metrics"
 """Each short run's metrics as the code before the rollouts' redesign (issue 44) wrote them,
 on a 2-core CPU machine (`buffer_bytes` since grown by the 8 bytes each stored answer's row
-now holds: its question's number and its advantage); answer-level replay's as the code that
+now holds: its question's number and its advantage; the per-GPU figures of the learners' turn,
+`memory_hand_over_gib` and `memory_update_gib`, since down by the 1 GiB of engine runtime that a
+sleeping engine keeps in host memory, not on its GPU); answer-level replay's as the code that
 brought it wrote them. `RAYREP_RECORD_METRICS=1` writes them again, and the machine and kernels
 they were written with (`RECORDED_ON`: written with the RLEP, ExGRPO and RLEP-with-LoRA runs'
 figures, which came out the same to the last digit)."""

@@ -490,16 +490,18 @@ def engine_host_backup(cfg: Config, shape: ModelShape) -> int:
     keeps once the engine wakes: its runtime pools at either sleep level (an estimate:
     `ENGINE_RUNTIME_BYTES`) and, at level 1 (a LoRA run), each segment of its weights and of
     its adapter slot."""
+    weights = engine_weight_segments(cfg, shape) if cfg.learner.lora_rank else []
+    return pinned_block_bytes(ENGINE_RUNTIME_BYTES) + sum(pinned_block_bytes(segment) for segment in weights)
+
+
+def engine_weight_segments(cfg: Config, shape: ModelShape) -> list[int]:
+    """The CUDA segments (bytes) of one engine worker's weights and, in a LoRA run, its adapter
+    slot: what vLLM's level-1 sleep copies to host memory, one pinned block each."""
     from rayrep.models.adapter import vllm_max_lora_rank
 
-    backup = pinned_block_bytes(ENGINE_RUNTIME_BYTES)
-    lora = cfg.learner.lora_rank
-    if lora:
-        c, tp = compute_bytes(cfg), cfg.generator.tensor_parallel_size
-        slot = shape.adapter_tensors(vllm_max_lora_rank(lora), cfg.learner.lora_target_modules)
-        requests = [n * c for n in shape.engine_tensors(tp)] + [n * c // tp for n in slot]
-        backup += sum(pinned_block_bytes(segment) for segment in cuda_segments(requests))
-    return backup
+    c, tp, lora = compute_bytes(cfg), cfg.generator.tensor_parallel_size, cfg.learner.lora_rank
+    slot = shape.adapter_tensors(vllm_max_lora_rank(lora), cfg.learner.lora_target_modules) if lora else []
+    return cuda_segments([n * c for n in shape.engine_tensors(tp)] + [n * c // tp for n in slot])
 
 
 def learner_host_state(cfg: Config, shape: ModelShape) -> tuple[int, int]:
