@@ -329,7 +329,8 @@ def test_the_devices_measured_use_over_the_plan_is_a_breach_like_the_models():
     lenient.observe(RunPhase.GENERATE, [engine, learner])
     lenient.observe(RunPhase.GENERATE, [engine, learner])
     assert len(logged) == 1 and logged[0].startswith("device-memory ledger, generate phase: GPU 0 measured 79.00 GiB")
-    assert lenient.take_figures()["memory_generate_device_gib"] == 79.0
+    figures = lenient.take_figures()  # (the step's record: the measured peak, and the breaches counted)
+    assert figures["memory_generate_device_gib"] == 79.0 and figures["memory_generate_breaches"] == 2
 
 
 class ScriptedDevice:

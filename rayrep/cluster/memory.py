@@ -724,6 +724,7 @@ class DeviceLedger:
             message = f"device-memory ledger, {phase} phase: " + "; ".join(text for _, text in breaches)
             if self.strict:
                 raise MemoryLedgerError(message)
+            self.figures[f"{name}_breaches"] = self.figures.get(f"{name}_breaches", 0) + len(breaches)
             for who, text in breaches:
                 if (phase, who) not in self._logged:
                     self._logged.add((phase, who))
@@ -735,7 +736,7 @@ class DeviceLedger:
 
     def take_figures(self) -> dict[str, float]:
         """The most each phase held on a GPU and in a learner rank since the last call (GiB;
-        GPU runs: torch's figures beside them)."""
+        GPU runs: the measured figures beside them), and the breaches logged (a count)."""
         figures, self.figures = self.figures, {}
         return figures
 
