@@ -519,7 +519,7 @@ def timeline_check(model_dir: str, config, device: torch.device, scale: float) -
             transition(RunPhase.UPDATE, worker)
             worker.offload(parameters=False)
             if gpu and cycle == 0:  # AdamW's moments, moved with non_blocking: pinned blocks of torch's host allocator
-                figures["host_pinned_after_offload_gb"] = torch.cuda.host_memory_stats()["allocated_bytes.current"] / 1e9
+                figures["host_pinned_after_offload_gb"] = pinned_host_bytes() / 1e9
                 figures["host_pinned_planned_gb"] = learner_host_state(cfg, ModelShape.of(config))[1] / 1e9
             transition(RunPhase.UPDATE, worker)
             if cycle == 0:
@@ -581,16 +581,22 @@ def host_memory_check(gpu: bool) -> dict:
                "planned_gb": sum(pinned_block_bytes(n) for n in segments) / 1e9}
     if not gpu:
         return {**figures, "measured": "no CUDA: nothing is pinned on a CPU"}
-    stat = "allocated_bytes.current"
-    before = torch.cuda.host_memory_stats().get(stat, 0)
+    before = pinned_host_bytes()
     start = time.perf_counter()
     backups = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in segments]
     figures["pin_seconds"] = time.perf_counter() - start
-    figures["measured_gb"] = (torch.cuda.host_memory_stats()[stat] - before) / 1e9
+    figures["measured_gb"] = (pinned_host_bytes() - before) / 1e9
+    figures["host_memory_stats"] = {k: v for k, v in torch.cuda.host_memory_stats().items() if "bytes" in k}
     del backups
-    figures["kept_after_free_gb"] = (torch.cuda.host_memory_stats()[stat] - before) / 1e9
+    figures["kept_after_free_gb"] = (pinned_host_bytes() - before) / 1e9
     figures["measured_over_planned"] = figures["measured_gb"] / figures["planned_gb"]
     return figures
+
+
+def pinned_host_bytes() -> int:
+    """The bytes of pinned blocks torch's host allocator owns (in use and cached), as it rounds them."""
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("allocated_bytes.current", stats.get("reserved_bytes.current", 0))
 
 
 # ---------------------------------------------------------------------------- soak
