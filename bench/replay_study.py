@@ -52,8 +52,17 @@ the baseline with a LoRA adapter instead of full fine-tuning: `baseline-lora8`,
 tool (`--preset tiny-cpu-tool`), `baseline-notool`, the baseline without it (docs/tools.md).
 
 Every arm is also measured in compute: its mean curve against the tokens it generated and
-the seconds its steps took, and the generated tokens and steps each seed needs to reach the
-baseline's mean peak (`compute` in study.json, the second table).
+the seconds its steps took, and, at three targets (`targets` in study.json: the baseline's
+mean final and mean peak, and the highest level every seed of every arm reaches), the tokens
+and seconds each seed spent until it first reached it and, paired by seed, its tokens over
+its own baseline's (`compute` in study.json, the second table; the plot `study-tokens.png`,
+the baselines at 16, 32, 64 and 96 fresh questions a step drawn as the reference frontier).
+The arms where replay replaces generation: `baseline-16` (the baseline on 16 fresh questions
+a step), `exgrpo-paper-16` (ExGRPO with the paper's weights on 16 fresh + 48 replayed;
+`exgrpo-paper-sigma` is 32 + 32), `prioritized-32` (answer-level replay on 32 fresh
+questions, stored answers filling the batch to 64 questions' worth), `rlep-32` (RLEP on 32
+fresh questions), and `baseline-half-epochs2` (two passes over each batch of 32: reuse
+without a buffer, the control any replay method must beat).
 """
 
 from __future__ import annotations
@@ -70,7 +79,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rayrep.config import Config, ConfigError, parse_cli  # noqa: E402
-from rayrep.stats.study import compute_table, spent, study_table, summarize_compute, summarize_study  # noqa: E402
+from rayrep.stats.study import (compute_table, frontier_targets, spent, study_table, summarize_compute,  # noqa: E402
+                                summarize_study)
 from rayrep.plots import load_run_metrics, plot_study, plot_study_tokens  # noqa: E402
 from rayrep.pipelines.compare import check_finished_run, run_stage  # noqa: E402
 from rayrep.run.evaluation import START_SECTIONS  # noqa: E402
@@ -128,8 +138,26 @@ ARMS: dict[str, dict] = {
     # A preset whose answers call a tool (tiny-cpu-tool): the same policy without it, a call
     # then answered by nothing (docs/tools.md).
     "baseline-notool": {"algorithm.name": "grpo", "tools.name": ""},
+    # Replay that replaces generation (the compute frontier): the baseline on 16 fresh
+    # questions a step (with `baseline-half` on 32, `baseline` on 64 and `baseline-96`, the
+    # frontier that more or fewer fresh questions give), and each method on fewer fresh
+    # questions, two optimizer steps a step as every arm: ExGRPO with the paper's bucket weights
+    # on 16 fresh + 48 replayed (`exgrpo-paper-sigma` is 32 + 32); answer-level replay on 32 fresh
+    # questions, stored answers filling the batch to 64 questions' worth; RLEP on 32 fresh
+    # questions with its pool; and reuse without a buffer, two passes over each batch of 32.
+    "baseline-16": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8},
+    "exgrpo-paper-16": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False,
+                        "algorithm.exgrpo.bucket_sigma": "paper", "algorithm.exgrpo.replay_ratio": 0.75},
+    "prioritized-32": {"algorithm.name": "prioritized", "algorithm.prompts_per_step": 32,
+                       "learner.mini_batch_prompts": 16, "algorithm.prioritized.replay_share": 0.5},
+    "rlep-32": {"algorithm.name": "rlep", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16},
+    "baseline-half-epochs2": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 32,
+                              "learner.mini_batch_prompts": 16, "learner.epochs": 2},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
+FRONTIER_ARMS = ("baseline-16", "baseline-half", "baseline", "baseline-96")
+"""The baseline at 16, 32, 64 and 96 fresh questions a step: drawn as the reference frontier
+of the tokens plot, which an arm above it beats at equal generation."""
 # Paired by seed, a - b, beside every arm against the baseline: what each ablation isolates.
 CONTRASTS = (
     ("exgrpo-fullfresh", "baseline-96"),  # 32 replayed questions against 32 fresh ones, on 64 fresh and one batch size
@@ -281,15 +309,17 @@ def report(out: Path, arms: list[str], seeds: list[int], preset: str, log, recor
     # What each arm spent: generated tokens and its steps' seconds up to each evaluation.
     used = {arm: [spent([r for r in load_run_metrics(run_dir) if r.get("step", 0) > 0 and "accuracy" in r], evals)
                   for run_dir, evals in zip(where[arm], curves[arm])] for arm in curves}
-    summary["compute"] = summarize_compute(used, summary["baseline_mean_peak"], found)
+    summary["targets"] = frontier_targets(used)
+    summary["compute"] = summarize_compute(used, summary["targets"], found)
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_study(curves, out / "study.png", title=f"test pass@1 on {preset}: mean +/- SE over seeds")
     tokens_plot = plot_study_tokens(summary["compute"], out / "study-tokens.png",
-                                    title=f"test pass@1 on {preset} against what the runs spent: mean +/- SE over seeds")
+                                    title=f"test pass@1 on {preset} against what the runs spent: mean +/- SE over seeds",
+                                    reference=FRONTIER_ARMS)
     (out / "study.json").write_text(json.dumps(summary, indent=2))
     log(study_table(summary))
     log("")
-    log(compute_table(summary["compute"], summary["baseline_mean_peak"]))
+    log(compute_table(summary["compute"]))
     log(f"plots: {plot}, {tokens_plot}")
     return summary
 

@@ -39,25 +39,48 @@ def plot_study(curves: dict[str, list[list[dict]]], path: str | Path, metric: st
     return save_figure(fig, path)
 
 
-def plot_study_tokens(compute: dict, path: str | Path, title: str = "") -> Path:
+def plot_study_tokens(compute: dict, path: str | Path, title: str = "", reference: tuple[str, ...] = ()) -> Path:
     """A PNG of each arm's mean curve against the tokens its seeds generated and against the
     seconds their steps took (the seeds' means at each evaluation), with a band of +/- one
-    standard error: `summarize_compute`'s curves, side by side."""
+    standard error: `summarize_compute`'s curves, side by side, and its targets as dotted
+    levels. The `reference` arms (the baseline at several batch sizes) are drawn grey, with
+    their upper envelope: the frontier that more or fewer fresh questions give, which an arm
+    above it beats at equal generation."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.4), dpi=120, sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.8), dpi=120, sharey=True)
+    targets = next(iter(compute.values()), {}).get("targets", {})
     for axis, (index, scale, label) in zip(axes, ((1, 1e6, "generated tokens (millions)"),
                                                   (2, 60.0, "minutes of training steps"))):
+        envelope: list[tuple[float, float]] = []
         for arm, row in compute.items():
             spent = [point[index] / scale for point in row["curve"]]
             means = [100 * m for *_, m, _ in row["curve"]]
             errors = [0.0 if math.isnan(se) else 100 * se for *_, se in row["curve"]]
+            if arm in reference:
+                axis.plot(spent, means, color="0.55", linestyle="--", linewidth=1, marker=".", markersize=4)
+                axis.annotate(arm, (spent[-1], means[-1]), fontsize=7, color="0.4", xytext=(3, 0),
+                              textcoords="offset points")
+                envelope += list(zip(spent, means))
+                continue
             line = axis.plot(spent, means, marker="o", markersize=3, label=f"{arm} ({row['seeds']} seeds)")[0]
             axis.fill_between(spent, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
                               color=line.get_color(), alpha=0.2)
+        if envelope:
+            frontier, best = [], -math.inf
+            for x, y in sorted(envelope):
+                best = max(best, y)
+                frontier.append((x, best))
+            axis.plot(*zip(*frontier), color="0.3", linewidth=2.5, alpha=0.35,
+                      label="the baselines' frontier (" + ", ".join(a for a in reference if a in compute) + ")")
+        for number, (name, target) in enumerate(targets.items()):
+            axis.axhline(100 * target["level"], color="0.6", linestyle=":", linewidth=0.8)
+            axis.annotate(name, (0, 100 * target["level"]), fontsize=7, color="0.45",
+                          xytext=(2, 2 if number % 2 else -9), textcoords="offset points",
+                          xycoords=("axes fraction", "data"))  # (alternately above and below: close levels)
         axis.set_xlabel(label)
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("pass@1 on the test set (%)")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     fig.suptitle(title)
     return save_figure(fig, path)
 

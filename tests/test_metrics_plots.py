@@ -454,11 +454,13 @@ def test_study_summary_of_made_up_curves():
     assert "ablation - rlep" in study_table(summary) and "+2.0, -2.0" in study_table(summary)
 
 
-def test_what_each_arm_spent_to_reach_the_baselines_peak():
+def test_what_each_arm_spent_to_reach_each_target_paired_by_seed(tmp_path):
     """`spent` adds up each run's generated tokens and step seconds to its evaluations;
-    `summarize_compute` says what each arm spent to first reach a level, and, paired by
-    seed, its tokens to its own baseline's peak over the baseline's."""
-    from rayrep.stats.study import compute_table, spent, summarize_compute
+    `frontier_targets` sets the levels (the baseline's mean final and peak, and what every
+    run reaches); `summarize_compute` says what each arm spent to first reach each, and,
+    paired by seed, its tokens over its own baseline's; an arm that never reaches one says so."""
+    from rayrep.plots import plot_study_tokens
+    from rayrep.stats.study import compute_table, frontier_targets, spent, summarize_compute
 
     def run(tokens_per_step, seconds_per_step, values):
         steps = [{"step": s, "generated_tokens": tokens_per_step, "time_step": seconds_per_step} for s in range(1, 21)]
@@ -466,18 +468,27 @@ def test_what_each_arm_spent_to_reach_the_baselines_peak():
 
     assert run(100, 2.0, [0.1, 0.2, 0.3]) == [(0, 0.0, 0.0, 0.1), (10, 1000.0, 20.0, 0.2), (20, 2000.0, 40.0, 0.3)]
     runs = {"baseline": [run(100, 2.0, [0.1, 0.2, 0.3]), run(100, 2.0, [0.1, 0.3, 0.25])],
-            "pruned": [run(80, 1.0, [0.1, 0.3, 0.3]), run(120, 1.0, [0.1, 0.2, 0.2])]}
-    compute = summarize_compute(runs, 0.3, {"baseline": [0, 1], "pruned": [0, 1]})
-    base, pruned = compute["baseline"], compute["pruned"]
-    assert base["reached"] == 2 and base["reach_tokens"] == (1500.0, pytest.approx(500.0))  # 2000 and 1000
-    assert pruned["reached"] == 1 and pruned["reach_tokens"][0] == 800 and pruned["reach_seconds"][0] == 10
-    assert pruned["tokens_per_step"][0] == pytest.approx(100.0)
-    # Paired: seed 0's baseline peaks (0.3) at 2000 tokens, the pruned run reaches 0.3 at 800;
-    # seed 1's peaks (0.3) at 1000, the pruned run never reaches it.
-    assert pruned["own_peak_tokens"] == (pytest.approx(0.4), pruned["own_peak_tokens"][1]) and pruned["own_peak_tokens_seeds"] == 1
-    assert pruned["curve"][1] == (10, 1000.0, 10.0, pytest.approx(0.25), pytest.approx(0.05))
-    table = compute_table(compute, 0.3)
-    assert "0.40 (1)" in table and "1/2" in table
+            "half": [run(50, 1.0, [0.1, 0.3, 0.3]), run(50, 1.0, [0.1, 0.2, 0.35])],
+            "stuck": [run(100, 1.0, [0.1, 0.2, 0.2]), run(100, 1.0, [0.1, 0.15, 0.2])]}
+    seeds = {arm: [0, 1] for arm in runs}
+    targets = frontier_targets(runs)
+    assert targets == {"baseline final": pytest.approx(0.275), "baseline peak": pytest.approx(0.3),
+                       "every arm": pytest.approx(0.2)}
+    compute = summarize_compute(runs, targets, seeds)
+    base, half, stuck = (compute[arm]["targets"] for arm in ("baseline", "half", "stuck"))
+    # The baseline's peak (0.3): seed 0 at 2000 tokens, seed 1 at 1000; "half" at 500 (seed 0)
+    # and 1000 (seed 1): paired, 500 / 2000 and 1000 / 1000.
+    assert base["baseline peak"]["reached"] == 2 and base["baseline peak"]["tokens"] == (1500.0, pytest.approx(500.0))
+    assert half["baseline peak"]["ratio"] == (pytest.approx(0.625), pytest.approx(0.375))
+    assert half["baseline peak"]["ratio_seeds"] == 2 and half["baseline peak"]["seconds"][0] == pytest.approx(15.0)
+    assert stuck["baseline peak"]["reached"] == 0 and stuck["baseline peak"]["ratio"] == (None, None)
+    assert stuck["every arm"]["ratio"] == (pytest.approx(1.5), pytest.approx(0.5))  # 1000 / 1000, 2000 / 1000
+    assert compute["half"]["tokens_per_step"][0] == pytest.approx(50.0)
+    assert compute["half"]["curve"][1] == (10, 500.0, 10.0, pytest.approx(0.25), pytest.approx(0.05))
+    table = compute_table(compute)
+    assert "target: baseline peak, 30.0%" in table and "0.62 +/- 0.38 (2)" in table and "not reached" in table
+    path = plot_study_tokens(compute, tmp_path / "tokens.png", reference=("baseline", "half"))
+    assert path.stat().st_size > 10_000
 
 
 def test_study_plot_is_a_png(tmp_path):

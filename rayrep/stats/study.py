@@ -144,21 +144,36 @@ def spent(steps: Sequence[dict], evals: Sequence[dict], metric: str = "test_pass
     return [(step, *totals[step], value) for step, value in series(evals, metric) if step in totals]
 
 
-def summarize_compute(runs: dict[str, list[list[tuple[int, float, float, float]]]], level: float,
+def frontier_targets(runs: dict[str, list[list[tuple[int, float, float, float]]]], baseline: str = "baseline"
+                     ) -> dict[str, float]:
+    """The levels the compute frontier is read at, over `spent` curves: the baseline's mean
+    final and mean peak over its seeds, and the highest level every seed of every arm
+    reaches (the lowest of the runs' peaks)."""
+    base = runs[baseline]
+    return {"baseline final": sum(run[-1][3] for run in base) / len(base),
+            "baseline peak": sum(max(point[3] for point in run) for run in base) / len(base),
+            "every arm": min(max(point[3] for point in run) for curves in runs.values() for run in curves)}
+
+
+def summarize_compute(runs: dict[str, list[list[tuple[int, float, float, float]]]], targets: dict[str, float],
                       seeds: dict[str, list[int]], baseline: str = "baseline") -> dict:
     """Per arm, over its seeds' `spent` curves (`runs[arm][i]`: seed `seeds[arm][i]`'s):
 
     - `curve`: at the steps every seed evaluated, (step, mean tokens, mean seconds, mean value,
       its standard error);
     - `tokens_per_step`: mean and standard error over seeds of the tokens a step generated;
-    - `reach_tokens`, `reach_seconds`: the tokens and seconds each seed spent until it first
-      reached `level` (the baseline's mean peak), mean and standard error over the seeds that
-      did (`reached`: how many);
-    - other arms than the baseline, paired by seed: `own_peak_tokens`, the tokens each seed
-      spent until it reached its own baseline's peak over the tokens that baseline spent until
-      its peak, mean and standard error over the seeds that reach it (below 1: fewer tokens)."""
+    - `targets`, for each named level of `targets` (`frontier_targets`): `reached` (how many
+      seeds first reached it at an evaluation), `tokens` and `seconds` (what they had spent
+      by then, mean and standard error over those seeds), and for other arms than the
+      baseline, paired by seed, `ratio`: the seed's tokens over its own baseline's to the same
+      level, mean and standard error over the `ratio_seeds` seeds where both reached it
+      (below 1: fewer generated tokens)."""
     summary = {}
     by_seed = {arm: dict(zip(seeds[arm], curves)) for arm, curves in runs.items()}
+
+    def first(curve, level) -> tuple[float, float] | None:
+        return next(((tokens, seconds) for _, tokens, seconds, value in curve if value >= level), None)
+
     for arm, curves in runs.items():
         shared = set.intersection(*({step for step, *_ in curve} for curve in curves))
         at = [{step: rest for step, *rest in curve} for curve in curves]
@@ -167,33 +182,29 @@ def summarize_compute(runs: dict[str, list[list[tuple[int, float, float, float]]
             values = [a[step] for a in at]
             curve.append((step, sum(v[0] for v in values) / len(values), sum(v[1] for v in values) / len(values),
                           *mean_and_se([v[2] for v in values])))
-        first = [next(((tokens, seconds) for _, tokens, seconds, value in c if value >= level), None) for c in curves]
-        reached = [f for f in first if f is not None]
         steps = [max(step for step, *_ in c) for c in curves]
-        row = summary[arm] = {
-            "curve": curve,
-            "tokens_per_step": mean_and_se([c[-1][1] / max(1, n) for c, n in zip(curves, steps)]),
-            "reached": len(reached), "seeds": len(curves),
-            "reach_tokens": mean_and_se([t for t, _ in reached]) if reached else (None, None),
-            "reach_seconds": mean_and_se([s for _, s in reached]) if reached else (None, None),
-        }
-        if arm != baseline and baseline in by_seed:
-            ratios = []
-            for seed, mine in by_seed[arm].items():
-                theirs = by_seed[baseline].get(seed)
-                if theirs is None:
-                    continue
-                _, peak_tokens, _, peak_value = max(theirs, key=lambda p: (p[3], -p[0]))
-                reach = next((tokens for _, tokens, _, value in mine if value >= peak_value), None)
-                if reach is not None and peak_tokens > 0:
-                    ratios.append(reach / peak_tokens)
-            row["own_peak_tokens"] = mean_and_se(ratios) if ratios else (None, None)
-            row["own_peak_tokens_seeds"] = len(ratios)
+        row = summary[arm] = {"curve": curve, "seeds": len(curves), "targets": {},
+                              "tokens_per_step": mean_and_se([c[-1][1] / max(1, n) for c, n in zip(curves, steps)])}
+        for name, level in targets.items():
+            reached = [f for f in (first(c, level) for c in curves) if f is not None]
+            found = row["targets"][name] = {
+                "level": level, "reached": len(reached),
+                "tokens": mean_and_se([t for t, _ in reached]) if reached else (None, None),
+                "seconds": mean_and_se([s for _, s in reached]) if reached else (None, None)}
+            if arm != baseline and baseline in by_seed:
+                ratios = []
+                for seed, mine in by_seed[arm].items():
+                    theirs = by_seed[baseline].get(seed)
+                    pair = (first(mine, level), first(theirs, level)) if theirs is not None else (None, None)
+                    if None not in pair and pair[1][0] > 0:
+                        ratios.append(pair[0][0] / pair[1][0])
+                found["ratio"] = mean_and_se(ratios) if ratios else (None, None)
+                found["ratio_seeds"] = len(ratios)
     return summary
 
 
-def compute_table(compute: dict, level: float) -> str:
-    """`summarize_compute`'s summary as a text table."""
+def compute_table(compute: dict) -> str:
+    """`summarize_compute`'s summary as a text table: a block per target."""
 
     def pm(pair, scale=1.0, digits=0) -> str:
         mean, se = pair
@@ -201,15 +212,21 @@ def compute_table(compute: dict, level: float) -> str:
             return "-"
         return f"{scale * mean:.{digits}f}" + ("" if math.isnan(se) else f" +/- {scale * se:.{digits}f}")
 
-    lines = [f"what each arm spent: generated tokens (thousands) and seconds of its steps until it first reached the "
-             f"baseline's mean peak ({100 * level:.1f}%), mean +/- SE over the seeds that did; and, paired by seed, "
-             "the tokens until its own baseline's peak over the tokens that baseline took",
-             f"{'arm':<20}{'k tokens / step':>18}{'reached':>9}{'k tokens to peak':>20}{'seconds to peak':>18}"
-             f"{'tokens / baseline':>22}"]
-    for arm, row in compute.items():
-        own = pm(row["own_peak_tokens"], 1.0, 2) + f" ({row['own_peak_tokens_seeds']})" if "own_peak_tokens" in row else "-"
-        lines.append(f"{arm:<20}{pm(row['tokens_per_step'], 1e-3, 1):>18}{row['reached']:>5}/{row['seeds']:<3}"
-                     f"{pm(row['reach_tokens'], 1e-3):>20}{pm(row['reach_seconds']):>18}{own:>22}")
+    first = next(iter(compute.values()))
+    lines = ["what each arm spent until it first reached each target: generated tokens (thousands) and seconds of its "
+             "steps, mean +/- SE over the seeds that did; and, paired by seed, its tokens over its own baseline's to "
+             "the same level (below 1: fewer), mean +/- SE over the seeds where both did",
+             f"{'arm':<24}{'k tokens / step':>18}"]
+    lines += [f"{arm:<24}{pm(row['tokens_per_step'], 1e-3, 1):>18}" for arm, row in compute.items()]
+    for name, target in first["targets"].items():
+        lines += ["", f"target: {name}, {100 * target['level']:.1f}%",
+                  f"{'arm':<24}{'reached':>9}{'k tokens':>16}{'seconds':>16}{'tokens / baseline':>24}"]
+        for arm, row in compute.items():
+            found = row["targets"][name]
+            ratio = (pm(found["ratio"], 1.0, 2) + f" ({found['ratio_seeds']})" if found.get("ratio_seeds")
+                     else "not reached" if not found["reached"] else "-") if "ratio" in found else "-"
+            lines.append(f"{arm:<24}{found['reached']:>5}/{row['seeds']:<3}{pm(found['tokens'], 1e-3):>16}"
+                         f"{pm(found['seconds']):>16}{ratio:>24}")
     return "\n".join(lines)
 
 
