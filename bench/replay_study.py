@@ -172,6 +172,13 @@ CONTRASTS = (
     ("prioritized-nodecay", "prioritized"), ("prioritized-noevict", "prioritized"),  # the decay and the eviction
     ("baseline-lora1", "baseline-lora8"),  # rank 1 against rank 8
     ("baseline-gspo", "baseline-cispo"),  # the two objectives against each other
+    # On the generation of 32 fresh questions a step, what each reuse of it adds:
+    ("rlep-32", "baseline-half"),  # RLEP's pool
+    ("prioritized-32", "baseline-half"),  # stored answers filling the batch
+    ("baseline-half-epochs2", "baseline-half"),  # a second pass over the batch, no buffer
+    ("rlep-32", "baseline-half-epochs2"),  # each replay method against the cheapest reuse
+    ("prioritized-32", "baseline-half-epochs2"),
+    ("exgrpo-paper-16", "exgrpo-paper-sigma"),  # 48 replayed questions of 64 against 32
 )
 
 
