@@ -156,9 +156,19 @@ class ModelShape:
 
     @property
     def layer_parameters(self) -> int:
-        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k and v (bias), o
-        return attention + 3 * h * self.intermediate_size + 2 * h  # gate, up, down; two norms
+        return sum(math.prod(shape) for shape in self.layer_tensors())
+
+    def layer_tensors(self) -> list[tuple[int, ...]]:
+        """The shapes of one decoder layer's parameters as transformers holds them: q (and its
+        bias), k and v (and theirs), o, gate, up, down, two norms."""
+        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
+        return [(h, h), (h,), (kv, h), (kv,), (kv, h), (kv,), (h, h), (inter, h), (inter, h), (h, inter), (h,), (h,)]
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Each projection of a layer that a LoRA adapter may target: (in, out) features."""
+        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
 
     @property
     def parameters(self) -> int:
@@ -173,10 +183,7 @@ class ModelShape:
     def adapter_parameters(self, rank: int, targets: Iterable[str]) -> int:
         """Elements of a LoRA adapter of `rank` on the `targets` projections of every layer
         (A: rank x in, B: out x rank); a name no layer has adds nothing."""
-        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
-        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-                  "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-        return self.num_hidden_layers * sum(rank * sum(shapes[t]) for t in set(targets) if t in shapes)
+        return sum(self.adapter_tensors(rank, targets))
 
     def largest_adapter_tensor(self, rank: int) -> int:
         """Elements of a LoRA adapter's largest tensor (an MLP projection's A or B)."""
@@ -185,10 +192,9 @@ class ModelShape:
     def learner_tensors(self) -> list[tuple[int, ...]]:
         """The shapes of the parameters as transformers holds them (q, k, v, o, gate, up and down
         apart), the tied head once."""
-        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
-        layer = [(h, h), (h,), (kv, h), (kv,), (kv, h), (kv,), (h, h), (inter, h), (inter, h), (h, inter), (h,), (h,)]
+        h = self.hidden_size
         head = [] if self.tie_word_embeddings else [(self.vocab_size, h)]
-        return [(self.vocab_size, h), *layer * self.num_hidden_layers, (h,), *head]
+        return [(self.vocab_size, h), *self.layer_tensors() * self.num_hidden_layers, (h,), *head]
 
     def engine_tensors(self, tensor_parallel: int) -> list[int]:
         """Elements of each weight of one tensor-parallel rank of a vLLM engine (q, k and v fused,
@@ -201,9 +207,7 @@ class ModelShape:
     def adapter_tensors(self, rank: int, targets: Iterable[str]) -> list[int]:
         """Elements of each tensor of a LoRA adapter of `rank` on the `targets` projections (A and B
         of each, in every layer)."""
-        h, kv, inter = self.hidden_size, self.num_key_value_heads * self.head_dim, self.intermediate_size
-        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-                  "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        shapes = self.projections()
         return [rank * side for t in sorted(set(targets)) if t in shapes for side in shapes[t]] * self.num_hidden_layers
 
     def kv_bytes_per_token(self, itemsize: int) -> int:

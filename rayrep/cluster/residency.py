@@ -76,8 +76,9 @@ class Residency:
         (vLLM's pools). `measure`: the device's use now, in bytes (by default on a CUDA device
         `device_use`; None: not measured)."""
         self.owner, self.role, self.device = owner, role, device
-        on_gpu = device is not None and getattr(device, "type", None) == "cuda"
-        self.measure = measure if measure is not None else (lambda: device_use(device)) if on_gpu else None
+        self.on_gpu = device is not None and getattr(device, "type", None) == "cuda"
+        """Whether the process computes on a CUDA device, whose figures are measured too."""
+        self.measure = measure if measure is not None else (lambda: device_use(device)) if self.on_gpu else None
         self.device_peak: int | None = None
         """The most `measure` gave since the last report."""
         self.where = dict(where)
@@ -143,7 +144,7 @@ class Residency:
         """The allocator's cache back to the device (torch's `empty_cache` on a GPU), the
         device's use sampled just before."""
         self.sample_device()
-        if self.device is not None and getattr(self.device, "type", None) == "cuda":
+        if self.on_gpu:
             import torch
 
             torch.cuda.synchronize(self.device)
@@ -177,7 +178,7 @@ class Residency:
         holding = Holding(self.owner, self.role, dict(self.where), self.reserved, self.peak, dict(self.at_peak))
         self.sample_device()
         holding.device_used, self.device_peak = self.device_peak, None
-        if self.device is not None and getattr(self.device, "type", None) == "cuda" and not self.engine_mapped:
+        if self.on_gpu and not self.engine_mapped:
             import torch
 
             holding.measured_reserved = torch.cuda.memory_reserved(self.device)

@@ -41,10 +41,15 @@ def nccl_environment(environ=None) -> dict[str, str]:
     """The NCCL environment of a run: every `NCCL_*` variable of the driver's environment
     (`environ`, by default this process's), over `NCCL_DEFAULTS`. Every actor starts with it,
     so that all members of a group run NCCL alike."""
+    return {**NCCL_DEFAULTS, **nccl_variables(environ)}
+
+
+def nccl_variables(environ=None) -> dict[str, str]:
+    """Every `NCCL_*` variable of `environ` (by default this process's environment), in order of name."""
     import os
 
     environ = os.environ if environ is None else environ
-    return {**NCCL_DEFAULTS, **{key: value for key, value in environ.items() if key.startswith("NCCL_")}}
+    return {key: value for key, value in sorted(environ.items()) if key.startswith("NCCL_")}
 
 
 NCCL_PROCESS_LOCAL = frozenset({"NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "NCCL_NO_CACHE",
@@ -59,11 +64,7 @@ memory), NCCL does not reconcile them across ranks, and members that differ hang
 def nccl_settings(environ=None) -> dict[str, str]:
     """The NCCL variables a communicator opened now, in this process, would run with, that
     all its members must share (`environ`: by default this process's environment)."""
-    import os
-
-    environ = os.environ if environ is None else environ
-    return {key: value for key, value in sorted(environ.items())
-            if key.startswith("NCCL_") and key not in NCCL_PROCESS_LOCAL}
+    return {key: value for key, value in nccl_variables(environ).items() if key not in NCCL_PROCESS_LOCAL}
 
 
 def agree_on_nccl(store: dist.Store, rank: int, world_size: int, settings: dict[str, str]) -> None:
