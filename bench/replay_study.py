@@ -62,7 +62,9 @@ a step), `exgrpo-paper-16` (ExGRPO with the paper's weights on 16 fresh + 48 rep
 `exgrpo-paper-sigma` is 32 + 32), `prioritized-32` (answer-level replay on 32 fresh
 questions, stored answers filling the batch to 64 questions' worth), `rlep-32` (RLEP on 32
 fresh questions), and `baseline-half-epochs2` (two passes over each batch of 32: reuse
-without a buffer, the control any replay method must beat).
+without a buffer, the control any replay method must beat); and at the baseline's
+generation, 120 steps of 32 fresh questions (evaluated every 20): `baseline-half-120`,
+`rlep-32-120` and `rlep-32-prune-120` (the generation pruner on the best of these).
 """
 
 from __future__ import annotations
@@ -153,6 +155,18 @@ ARMS: dict[str, dict] = {
     "rlep-32": {"algorithm.name": "rlep", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16},
     "baseline-half-epochs2": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 32,
                               "learner.mini_batch_prompts": 16, "learner.epochs": 2},
+    # At the baseline's generation: the arms on 32 fresh questions a step run 120 steps, so that
+    # they generate what the baseline's 60 do and an arm that is still rising at step 60 is not
+    # judged on half the budget; evaluated every 20 steps, the tokens the baseline generates
+    # between its evaluations. RLEP on 32 ended highest of the arms on 32 or fewer fresh
+    # questions at step 60, so the generation pruner goes on it (it acts from the second epoch:
+    # a question is met once in 80 steps of 32).
+    "baseline-half-120": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16,
+                          "run.steps": 120, "run.eval_every": 20},
+    "rlep-32-120": {"algorithm.name": "rlep", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16,
+                    "run.steps": 120, "run.eval_every": 20},
+    "rlep-32-prune-120": {"algorithm.name": "rlep", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16,
+                          "algorithm.prune.after": 1, "run.steps": 120, "run.eval_every": 20},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
 FRONTIER_ARMS = ("baseline-16", "baseline-half", "baseline", "baseline-96")
@@ -179,6 +193,9 @@ CONTRASTS = (
     ("rlep-32", "baseline-half-epochs2"),  # each replay method against the cheapest reuse
     ("prioritized-32", "baseline-half-epochs2"),
     ("exgrpo-paper-16", "exgrpo-paper-sigma"),  # 48 replayed questions of 64 against 32
+    # At the baseline's generation (120 steps of 32 fresh questions):
+    ("rlep-32-120", "baseline-half-120"),  # RLEP's pool
+    ("rlep-32-prune-120", "rlep-32-120"),  # the pruner on the best of them
 )
 
 

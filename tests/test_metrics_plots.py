@@ -559,6 +559,22 @@ def test_the_study_script_reports_the_finished_runs_it_finds(tmp_path):
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
+def test_every_arm_of_the_study_is_a_valid_run_and_every_contrast_names_arms(tmp_path):
+    """Each arm's settings are fields a run accepts with values it accepts on the study's
+    preset (a typo in an arm would otherwise surface only when its turn came, hours into a
+    study), and the contrasts and the frontier's reference name arms that exist."""
+    from rayrep.config import parse_cli
+    from rayrep.config.fields import get_dotted
+
+    study = load_study_script()
+    seeded = study.seed_config(parse_cli(["--preset", "tiny-cpu-hard"]), tmp_path, 0)
+    for arm, changes in study.ARMS.items():
+        cfg = study.arm_config(seeded, arm, tmp_path / "seed-0").to_dict()
+        assert all(get_dotted(cfg, name) == value for name, value in changes.items()), arm
+    named = {name for pair in study.CONTRASTS for name in pair} | set(study.FRONTIER_ARMS) | set(study.DEFAULT_ARMS)
+    assert named <= set(study.ARMS), named - set(study.ARMS)
+
+
 def test_the_study_keeps_a_record_that_stands_for_its_runs(tmp_path):
     """`--record`: a finished run's settings, evaluations and step records are copied there;
     on a machine without the run folder (a fresh clone) the record stands for the run: it is
