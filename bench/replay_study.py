@@ -56,7 +56,7 @@ the seconds its steps took, and, at three targets (`targets` in study.json: the 
 mean final and mean peak, and the highest level every seed of every arm reaches), the tokens
 and seconds each seed spent until it first reached it and, paired by seed, its tokens over
 its own baseline's (`compute` in study.json, the second table; the plot `study-tokens.png`,
-the baselines at 16, 32, 64 and 96 fresh questions a step drawn as the reference frontier).
+the baselines at 16, 32 (60 and 120 steps), 64 and 96 fresh questions a step drawn as the reference frontier).
 The arms where replay replaces generation: `baseline-16` (the baseline on 16 fresh questions
 a step), `exgrpo-paper-16` (ExGRPO with the paper's weights on 16 fresh + 48 replayed;
 `exgrpo-paper-sigma` is 32 + 32), `prioritized-32` (answer-level replay on 32 fresh
@@ -169,9 +169,9 @@ ARMS: dict[str, dict] = {
                           "algorithm.prune.after": 1, "run.steps": 120, "run.eval_every": 20},
 }
 DEFAULT_ARMS = ("baseline", "rlep", "exgrpo")
-FRONTIER_ARMS = ("baseline-16", "baseline-half", "baseline", "baseline-96")
-"""The baseline at 16, 32, 64 and 96 fresh questions a step: drawn as the reference frontier
-of the tokens plot, which an arm above it beats at equal generation."""
+FRONTIER_ARMS = ("baseline-16", "baseline-half", "baseline-half-120", "baseline", "baseline-96")
+"""The baseline at 16, 32 (60 and 120 steps), 64 and 96 fresh questions a step: drawn as the
+reference frontier of the tokens plot, which an arm above it beats at equal generation."""
 # Paired by seed, a - b, beside every arm against the baseline: what each ablation isolates.
 CONTRASTS = (
     ("exgrpo-fullfresh", "baseline-96"),  # 32 replayed questions against 32 fresh ones, on 64 fresh and one batch size

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -49,6 +50,9 @@ def plot_study_tokens(compute: dict, path: str | Path, title: str = "", referenc
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.8), dpi=120, sharey=True)
     targets = next(iter(compute.values()), {}).get("targets", {})
+    # Matplotlib's colours but its grey (C7), which is the reference arms'; one colour an arm.
+    colors = dict(zip([arm for arm in compute if arm not in reference], itertools.cycle(
+        f"C{i}" for i in (0, 1, 2, 3, 4, 5, 6, 8, 9))))
     for axis, (index, scale, label) in zip(axes, ((1, 1e6, "generated tokens (millions)"),
                                                   (2, 60.0, "minutes of training steps"))):
         envelope: list[tuple[float, float]] = []
@@ -62,9 +66,9 @@ def plot_study_tokens(compute: dict, path: str | Path, title: str = "", referenc
                               textcoords="offset points")
                 envelope += list(zip(spent, means))
                 continue
-            line = axis.plot(spent, means, marker="o", markersize=3, label=f"{arm} ({row['seeds']} seeds)")[0]
+            axis.plot(spent, means, marker="o", markersize=3, color=colors[arm], label=f"{arm} ({row['seeds']} seeds)")
             axis.fill_between(spent, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
-                              color=line.get_color(), alpha=0.2)
+                              color=colors[arm], alpha=0.2)
         if envelope:
             frontier, best = [], -math.inf
             for x, y in sorted(envelope):

@@ -452,6 +452,17 @@ def test_study_summary_of_made_up_curves():
     assert contrast["final_gain"][0] == pytest.approx(0.0) and contrast["final_gain"][1] == pytest.approx(0.02)
     assert contrast["curve_gain"][0] == pytest.approx(((0.325 - 0.31) + (0.28 - 0.28)) / 2)
     assert "ablation - rlep" in study_table(summary) and "+2.0, -2.0" in study_table(summary)
+    # An arm twice as long, evaluated every 20 steps (half the generation a step, the same in
+    # all): paired at the same share of each run, its step 20 against the baseline's step 10.
+    # Seed 0's baseline peaks at step 10 (0.30); the long arm first reaches it at its step 40,
+    # the baseline's 20 at that scale: ratio 2. At equal steps it would pair its step 20 with
+    # the baseline's 20 and have no evaluation at the baseline's step 10.
+    summary = summarize_study({"baseline": curves["baseline"][:1], "long": [curve([0.2, 0.26, 0.31], every=20)]})
+    long = summary["arms"]["long"]
+    assert long["curve_gain"][0] == pytest.approx(((0.26 + 0.31) - (0.30 + 0.28)) / 2)
+    assert long["half_gains"][0][0] == pytest.approx(0.26 - 0.30) and long["half_gains"][1][0] == pytest.approx(0.31 - 0.28)
+    assert long["own_peak_steps"] == [(20, 10)] and long["own_peak_ratio"][0] == pytest.approx(2.0)
+    assert "20/10" in study_table(summary)
 
 
 def test_what_each_arm_spent_to_reach_each_target_paired_by_seed(tmp_path):

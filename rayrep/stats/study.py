@@ -105,8 +105,11 @@ def paired_differences(runs: dict[int, list[tuple[int, float]]], others: dict[in
     seed's first step reaching the other's peak in that seed, with the step of that peak
     (`own_peak_steps`: `(step or None, peak step)`), and the mean and standard error of their
     ratio over the seeds that reach it (`own_peak_ratio`: the RLEP paper's 135 of 380 steps
-    is 0.36); empty without a shared seed."""
-    paired = [(runs[s], others[s]) for s in runs if s in others]
+    is 0.36); empty without a shared seed. A run of another length than the other's is
+    paired at the same share of each run's steps (its steps rescaled to the other's): the
+    arms that run twice the steps on half the generation a step meet the others at equal
+    generation, not at half of it."""
+    paired = [(_rescaled(runs[s], others[s]), others[s]) for s in runs if s in others]
     if not paired:
         return {}
     finals = [run[-1][1] - other[-1][1] for run, other in paired]
@@ -122,6 +125,14 @@ def paired_differences(runs: dict[int, list[tuple[int, float]]], others: dict[in
             "curve_gain": mean_and_se([_curve_mean(run, other) - _curve_mean(other, run) for run, other in paired]),
             "half_middle": middle, "half_gains": [mean_and_se(half) for half in halves],
             "own_peak_steps": own, "own_peak_ratio": mean_and_se(ratios) if ratios else (None, None)}
+
+
+def _rescaled(run: list[tuple[int, float]], other: list[tuple[int, float]]) -> list[tuple[float, float]]:
+    """`run`'s evaluations at the steps of `other`'s length: step x other's last / run's last."""
+    if run[-1][0] == other[-1][0] or run[-1][0] <= 0:
+        return run
+    scale = other[-1][0] / run[-1][0]
+    return [(step * scale, value) for step, value in run]
 
 
 def _curve_mean(run: list[tuple[int, float]], other: list[tuple[int, float]], part=lambda step: True) -> float:
@@ -268,7 +279,7 @@ def study_table(summary: dict) -> str:
                   f"{'arm':<{width}}{'seeds':>6}{'halves split at':>17}{'first half':>16}{'second half':>16}"
                   f"   {'reaches own baseline peak':<28}{'ratio':>14}"]
         for arm, row in leads.items():
-            reached = ", ".join(f"{'-' if step is None else step}/{peak}" for step, peak in row["own_peak_steps"])
+            reached = ", ".join(f"{'-' if step is None else format(step, 'g')}/{peak}" for step, peak in row["own_peak_steps"])
             lines.append(f"{arm:<{width}}{row['paired_seeds']:>6}{'step ' + format(row['half_middle'], 'g'):>17}"
                          f"{signed(row['half_gains'][0]):>16}{signed(row['half_gains'][1]):>16}   {reached:<28}"
                          f"{pm(row['own_peak_ratio'], 1.0, 2):>14}")
