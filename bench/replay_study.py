@@ -143,10 +143,11 @@ ARMS: dict[str, dict] = {
     # Replay that replaces generation (the compute frontier): the baseline on 16 fresh
     # questions a step (with `baseline-half` on 32, `baseline` on 64 and `baseline-96`, the
     # frontier that more or fewer fresh questions give), and each method on fewer fresh
-    # questions, two optimizer steps a step as every arm: ExGRPO with the paper's bucket weights
-    # on 16 fresh + 48 replayed (`exgrpo-paper-sigma` is 32 + 32); answer-level replay on 32 fresh
-    # questions, stored answers filling the batch to 64 questions' worth; RLEP on 32 fresh
-    # questions with its pool; and reuse without a buffer, two passes over each batch of 32.
+    # questions, two optimizer steps a step as every arm but the two-pass control (four):
+    # ExGRPO with the paper's bucket weights on 16 fresh + 48 replayed (`exgrpo-paper-sigma` is
+    # 32 + 32); answer-level replay on 32 fresh questions, stored answers filling the batch to
+    # 64 questions' worth; RLEP on 32 fresh questions with its pool; and reuse without a
+    # buffer, two passes over each batch of 32.
     "baseline-16": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 16, "learner.mini_batch_prompts": 8},
     "exgrpo-paper-16": {"algorithm.name": "exgrpo", "algorithm.std_normalize": False,
                         "algorithm.exgrpo.bucket_sigma": "paper", "algorithm.exgrpo.replay_ratio": 0.75},
@@ -158,9 +159,9 @@ ARMS: dict[str, dict] = {
     # At the baseline's generation: the arms on 32 fresh questions a step run 120 steps, so that
     # they generate what the baseline's 60 do and an arm that is still rising at step 60 is not
     # judged on half the budget; evaluated every 20 steps, the tokens the baseline generates
-    # between its evaluations. RLEP on 32 ended highest of the arms on 32 or fewer fresh
-    # questions at step 60, so the generation pruner goes on it (it acts from the second epoch:
-    # a question is met once in 80 steps of 32).
+    # between its evaluations. RLEP on 32 ended highest at step 60 of the arms that generate
+    # half the baseline's tokens a step, so the generation pruner goes on it (it acts from the
+    # second epoch: a question is met once in 80 steps of 32).
     "baseline-half-120": {"algorithm.name": "grpo", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16,
                           "run.steps": 120, "run.eval_every": 20},
     "rlep-32-120": {"algorithm.name": "rlep", "algorithm.prompts_per_step": 32, "learner.mini_batch_prompts": 16,

@@ -463,6 +463,11 @@ def test_study_summary_of_made_up_curves():
     assert long["half_gains"][0][0] == pytest.approx(0.26 - 0.30) and long["half_gains"][1][0] == pytest.approx(0.31 - 0.28)
     assert long["own_peak_steps"] == [(20, 10)] and long["own_peak_ratio"][0] == pytest.approx(2.0)
     assert "20/10" in study_table(summary)
+    # a length that does not divide the other's still lands its last step on the other's last
+    from rayrep.stats.study import _rescaled
+
+    assert _rescaled([(0, 0.1), (11, 0.2)], [(0, 0.1), (60, 0.3)])[-1][0] == 60
+    assert _rescaled([(0, 0.1), (10, 0.2)], [(0, 0.1)]) == [(0, 0.1), (10, 0.2)]  # nothing to rescale to
 
 
 def test_what_each_arm_spent_to_reach_each_target_paired_by_seed(tmp_path):

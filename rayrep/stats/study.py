@@ -128,11 +128,13 @@ def paired_differences(runs: dict[int, list[tuple[int, float]]], others: dict[in
 
 
 def _rescaled(run: list[tuple[int, float]], other: list[tuple[int, float]]) -> list[tuple[float, float]]:
-    """`run`'s evaluations at the steps of `other`'s length: step x other's last / run's last."""
-    if run[-1][0] == other[-1][0] or run[-1][0] <= 0:
+    """`run`'s evaluations at the steps of `other`'s length: step x other's last / run's last
+    (multiplied first, so that a step that lands on one of `other`'s lands on it exactly;
+    the evaluations that land between `other`'s are left out of the paired means)."""
+    length, other_length = run[-1][0], other[-1][0]
+    if length == other_length or length <= 0 or other_length <= 0:
         return run
-    scale = other[-1][0] / run[-1][0]
-    return [(step * scale, value) for step, value in run]
+    return [(step * other_length / length, value) for step, value in run]
 
 
 def _curve_mean(run: list[tuple[int, float]], other: list[tuple[int, float]], part=lambda step: True) -> float:
