@@ -19,7 +19,8 @@ the generators sample the next steps while the learners update), compared with l
 `generate` phase is the wait for the round's answers: what the update did not hide.
 `--vary FIELD V1 V2 ...` does the same for any config field, e.g. `--vary
 learner.micro_batch_tokens 0 2048` (each variant's share of padding in the update is
-printed too). Verification overlapping generation: `--vary generator.answer_parts 1 8`
+printed too), or for several at once, comma-separated: `--vary
+generator.num_workers,learner.num_workers 1,1 2,2`. Verification overlapping generation: `--vary generator.answer_parts 1 8`
 (`verify` is then the wait for verdicts after the last answers), or `--overlap`: a step's
 rollouts alone (no learner), scored after the last answer or part by part as the answers
 arrive, alternating. Long answers of varied lengths: `--generator.temperature 2
@@ -73,9 +74,10 @@ def measured_steps(run_dir: Path) -> list[dict]:
     return records
 
 
-def parsed(field: str, text: str):
-    """`text` as the command line reads a value of config field `field` (its own type)."""
-    value = parse_cli([f"--{field}", text])
+def parsed(field: str, text: str, cfg):
+    """`text` as the command line reads a value of config field `field` (its own type), on top
+    of `cfg` (a value may need others of cfg's to be valid)."""
+    value = parse_cli([f"--{field}", text], base=cfg.to_dict())
     for part in field.split("."):
         value = getattr(value, part)
     return value
@@ -118,10 +120,13 @@ def main(argv=None):
     if args.vary:
         if len(args.vary) < 2:
             parser.error("--vary takes a config field and at least one value")
-        field, values = args.vary[0], args.vary[1:]
+        fields, values = args.vary[0].split(","), [value.split(",") for value in args.vary[1:]]
+        if any(len(value) != len(fields) for value in values):
+            parser.error(f"--vary {args.vary[0]}: each value names {len(fields)} values, comma-separated")
         algorithm = variants[names[0]]
-        names = [f"{field.rsplit('.', 1)[-1]}={value}" for value in values]
-        variants = {name: {**algorithm, field: parsed(field, value)} for name, value in zip(names, values)}
+        names = [",".join(f"{field.rsplit('.', 1)[-1]}={v}" for field, v in zip(fields, value)) for value in values]
+        variants = {name: {**algorithm, **{field: parsed(field, v, cfg) for field, v in zip(fields, value)}}
+                    for name, value in zip(names, values)}
     if any(variants[name]["algorithm.name"] == "rlep" for name in names):
         pool_cfg = cfg.replace(**{"algorithm.rlep.collect_questions": args.steps * cfg.algorithm.prompts_per_step})
         pool = collect_pool(pool_cfg, resolve_policy(cfg), f"{cfg.logging.out_dir}/pool.parquet", log=lambda _: None)

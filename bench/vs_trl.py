@@ -10,9 +10,13 @@ rollout (AdamW at the preset's learning rate, no KL term), and the same 0/1 veri
 reward (`rayrep.verifier.math.score`). They alternate in one process, `--rounds` times
 each (this machine's speed drifts); the first step of every run is left out as warm-up.
 
-Printed: each framework's median step time, their ratio, and the same for rayrep's
-asynchronous loop (`run.max_policy_lag 1`, generator and learner on cores of their own):
-the row the frameworks users compare rayrep with would show.
+Printed: each framework's median step time and their ratio, for three settings of rayrep:
+the preset's synchronous loop (one engine, then one learner rank, each on every core); the
+same loop with one engine and one learner rank per core (`generator.num_workers` and
+`learner.num_workers` the cores, `placement.threads 1`, `pin_cores`, DeepSpeed ZeRO-2, whose
+ranks hold whole parameters and so share each question's prompt pass); and the asynchronous
+loop (`run.max_policy_lag 1`, generator and learner on cores of their own, the learner
+borrowing the generator's once its round is sampled: `placement.lend_idle_cores`).
 
 TRL runs with its defaults for everything not named above. `--trl-generation` picks how
 it generates (a row each; the ratios are against the fastest): `generate` (its default,
@@ -97,31 +101,37 @@ def main(argv=None):
     cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": out, "logging.plots": False,
                          "learner.mini_batch_prompts": cfg.algorithm.prompts_per_step, "learner.warmup_steps": 0,
                          "learner.lr_schedule": "constant"})
+    import os
+
+    cores = os.cpu_count() or 1
+    per_core = cfg.replace(**{"generator.num_workers": cores, "learner.num_workers": cores,
+                              "learner.strategy": "deepspeed", "placement.threads": 1, "placement.pin_cores": True})
     asynchronous = cfg.replace(**{"run.max_policy_lag": 1, "placement.mode": "disaggregated", "placement.threads": 1,
-                                  "placement.pin_cores": True})
+                                  "placement.pin_cores": True, "placement.lend_idle_cores": True})
 
     from rayrep.models import resolve_policy
 
     model_path = resolve_policy(cfg)
     trl_rows = {f"TRL GRPOTrainer, {generation}": generation for generation in args.trl_generation}
-    times: dict[str, list[float]] = {**{name: [] for name in trl_rows}, "rayrep GRPO": [],
-                                     "rayrep GRPO, one step ahead": []}
+    rayrep_rows = {"rayrep GRPO": cfg, "rayrep GRPO, an engine and a rank per core": per_core,
+                   "rayrep GRPO, one step ahead": asynchronous}
+    times: dict[str, list[float]] = {name: [] for name in [*trl_rows, *rayrep_rows]}
     for round_index in range(args.rounds):
         for name, generation in trl_rows.items():
             times[name] += trl_step_seconds(cfg, model_path, args.steps, f"{out}/trl-{generation}-{round_index}",
                                             generation)[1:]
-        times["rayrep GRPO"] += rayrep_step_seconds(cfg, f"sync-{round_index}")[1:]
-        times["rayrep GRPO, one step ahead"] += rayrep_step_seconds(asynchronous, f"async-{round_index}")[1:]
+        for index, (name, row_cfg) in enumerate(rayrep_rows.items()):
+            times[name] += rayrep_step_seconds(row_cfg, f"rayrep-{index}-{round_index}")[1:]
 
     # The bar is TRL's fastest setting that ran.
     trl = min(statistics.median(times[name]) for name in trl_rows)
     print(f"\n{cfg.algorithm.prompts_per_step} questions x {cfg.algorithm.group_size} answers, at most "
           f"{cfg.generator.max_response_tokens} new tokens, one optimizer step per rollout; "
           f"{args.rounds} rounds of {args.steps} steps, first step of each run left out")
-    print(f"{'':<36}{'median step':>12}{'fastest TRL / this':>20}")
+    print(f"{'':<44}{'median step':>12}{'fastest TRL / this':>20}")
     for name, seconds in times.items():
         median = statistics.median(seconds)
-        print(f"{name:<36}{median:>10.2f} s{trl / median:>20.2f}")
+        print(f"{name:<44}{median:>10.2f} s{trl / median:>20.2f}")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,12 @@ and the decoupled-PPO weights correct them."""
 import pytest
 
 from conftest import SHORT_RUN
+from test_learner_and_sync import synthetic_batch
 from rayrep.config import ConfigError
 from rayrep.rollouts import drop_stale, policy_lag_stats, rounds_ahead
 from rayrep.run.log import read_metrics
 from rayrep.train import train
-from rayrep.types import Answer, Group, Prompt, Rollout
+from rayrep.types import Answer, Group, LossSpec, Prompt, Rollout
 
 CLOCK = ("time", "tokens_per_second", "sync_seconds", "sync_gbps")
 
@@ -43,6 +44,15 @@ def test_colocated_gpus_cannot_sample_ahead(tiny_cfg):
         tiny_cfg.replace(**{"run.max_policy_lag": 1, "placement.device": "gpu", "placement.mode": "colocated"})
     with pytest.raises(ConfigError, match="max_policy_lag=1 needs generators that keep their GPUs"):
         tiny_cfg.replace(**{"run.max_policy_lag": 1, "placement.emulate_gpus": True})  # nor emulated ones
+
+
+def test_lent_cores_need_pinned_cpu_roles_that_sample_ahead(tiny_cfg):
+    pinned = {"placement.mode": "disaggregated", "placement.pin_cores": True, "placement.threads": 1}
+    tiny_cfg.replace(**pinned, **{"run.max_policy_lag": 1, "placement.lend_idle_cores": True})
+    for missing in ({"run.max_policy_lag": 0}, {"placement.pin_cores": False}):
+        with pytest.raises(ConfigError, match=r"lend_idle_cores .* needs placement.device='cpu', "
+                                              r"placement.pin_cores=true and run.max_policy_lag > 0"):
+            tiny_cfg.replace(**{**pinned, "run.max_policy_lag": 1, "placement.lend_idle_cores": True, **missing})
 
 
 def comparable(record: dict) -> dict:
@@ -81,8 +91,11 @@ def test_one_step_ahead_trains_on_answers_one_version_old(ray_cluster, tiny_cfg,
 
 def test_pinned_cores_keep_generators_and_learners_apart(ray_cluster, tiny_cfg, tiny_policy):
     """`placement.pin_cores`: generator 0 on its cores, learner 0 on the next ones (wrapping
-    around the machine's cores), as the processes themselves report."""
+    around the machine's cores), as the processes themselves report; with
+    `placement.lend_idle_cores` the learner's update also runs on an idle generator's cores,
+    and on its own again after."""
     import os
+    import time
 
     import ray
 
@@ -109,6 +122,26 @@ def test_pinned_cores_keep_generators_and_learners_apart(ray_cluster, tiny_cfg, 
         (rollouts,) = generators.gather(generators.generate([[5, 6, 7, 8]], n=2, temperature=1.0, top_p=1.0,
                                                             max_tokens=8))
         assert len(rollouts) == 2  # the bound engine samples
+
+        # `placement.lend_idle_cores`: an idle engine's offer lets the update run on its core
+        # too; a busy one's offer resolves only after the round, so the update keeps its own.
+        def cores_and_threads(actor, *_):
+            import torch
+            return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+        batch = synthetic_batch()
+        offers = generators.offer_cores()
+        ray.wait(offers, num_returns=len(offers))
+        assert ray.get(offers) == [(ray.get_runtime_context().get_node_id(), [0])]
+        lent = learners.update(batch, LossSpec(), lent_cores=offers)
+        assert lent["update_on_lent_cores"] == (1.0 if cores > 1 else 0.0)  # (one core: nothing to lend)
+        generators.workers[0].__ray_call__.remote(lambda actor: time.sleep(30))  # an engine at work
+        offers = generators.offer_cores()
+        kept = learners.update(batch, LossSpec(), lent_cores=offers)
+        assert not ray.wait(offers, timeout=0)[0]  # (still at work after the update)
+        assert kept["update_on_lent_cores"] == 0.0
+        assert "update_on_lent_cores" not in learners.update(batch, LossSpec())
+        assert ray.get(learners.workers[0].__ray_call__.remote(cores_and_threads)) == ([1 % cores], 1)
     finally:
         learners.shutdown()
         for worker in generators.workers:

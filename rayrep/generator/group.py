@@ -135,6 +135,11 @@ class GeneratorGroup:
         sampling the rounds started ahead (asynchronous rollouts) before a weight sync."""
         ray.get([w.policy_version.remote() for w in self.workers])
 
+    def offer_cores(self) -> list[ray.ObjectRef]:
+        """Each engine's offer of its cores, resolving once it has sampled all it was asked
+        (`placement.lend_idle_cores`, `rayrep.cluster.cores`)."""
+        return [w.offer_cores.remote() for w in self.workers]
+
     def generate(
         self, prompt_ids: list[list[int]], *, n: int | list[int], temperature: float, top_p: float, max_tokens: int,
         seeds: list[int] | None = None, parts: int = 1,

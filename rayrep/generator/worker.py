@@ -44,6 +44,8 @@ class GeneratorWorker:
             os.sched_setaffinity(0, cores)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         torch.set_num_threads(threads)
+        self.cores = cores
+        """The cores this engine's threads are bound to (`placement.pin_cores`), or None."""
         self.cfg = cfg
         self.version = version  # the policy version of `model_path` (a resumed run's checkpoint: its own)
         self.residency = engine_residency(cfg, worker_index)
@@ -234,6 +236,14 @@ class GeneratorWorker:
 
     def policy_version(self) -> int:
         return self.version
+
+    def offer_cores(self) -> tuple[str, list[int]]:
+        """This engine's node and bound cores, answered once it has done all it was asked before
+        (an actor runs its calls in order): a learner may run on them until the weight sync
+        (`rayrep.cluster.cores`)."""
+        from rayrep.cluster.cores import offer
+
+        return offer(self.cores)
 
     def pid(self) -> int:
         """The actor's process id; answering at all shows that the actor is alive."""

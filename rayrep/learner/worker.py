@@ -24,6 +24,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rayrep.cluster.cores import CoreLoan
 from rayrep.cluster.memory import (FORWARD_PASS, GRADIENTS, LEARNER, MASTER_GATHERED, OPTIMIZER, PARAMETERS, REFERENCE,
                                    UPDATE, WHOLE_TENSOR, memory_plan)
 from rayrep.cluster.residency import ABSENT, DEVICE, HOST, Holding, Residency
@@ -191,8 +192,10 @@ class LearnerWorker:
         """The part the reference's pass reads: its own weights, or with LoRA the policy's."""
         return REFERENCE if self.frozen_reference is not None else PARAMETERS
 
-    def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec) -> dict:
+    def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec, lent_cores: list[ray.ObjectRef] = ()) -> dict:
         """Mini-batch policy-gradient updates over `batch`; returns metric sums to merge across ranks.
+        `lent_cores`: idle generators' offers of their cores, borrowed between micro-batches
+        once every one has resolved (`rayrep.cluster.cores`; in a list, so Ray passes the refs).
         A recipe's rows are read from where the generators and buffer shards left them, and
         collated here: every rank the whole batch, so that the rows' padding, and so the
         numbers, are what one collation gives.
@@ -202,20 +205,22 @@ class LearnerWorker:
         the end: it would keep the update's peak through the weight sync that follows."""
         self._require_state("an update")
         batch = batch.collate()
-        with self.residency.working_on(UPDATE):
-            sums = self._update(batch, loss)
+        with self.residency.working_on(UPDATE), CoreLoan(lent_cores) as loan:
+            sums = self._update(batch, loss, loan)
+        if lent_cores:
+            sums.add("update_on_lent_cores", loan.borrowed_share(), 1.0)
         if self.sharding.optimizer.state and self.residency.at(OPTIMIZER) == ABSENT:
             self.residency.move(OPTIMIZER, self.residency.at(PARAMETERS))  # AdamW made it beside the parameters
         if self.cfg.placement.takes_turns:
             self.residency.release_cache()
-        return sums
+        return sums.state()
 
     def _require_state(self, operation: str) -> None:
         self.residency.require(operation, PARAMETERS)
         if self.residency.at(OPTIMIZER) != ABSENT:  # (absent until the first step makes it)
             self.residency.require(operation, OPTIMIZER)
 
-    def _update(self, batch: TrainBatch, loss: LossSpec) -> dict:
+    def _update(self, batch: TrainBatch, loss: LossSpec, loan: CoreLoan) -> MetricSums:
         learner = self.cfg.learner
         steps = mini_batches(batch.num_prompts, learner.mini_batch_prompts)
         sums = MetricSums()
@@ -251,13 +256,13 @@ class LearnerWorker:
         for epoch in range(learner.epochs):
             for index, prompts in enumerate(steps):
                 own_old = recompute_old if epoch == 0 and index == 0 and not rejects else None
-                self._step(batch, prompts, old_logprobs, own_old, loss, sums, kept_counts, ref_logprobs)
+                self._step(batch, prompts, old_logprobs, own_old, loss, sums, loan, kept_counts, ref_logprobs)
         self.sharding.scheduler.step()  # the schedule counts rollouts, not optimizer steps
-        return sums.state()
+        return sums
 
     def _step(self, batch, prompts: range, old_logprobs, recompute_now: torch.Tensor | None, loss: LossSpec,
-              sums: MetricSums, kept_counts: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None
-              ) -> None:
+              sums: MetricSums, loan: CoreLoan, kept_counts: torch.Tensor | None = None,
+              ref_logprobs: torch.Tensor | None = None) -> None:
         """One optimizer step on the questions `prompts`. `recompute_now`: the rows whose old
         log-probs are this pass's own (the first mini-batch of a rollout, before any update),
         or None; their log-probs are kept in `old_logprobs` for the later epochs.
@@ -271,6 +276,7 @@ class LearnerWorker:
         chunks = self.forward.micro_chunks(batch, shares)
         entropy_mode: Entropy = "grad" if loss.entropy_coef else "detached"
         for index, chunk in enumerate(chunks):
+            loan.take()  # (each pass on the lent cores too, once they are idle)
             run = self.forward(batch, chunk, entropy_mode)
             logp, entropy, width, dummy = run.logp, run.entropy, run.width, run.dummy
             if not dummy:  # positions the forward pass computed that hold no token
@@ -298,6 +304,7 @@ class LearnerWorker:
             if not dummy:
                 self._note_mismatch(batch, rows, old, mask, sums)
             # Gradients are averaged over ranks; the loss is already a global mean.
+            loan.take()
             self.sharding.backward(value * self.world_size, last_micro_batch=index == len(chunks) - 1)
             if not dummy:
                 sums.add_loss_metrics(metrics)
