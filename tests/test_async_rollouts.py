@@ -141,6 +141,12 @@ def test_pinned_cores_keep_generators_and_learners_apart(ray_cluster, tiny_cfg, 
         assert not ray.wait(offers, timeout=0)[0]  # (still at work after the update)
         assert kept["update_on_lent_cores"] == 0.0
         assert "update_on_lent_cores" not in learners.update(batch, LossSpec())
+
+        def fails(actor, *_):
+            raise RuntimeError("an engine that failed before it could offer")
+
+        failed = [learners.workers[0].__ray_call__.remote(fails)]  # (as a dead generator's offer resolves)
+        assert learners.update(batch, LossSpec(), lent_cores=failed)["update_on_lent_cores"] == 0.0
         assert ray.get(learners.workers[0].__ray_call__.remote(cores_and_threads)) == ([1 % cores], 1)
     finally:
         learners.shutdown()

@@ -29,6 +29,15 @@ def offer(cores: Sequence[int] | None) -> tuple[str, list[int]]:
     return ray.get_runtime_context().get_node_id(), sorted(cores or [])
 
 
+def resolved(offer_ref: ray.ObjectRef) -> tuple[str | None, list[int]]:
+    """An offer's value; a generator that died before answering lends nothing (its
+    replacement will be started on its cores)."""
+    try:
+        return ray.get(offer_ref)
+    except ray.exceptions.RayError:
+        return None, []
+
+
 class CoreLoan:
     """A learner's loan of the cores that `offers` (refs to `offer`s) name on its node,
     taken at the first `take()` after every offer has resolved, given back at `give_back()`.
@@ -57,7 +66,7 @@ class CoreLoan:
             return
         node = ray.get_runtime_context().get_node_id()
         own = os.sched_getaffinity(0)
-        lent = {core for at, cores in ray.get(self.offers) if at == node for core in cores} - own
+        lent = {core for at, cores in map(resolved, self.offers) if at == node for core in cores} - own
         self.offers = []  # looked at once: an offer that lent nothing is not asked again
         if not lent:
             return
