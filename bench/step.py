@@ -74,13 +74,17 @@ def measured_steps(run_dir: Path) -> list[dict]:
     return records
 
 
-def parsed(field: str, text: str, cfg):
-    """`text` as the command line reads a value of config field `field` (its own type), on top
-    of `cfg` (a value may need others of cfg's to be valid)."""
-    value = parse_cli([f"--{field}", text], base=cfg.to_dict())
-    for part in field.split("."):
-        value = getattr(value, part)
-    return value
+def parsed(fields: list[str], texts: list[str], cfg) -> dict:
+    """`texts` as the command line reads values of the config `fields` (each its own type),
+    together on top of `cfg` (a value may need others to be valid)."""
+    read = parse_cli([arg for field, text in zip(fields, texts) for arg in (f"--{field}", text)], base=cfg.to_dict())
+    values = {}
+    for field in fields:
+        value = read
+        for part in field.split("."):
+            value = getattr(value, part)
+        values[field] = value
+    return values
 
 
 def main(argv=None):
@@ -125,8 +129,7 @@ def main(argv=None):
             parser.error(f"--vary {args.vary[0]}: each value names {len(fields)} values, comma-separated")
         algorithm = variants[names[0]]
         names = [",".join(f"{field.rsplit('.', 1)[-1]}={v}" for field, v in zip(fields, value)) for value in values]
-        variants = {name: {**algorithm, **{field: parsed(field, v, cfg) for field, v in zip(fields, value)}}
-                    for name, value in zip(names, values)}
+        variants = {name: {**algorithm, **parsed(fields, value, cfg)} for name, value in zip(names, values)}
     if any(variants[name]["algorithm.name"] == "rlep" for name in names):
         pool_cfg = cfg.replace(**{"algorithm.rlep.collect_questions": args.steps * cfg.algorithm.prompts_per_step})
         pool = collect_pool(pool_cfg, resolve_policy(cfg), f"{cfg.logging.out_dir}/pool.parquet", log=lambda _: None)

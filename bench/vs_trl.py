@@ -25,6 +25,7 @@ transformers' `generate` with the model it trains, on all of this process's core
 set `VLLM_CPU_KVCACHE_SPACE` on CPU). rayrep generates with vLLM.
 """
 
+import os
 import statistics
 import sys
 import time
@@ -101,8 +102,6 @@ def main(argv=None):
     cfg = cfg.replace(**{"run.steps": args.steps, "run.eval_every": 0, "logging.out_dir": out, "logging.plots": False,
                          "learner.mini_batch_prompts": cfg.algorithm.prompts_per_step, "learner.warmup_steps": 0,
                          "learner.lr_schedule": "constant"})
-    import os
-
     cores = os.cpu_count() or 1
     per_core = cfg.replace(**{"generator.num_workers": cores, "learner.num_workers": cores,
                               "learner.strategy": "deepspeed", "placement.threads": 1, "placement.pin_cores": True})

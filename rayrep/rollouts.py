@@ -108,10 +108,10 @@ class Rollouts:
             self.ahead.append(self.start(step + 1 + len(self.ahead)))
 
     def idle_cores(self) -> list:
-        """Asynchronous rollouts with `placement.lend_idle_cores`: the generators' offers of
-        their cores once the rounds started ahead are sampled, for the update to borrow
-        (`rayrep.cluster.cores`); none otherwise."""
-        return self.runtime.generators.offer_cores() if self.ahead and self.cfg.placement.lend_idle_cores else []
+        """With `placement.lend_idle_cores`: the generators' offers of their cores once they
+        have sampled the rounds started ahead (at once where none is), for the update to
+        borrow (`rayrep.cluster.cores`); none otherwise."""
+        return self.runtime.generators.offer_cores() if self.cfg.placement.lend_idle_cores else []
 
     def start(self, step: int, number: int = 1, exclude: frozenset[str] = frozenset()) -> Round:
         """Round `number` of step `step`: the algorithm plans it (B questions, from the sampler

@@ -38,9 +38,31 @@ def resolved(offer_ref: ray.ObjectRef) -> tuple[str | None, list[int]]:
         return None, []
 
 
+def thread_cores() -> dict[int, set[int]]:
+    """Each thread of this process and the cores it may run on."""
+    cores = {}
+    for thread in map(int, os.listdir("/proc/self/task")):
+        try:
+            cores[thread] = os.sched_getaffinity(thread)
+        except ProcessLookupError:  # (a thread that ended meanwhile)
+            pass
+    return cores
+
+
+def bind_threads(cores: dict[int, set[int]], others: set[int]) -> None:
+    """Bind each thread of this process to its `cores`, the threads not named there to
+    `others` (torch's OpenMP threads started meanwhile)."""
+    for thread in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(thread, cores.get(thread, others))
+        except ProcessLookupError:
+            pass
+
+
 class CoreLoan:
     """A learner's loan of the cores that `offers` (refs to `offer`s) name on its node,
     taken at the first `take()` after every offer has resolved, given back at `give_back()`.
+    One learner rank per node borrows (the config allows no more with the option).
 
     `borrowed_share()` is the share of `take()` calls that found the cores lent: how much of
     the update ran on them, in the learner's own units of work."""
@@ -48,7 +70,9 @@ class CoreLoan:
     def __init__(self, offers: Sequence[ray.ObjectRef] = ()):
         self.offers = list(offers)
         self.own: set[int] | None = None
-        """The cores this process ran on before the loan (None: no loan taken)."""
+        """The cores this process's compute ran on before the loan (None: no loan taken)."""
+        self.before: dict[int, set[int]] = {}
+        """Each thread's cores before the loan (Ray's own threads may run on more)."""
         self.threads = 0
         """Its torch threads before the loan."""
         self.calls = self.borrowed_calls = 0
@@ -70,17 +94,23 @@ class CoreLoan:
         self.offers = []  # looked at once: an offer that lent nothing is not asked again
         if not lent:
             return
-        self.own, self.threads = own, torch.get_num_threads()
-        # The calling thread first: the threads torch starts for the wider count inherit its cores.
-        os.sched_setaffinity(0, own | lent)
-        torch.set_num_threads(len(own | lent))
+        before = thread_cores()
+        try:
+            # Every thread: torch's OpenMP pool may have started threads on its own cores already,
+            # and those it starts for the wider count inherit the calling thread's.
+            bind_threads({thread: cores | lent for thread, cores in before.items()}, own | lent)
+        except OSError:  # cores this process may not use (a cpuset narrower than the node): no loan
+            bind_threads(before, own)
+            return
+        self.own, self.before, self.threads = own, before, torch.get_num_threads()
+        torch.set_num_threads(self.threads + len(lent))
         self.borrowed_calls += 1
 
     def give_back(self) -> None:
         """Back to this process's own cores and threads (a no-op where nothing was taken)."""
         if self.own is not None:
             torch.set_num_threads(self.threads)
-            os.sched_setaffinity(0, self.own)
+            bind_threads(self.before, self.own)
             self.own = None
 
     def borrowed_share(self) -> float:

@@ -404,7 +404,7 @@ class PlacementConfig:
     cpus_per_bundle: int = option(1, "CPUs per learner / generator bundle (Ray's accounting); colocated roles take turns in it", min=1)
     threads: int = option(0, "torch threads of each learner and generator actor; 0: its bundle's CPUs", min=0)
     pin_cores: bool = option(False, "CPU runs: bind each generator's and learner's threads to cores of their own (generators first, then learners, by index, `threads` each), so that roles working at once (asynchronous rollouts, disaggregated) do not share cores; off: vLLM binds its threads to every core")
-    lend_idle_cores: bool = option(False, "CPU runs with pin_cores and asynchronous rollouts: a learner also runs on its node's generators' cores once their round is sampled, until its update ends (the update's numbers then depend on when, at the level of float round-off: rayrep.cluster.cores)", added=True)
+    lend_idle_cores: bool = option(False, "CPU runs with pin_cores, asynchronous rollouts and one learner rank: the learner also runs on its node's generators' cores once their round is sampled, until its update ends (the update's numbers then depend on when, at the level of float round-off: rayrep.cluster.cores)", added=True)
     cpu_node_resource: str = option("", "a custom resource that CPU nodes advertise: verifiers and replay shards go there (cluster.yaml: rayrep_cpu_node)")
     wait_timeout_s: float = option(600.0, "how long to wait for an autoscaling cluster to grow to the plan before giving up", min=1.0)
     cluster_can_grow: Literal["auto", "yes", "no"] = option("auto", "whether the cluster can add nodes; auto: when an autoscaler runs (v2 publishes its node types; v1's are read from placement.autoscaling_config)")
@@ -435,10 +435,14 @@ class PlacementConfig:
     def check(self, cfg: Config) -> None:
         if self.emulate_gpus and self.device != "cpu":
             raise ConfigError("placement.emulate_gpus is for CPU runs (placement.device='cpu'); a GPU run has its GPUs")
-        if self.lend_idle_cores and (self.device != "cpu" or not self.pin_cores or not cfg.run.max_policy_lag):
-            raise ConfigError("placement.lend_idle_cores lends the cores of generators that are done sampling ahead: "
-                              "it needs placement.device='cpu', placement.pin_cores=true and run.max_policy_lag > 0 "
-                              f"(here {self.device!r}, {str(self.pin_cores).lower()}, {cfg.run.max_policy_lag})")
+        if self.lend_idle_cores:
+            missing = [need for need, holds in (("placement.device='cpu'", self.device == "cpu"),
+                                                ("placement.pin_cores=true", self.pin_cores),
+                                                ("run.max_policy_lag > 0", cfg.run.max_policy_lag > 0),
+                                                ("learner.num_workers=1", cfg.learner.num_workers == 1)) if not holds]
+            if missing:
+                raise ConfigError("placement.lend_idle_cores lends the cores of generators done sampling ahead to "
+                                  f"the one learner rank: it needs {', '.join(missing)}")
 
 
 @dataclass

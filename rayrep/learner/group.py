@@ -60,16 +60,16 @@ class LearnerGroup:
         return sums, tokens
 
     def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec,
-               lent_cores: list[ray.ObjectRef] | None = None) -> dict[str, float]:
+               core_offers: list[ray.ObjectRef] | None = None) -> dict[str, float]:
         """Run the mini-batch updates of one rollout batch; returns merged metrics. The batch
         goes to the ranks as one object in the store, and each collates it (`collate`): a
         `BatchRecipe`, the training loop's, is small, and each rank reads the rows' arrays
         from where they are; a `TrainBatch` (tests, tools) is its own collation.
-        `lent_cores`: the generators' offers of their cores once idle, which each rank may
+        `core_offers`: the generators' offers of their cores once idle, which the rank may
         borrow (`rayrep.cluster.cores`)."""
         ref = ray.put(batch)
         merged = MetricSums()
-        for state in ray.get([w.update.remote(ref, loss, lent_cores or []) for w in self.workers]):
+        for state in ray.get([w.update.remote(ref, loss, core_offers or []) for w in self.workers]):
             merged.merge(MetricSums(state))
         metrics = merged.result()
         steps = metrics.get("optimizer_steps", 0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -192,10 +193,11 @@ class LearnerWorker:
         """The part the reference's pass reads: its own weights, or with LoRA the policy's."""
         return REFERENCE if self.frozen_reference is not None else PARAMETERS
 
-    def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec, lent_cores: list[ray.ObjectRef] = ()) -> dict:
+    def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec,
+               core_offers: Sequence[ray.ObjectRef] = ()) -> dict:
         """Mini-batch policy-gradient updates over `batch`; returns metric sums to merge across ranks.
-        `lent_cores`: idle generators' offers of their cores, borrowed between micro-batches
-        once every one has resolved (`rayrep.cluster.cores`; in a list, so Ray passes the refs).
+        `core_offers`: generators' offers of their cores once idle, borrowed between passes once
+        every one has resolved (`rayrep.cluster.cores`; in a list, so Ray passes the refs).
         A recipe's rows are read from where the generators and buffer shards left them, and
         collated here: every rank the whole batch, so that the rows' padding, and so the
         numbers, are what one collation gives.
@@ -205,9 +207,9 @@ class LearnerWorker:
         the end: it would keep the update's peak through the weight sync that follows."""
         self._require_state("an update")
         batch = batch.collate()
-        with self.residency.working_on(UPDATE), CoreLoan(lent_cores) as loan:
+        with self.residency.working_on(UPDATE), CoreLoan(core_offers) as loan:
             sums = self._update(batch, loss, loan)
-        if lent_cores:
+        if core_offers:
             sums.add("update_on_lent_cores", loan.borrowed_share(), 1.0)
         if self.sharding.optimizer.state and self.residency.at(OPTIMIZER) == ABSENT:
             self.residency.move(OPTIMIZER, self.residency.at(PARAMETERS))  # AdamW made it beside the parameters
@@ -236,6 +238,7 @@ class LearnerWorker:
             # first forward pass is the old policy, and it takes its own (no separate pass),
             # unless a rejection must know every mini-batch's kept tokens before training it.
             for prompts in steps[0 if rejects else 1:]:
+                loan.take()
                 rows, recomputed = self.forward.old_logprobs(batch, rows_per_rank(batch.prompt_index, prompts, self.world_size))
                 recompute = recompute_old[rows]
                 old_logprobs[rows[recompute]] = recomputed[recompute]
@@ -276,7 +279,7 @@ class LearnerWorker:
         chunks = self.forward.micro_chunks(batch, shares)
         entropy_mode: Entropy = "grad" if loss.entropy_coef else "detached"
         for index, chunk in enumerate(chunks):
-            loan.take()  # (each pass on the lent cores too, once they are idle)
+            loan.take()  # before each pass, forward and backward: the lent cores too, once idle
             run = self.forward(batch, chunk, entropy_mode)
             logp, entropy, width, dummy = run.logp, run.entropy, run.width, run.dummy
             if not dummy:  # positions the forward pass computed that hold no token
