@@ -47,6 +47,7 @@ from rayrep.run.layout import RunFolder
 
 from rayrep.cli import job_parser, parse_job_args
 from rayrep.config import parse_cli
+from rayrep.config.fields import get_dotted
 from rayrep.run.phases import NESTED_PHASES, PHASES
 from rayrep.run.log import read_metrics
 
@@ -78,13 +79,7 @@ def parsed(fields: list[str], texts: list[str], cfg) -> dict:
     """`texts` as the command line reads values of the config `fields` (each its own type),
     together on top of `cfg` (a value may need others to be valid)."""
     read = parse_cli([arg for field, text in zip(fields, texts) for arg in (f"--{field}", text)], base=cfg.to_dict())
-    values = {}
-    for field in fields:
-        value = read
-        for part in field.split("."):
-            value = getattr(value, part)
-        values[field] = value
-    return values
+    return {field: get_dotted(read, field) for field in fields}
 
 
 def main(argv=None):

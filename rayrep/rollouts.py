@@ -107,12 +107,6 @@ class Rollouts:
         while len(self.ahead) < rounds_ahead(self.cfg, step):
             self.ahead.append(self.start(step + 1 + len(self.ahead)))
 
-    def idle_cores(self) -> list:
-        """With `placement.lend_idle_cores`: the generators' offers of their cores once they
-        have sampled the rounds started ahead (at once where none is), for the update to
-        borrow (`rayrep.cluster.cores`); none otherwise."""
-        return self.runtime.generators.offer_cores() if self.cfg.placement.lend_idle_cores else []
-
     def start(self, step: int, number: int = 1, exclude: frozenset[str] = frozenset()) -> Round:
         """Round `number` of step `step`: the algorithm plans it (B questions, from the sampler
         and, for the replay methods, the buffer; none of `exclude`), and the generators start

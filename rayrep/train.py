@@ -38,7 +38,7 @@ def train(cfg: Config, log=print, resume: bool = False) -> RunResult:
                 rollouts.start_ahead(step)  # asynchronous rollouts sample on these weights meanwhile
                 version = runtime.version  # the policy the update starts from
                 with record.timed("update"):
-                    record.add(runtime.learners.update(step_batch.recipe, step_batch.loss, rollouts.idle_cores()))
+                    record.add(runtime.learners.update(step_batch.recipe, step_batch.loss, runtime.idle_core_offers()))
                 with record.timed("sync"):
                     record.add(runtime.sync_weights())
                     record.add(runtime.hand_over_to_generators())  # (and the step's GPU memory, where it is modelled)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -60,7 +62,7 @@ class LearnerGroup:
         return sums, tokens
 
     def update(self, batch: BatchRecipe | TrainBatch, loss: LossSpec,
-               core_offers: list[ray.ObjectRef] | None = None) -> dict[str, float]:
+               core_offers: Sequence[ray.ObjectRef] = ()) -> dict[str, float]:
         """Run the mini-batch updates of one rollout batch; returns merged metrics. The batch
         goes to the ranks as one object in the store, and each collates it (`collate`): a
         `BatchRecipe`, the training loop's, is small, and each rank reads the rows' arrays
@@ -69,7 +71,7 @@ class LearnerGroup:
         borrow (`rayrep.cluster.cores`)."""
         ref = ray.put(batch)
         merged = MetricSums()
-        for state in ray.get([w.update.remote(ref, loss, core_offers or []) for w in self.workers]):
+        for state in ray.get([w.update.remote(ref, loss, list(core_offers)) for w in self.workers]):
             merged.merge(MetricSums(state))
         metrics = merged.result()
         steps = metrics.get("optimizer_steps", 0)

@@ -191,6 +191,12 @@ class Runtime:
         state back (`rayrep.roles.turns`). Elsewhere nothing moves, and no call is made."""
         self.turns.to_learners()
 
+    def idle_core_offers(self) -> list[ray.ObjectRef]:
+        """With `placement.lend_idle_cores`: the generators' offers of their cores once they
+        have sampled the rounds started ahead (at once where none is), for the update to
+        borrow (`rayrep.cluster.cores`); none otherwise."""
+        return self.generators.offer_cores() if self.cfg.placement.lend_idle_cores else []
+
     def restore_learners(self, folder: str, shared: dict) -> None:
         """A resumed run's learner state, loaded where it lies (host memory while the engines
         hold shared GPUs)."""
