@@ -205,6 +205,41 @@ def test_shared_prompts_take_the_same_update_as_whole_rows(one_rank_update, tiny
     assert (diff > 1e-5).float().mean() < 1e-3
 
 
+def test_questions_with_no_advantage_pass_forward_only_and_the_update_is_the_same(ray_cluster, tiny_cfg,
+                                                                                  tiny_policy):
+    """Three of eight questions with every answer's advantage 0 (groups all right or all wrong):
+    with `learner.forward_only_idle_questions` they pass forward only, without a graph or a
+    backward, and the update is the one that trains them (their gradient is exactly 0), to
+    float round-off: on one rank, and on two FSDP2 ranks whose shares hold different numbers of
+    them (each rank runs as many passes of each kind: the reduce-scatters pair up). Two
+    mini-batches, so the second's old log-probs are taken for them too."""
+    batch = synthetic_batch()
+    idle = torch.isin(batch.prompt_index, torch.tensor([1, 4, 6]))
+    batch.advantages[idle] = 0.0
+    settings = {**TWO_MINI_BATCHES, "learner.micro_batch_size": 3}
+
+    def update(workers: int, forward_only: bool):
+        cfg = tiny_cfg.replace(**settings, **{"learner.forward_only_idle_questions": forward_only})
+        _, placement, learners = make_learners(cfg, tiny_policy, workers)
+        try:
+            return learners.update(batch, LossSpec()), full_state(learners)
+        finally:
+            learners.shutdown()
+            placement.remove()
+
+    (trained, s1), (skipped, s2), (two_ranks, s3) = update(1, False), update(1, True), update(2, True)
+    assert "forward_only_frac" not in trained
+    assert skipped["forward_only_frac"] == two_ranks["forward_only_frac"] == pytest.approx(idle.float().mean().item())
+    for metrics in (skipped, two_ranks):
+        assert metrics["optimizer_steps"] == trained["optimizer_steps"] == 2
+        for name in ("loss", "grad_norm", "approx_kl", "fresh_entropy", "fresh_tokens", "fresh_clip_frac"):
+            assert metrics[name] == pytest.approx(trained[name], rel=1e-4, abs=1e-6), name
+    for state in (s2, s3):
+        diff = torch.cat([(s1[name] - state[name]).abs().flatten() for name in s1])
+        assert diff.max() <= 2 * 2 * 1e-3  # Adam: an element whose gradient is round-off may move either way
+        assert (diff > 1e-5).float().mean() < 1e-3
+
+
 @pytest.mark.slow  # a torch.distributed group in processes of its own
 def test_fsdp2_reduce_scatters_every_micro_batch(tmp_path, tiny_cfg, tiny_policy):
     """After a micro-batch that is not a mini-batch's last, every parameter already holds its

@@ -39,10 +39,11 @@ NOT_RECORDED = re.compile(r"time|seconds|gbps|per_second|^padding_frac$")
 """Wall-clock figures, which no two runs share; and the share of padding, which since the
 figures were recorded counts the positions a pass runs (a shared prompt once, each answer's
 rest to its micro-batch's longest; `rayrep.learner.forward.Pass`) rather than whole rows."""
-NEW_SINCE_RECORDED = re.compile(r"^(exgrpo_replays_from_others|mismatch_)")
+NEW_SINCE_RECORDED = re.compile(r"^(exgrpo_replays_from_others|mismatch_|forward_only_frac$)")
 """Metrics the code logs now that it did not when the figures were recorded: at every ExGRPO
 step that replays, the replays other runs sampled (0 without a shared pool); at every step,
-the engines' log-probs against the learner's (`rayrep.learner.mismatch`)."""
+the engines' log-probs against the learner's (`rayrep.learner.mismatch`), and the share of the
+update's answers that passed forward only (`learner.forward_only_idle_questions`)."""
 
 
 RECORDED_ON = RECORDED / "machine.json"

@@ -334,6 +334,7 @@ class LearnerConfig:
     epochs: int = option(1, "passes over each rollout batch", min=1)
     gradient_checkpointing: bool = option(False, "keep only each layer's input for backward and recompute the rest (the paper presets: on)")
     shared_prompts: bool = option(True, "forward passes compute each prompt of a micro-batch once, its answers attending to it (a question's G answers share their prompt; the same log-probs, fewer positions); where ranks hold whole parameters (one fp32 rank, DeepSpeed), without gradient checkpointing; else every row whole")
+    forward_only_idle_questions: bool = option(True, "questions whose every answer has advantage 0 (a group all right or all wrong) pass forward only, without a graph or a backward, for the metrics alone, where the loss has no KL or entropy term: their gradient is exactly 0, so the update is the same up to float round-off")
     objective: Objective = option("ppo", "the policy-gradient objective (docs/objectives.md): ppo (the clipped token ratio), gspo (the clipped sequence ratio), cispo (the clipped ratio as a constant weight on the log-prob), sapo (a soft gate instead of a clip)", added=True)
     clip_low: float = option(0.2, "clip range below 1 (1 - eps_low) of ppo's and gspo's ratio and cispo's weight", min=0.0, max=0.999)
     clip_high: float = option(0.28, "clip range above 1 (clip-higher, 1 + eps_high) of ppo's and gspo's ratio and cispo's weight", min=0.0)

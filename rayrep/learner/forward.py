@@ -43,6 +43,14 @@ def rows_per_rank(prompt_index: torch.Tensor, prompts: range, world_size: int) -
     return ranks
 
 
+def idle_rows(batch: TrainBatch) -> torch.Tensor:
+    """[N] bool: the rows of questions whose every answer (fresh or replayed) has advantage 0,
+    a group all right or all wrong: the policy objective gives them no gradient."""
+    teaching = torch.zeros(batch.num_prompts, dtype=torch.int64).index_add_(
+        0, batch.prompt_index, (batch.advantages != 0).to(torch.int64))
+    return teaching[batch.prompt_index] == 0
+
+
 def questions_by_length(rows: torch.Tensor, prompt_index: torch.Tensor, lengths: torch.Tensor,
                         count: int) -> list[torch.Tensor]:
     """`rows` in `count` micro-batches of whole questions with near-equal numbers of rows (some
@@ -229,7 +237,7 @@ class PolicyForward:
             if not run.dummy:
                 out[position : position + len(chunk), :run.width] = run.logp.cpu()
                 position += len(chunk)
-        self._after_pass_without_graph()
+        self.after_pass_without_graph()
         return rows, out
 
     @torch.no_grad()
@@ -246,10 +254,10 @@ class PolicyForward:
             if not run.dummy:
                 mask = batch.response_mask[chunk, :run.width].to(self.device)
                 means.append(((run.entropy * mask).sum(-1) / mask.sum(-1).clamp_min(1)).cpu())
-        self._after_pass_without_graph()
+        self.after_pass_without_graph()
         return torch.cat(chunks), torch.cat(means) if means else torch.zeros(0)
 
-    def _after_pass_without_graph(self) -> None:
+    def after_pass_without_graph(self) -> None:
         """Back to training mode, and FSDP2's root sharded again: FSDP2 keeps the root's
         parameters (the embedding and the head) gathered after its forward, for the backward
         it expects; a pass without one leaves them whole on every rank, in memory and in

@@ -15,6 +15,7 @@ and how rows are split are `rayrep.learner.forward`'s.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from rayrep.cluster.memory import (FORWARD_PASS, GRADIENTS, LEARNER, MASTER_GATH
 from rayrep.cluster.residency import ABSENT, DEVICE, HOST, Holding, Residency
 from rayrep.config import Config
 from rayrep.heap import keep_freed_memory, long_lived
-from rayrep.learner.forward import Entropy, PolicyForward, mini_batches, rows_per_rank
+from rayrep.learner.forward import Entropy, PolicyForward, idle_rows, mini_batches, rows_per_rank
 from rayrep.learner.loss import kl_penalty, mini_batch_totals, policy_loss
 from rayrep.learner.mismatch import correct, correction_sums, mismatch_sums
 from rayrep.learner.reference import FrozenPolicy, Reference
@@ -276,41 +277,23 @@ class LearnerWorker:
         rows_of_all = torch.cat(shares)
         counted = batch.response_mask[rows_of_all] if kept_counts is None else kept_counts[rows_of_all]
         totals = mini_batch_totals(counted, loss.agg, self.cfg.learner.micro_batch_size)
-        chunks = self.forward.micro_chunks(batch, shares)
+        passes = self._passes(batch, shares, loss)
+        split = self._forward_only_allowed(loss)
+        last_trained = max(index for index, (_, trains) in enumerate(passes) if trains)
         entropy_mode: Entropy = "grad" if loss.entropy_coef else "detached"
-        for index, chunk in enumerate(chunks):
+        for index, (chunk, trains) in enumerate(passes):
             loan.take()  # before each pass, forward and backward: the lent cores too, once idle
-            run = self.forward(batch, chunk, entropy_mode)
-            logp, entropy, width, dummy = run.logp, run.entropy, run.width, run.dummy
-            if not dummy:  # positions the forward pass computed that hold no token
-                sums.add("padding_frac", float(run.positions - run.tokens), float(run.positions))
-            rows = chunk if not dummy else torch.zeros(1, dtype=torch.long)
-            mask = batch.response_mask[rows, :width].to(self.device)
-            if dummy:
-                mask = torch.zeros_like(mask)
-            old = old_logprobs[rows, :width].to(self.device)
-            if recompute_now is not None:
-                own = recompute_now[rows]
-                old = torch.where(own.to(self.device)[:, None], logp.detach(), old)
-                if not dummy:
-                    old_logprobs[rows[own], :width] = logp.detach()[own.to(self.device)].cpu()
-            behaviour = batch.old_logprobs[rows, :width].to(self.device) if loss.behaviour_cap is not None else None
-            trained, weights = mask, None
-            if loss.correction is not None and not dummy:
-                trained, weights = self._correct(batch, rows, old, mask, loss, sums)
-            value, metrics = policy_loss(
-                logp, old, batch.advantages[rows].to(self.device), trained, loss,
-                replay_mask=batch.replay_mask[rows].to(self.device), entropy=entropy, totals=totals,
-                behaviour_logp=behaviour, correction_weights=weights,
-                ref_logp=None if ref_logprobs is None else ref_logprobs[rows, :width].to(self.device),
-            )
-            if not dummy:
-                self._note_mismatch(batch, rows, old, mask, sums)
-            # Gradients are averaged over ranks; the loss is already a global mean.
-            loan.take()
-            self.sharding.backward(value * self.world_size, last_micro_batch=index == len(chunks) - 1)
-            if not dummy:
-                sums.add_loss_metrics(metrics)
+            with contextlib.nullcontext() if trains else torch.no_grad():
+                value = self._pass(batch, chunk, entropy_mode, old_logprobs, recompute_now, loss, sums, totals,
+                                   ref_logprobs)
+            if split and len(chunk):
+                sums.add("forward_only_frac", 0.0 if trains else float(len(chunk)), float(len(chunk)))
+            if trains:
+                # Gradients are averaged over ranks; the loss is already a global mean.
+                loan.take()
+                self.sharding.backward(value * self.world_size, last_micro_batch=index == last_trained)
+            elif passes[index + 1][1]:  # the last pass without a graph: as after any (FSDP2's root sharded)
+                self.forward.after_pass_without_graph()
             # Each micro-batch's value is its share of the mini-batch loss: they sum to it.
             sums.count("loss_sum", float(value.detach()))
         grad_norm, stepped = self.sharding.step()
@@ -319,6 +302,61 @@ class LearnerWorker:
             sums.count("skipped_steps", 0.0 if stepped else 1.0)
             sums.add("grad_norm", grad_norm, 1.0)
             sums.largest("grad_norm_max", grad_norm)
+
+    def _forward_only_allowed(self, loss: LossSpec) -> bool:
+        return self.cfg.learner.forward_only_idle_questions and not loss.kl_coef and not loss.entropy_coef
+
+    def _passes(self, batch: TrainBatch, shares: list[torch.Tensor], loss: LossSpec
+                ) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's micro-batches of a mini-batch, each with whether it trains (a graph and
+        a backward). With `learner.forward_only_idle_questions`, where the loss has no KL or
+        entropy term, a question whose every answer has advantage 0 adds exactly 0 to the
+        loss and its gradient (each objective's token loss is a product with the advantage):
+        such questions pass first, forward only, for the metrics (and the old log-probs they
+        keep), while the mini-batch's counts still hold them, so the loss is the same sum.
+        Every rank runs as many passes of each kind (`micro_chunks`)."""
+        if self._forward_only_allowed(loss):
+            idle = idle_rows(batch)
+            trained = [rows[~idle[rows]] for rows in shares]
+            if any(len(rows) for rows in trained) and any(bool(idle[rows].any()) for rows in shares):
+                untrained = self.forward.micro_chunks(batch, [rows[idle[rows]] for rows in shares])
+                return [(chunk, False) for chunk in untrained] + \
+                    [(chunk, True) for chunk in self.forward.micro_chunks(batch, trained)]
+        return [(chunk, True) for chunk in self.forward.micro_chunks(batch, shares)]
+
+    def _pass(self, batch: TrainBatch, chunk: torch.Tensor, entropy_mode: Entropy, old_logprobs: torch.Tensor,
+              recompute_now: torch.Tensor | None, loss: LossSpec, sums: MetricSums, totals, ref_logprobs
+              ) -> torch.Tensor:
+        """The forward pass of one micro-batch and its share of the mini-batch loss; its
+        metrics go to `sums`."""
+        run = self.forward(batch, chunk, entropy_mode)
+        logp, entropy, width, dummy = run.logp, run.entropy, run.width, run.dummy
+        if not dummy:  # positions the forward pass computed that hold no token
+            sums.add("padding_frac", float(run.positions - run.tokens), float(run.positions))
+        rows = chunk if not dummy else torch.zeros(1, dtype=torch.long)
+        mask = batch.response_mask[rows, :width].to(self.device)
+        if dummy:
+            mask = torch.zeros_like(mask)
+        old = old_logprobs[rows, :width].to(self.device)
+        if recompute_now is not None:
+            own = recompute_now[rows]
+            old = torch.where(own.to(self.device)[:, None], logp.detach(), old)
+            if not dummy:
+                old_logprobs[rows[own], :width] = logp.detach()[own.to(self.device)].cpu()
+        behaviour = batch.old_logprobs[rows, :width].to(self.device) if loss.behaviour_cap is not None else None
+        trained, weights = mask, None
+        if loss.correction is not None and not dummy:
+            trained, weights = self._correct(batch, rows, old, mask, loss, sums)
+        value, metrics = policy_loss(
+            logp, old, batch.advantages[rows].to(self.device), trained, loss,
+            replay_mask=batch.replay_mask[rows].to(self.device), entropy=entropy, totals=totals,
+            behaviour_logp=behaviour, correction_weights=weights,
+            ref_logp=None if ref_logprobs is None else ref_logprobs[rows, :width].to(self.device),
+        )
+        if not dummy:
+            self._note_mismatch(batch, rows, old, mask, sums)
+            sums.add_loss_metrics(metrics)
+        return value
 
     def _correct(self, batch: TrainBatch, rows: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, loss: LossSpec,
                  sums: MetricSums | None) -> tuple[torch.Tensor, torch.Tensor | None]:
