@@ -105,12 +105,13 @@ def mismatched_batch(tool_tokens=0) -> TrainBatch:
     return batch
 
 
-def one_update(cfg, tiny_policy, workers, strategy="fsdp2", loss=LossSpec(), tool_tokens=0):
-    """(metrics, full state) of `workers` ranks after one update on `synthetic_batch()`
-    (`mismatched_batch()` with a mismatch correction)."""
+def one_update(cfg, tiny_policy, workers, strategy="fsdp2", loss=LossSpec(), tool_tokens=0, batch=None):
+    """(metrics, full state) of `workers` ranks after one update on `batch`, by default
+    `synthetic_batch()` (`mismatched_batch()` with a mismatch correction)."""
     _, placement, learners = make_learners(cfg, tiny_policy, workers, strategy)
     try:
-        batch = synthetic_batch(tool_tokens=tool_tokens) if loss.correction is None else mismatched_batch(tool_tokens)
+        if batch is None:
+            batch = synthetic_batch(tool_tokens=tool_tokens) if loss.correction is None else mismatched_batch(tool_tokens)
         return learners.update(batch, loss), full_state(learners)
     finally:
         learners.shutdown()
@@ -220,12 +221,7 @@ def test_questions_with_no_advantage_pass_forward_only_and_the_update_is_the_sam
 
     def update(workers: int, forward_only: bool):
         cfg = tiny_cfg.replace(**settings, **{"learner.forward_only_idle_questions": forward_only})
-        _, placement, learners = make_learners(cfg, tiny_policy, workers)
-        try:
-            return learners.update(batch, LossSpec()), full_state(learners)
-        finally:
-            learners.shutdown()
-            placement.remove()
+        return one_update(cfg, tiny_policy, workers, batch=batch)
 
     (trained, s1), (skipped, s2), (two_ranks, s3) = update(1, False), update(1, True), update(2, True)
     assert "forward_only_frac" not in trained
